@@ -1,0 +1,45 @@
+"""gpuflow: lazy, composable GPU operations awaited under structured concurrency.
+
+Build :class:`DeviceOperation` recipes (kernels, copies, allocations joined
+with ``then``, ``zip``, ``unzip``, ``shared``), then run them with
+``op.sync()`` or ``await op`` under asyncio or Trio (through AnyIO).  The GPU
+wakes the awaiting task itself; nothing polls.
+"""
+
+from ._array import DeviceArray as DeviceArray
+from ._array import arange as arange
+from ._array import copy as copy
+from ._array import from_host as from_host
+from ._array import full as full
+from ._array import ones as ones
+from ._array import to_host as to_host
+from ._array import zeros as zeros
+from ._context import ExecutionContext as ExecutionContext
+from ._errors import CompileError as CompileError
+from ._errors import DeviceError as DeviceError
+from ._errors import DeviceFaultError as DeviceFaultError
+from ._errors import GpuflowError as GpuflowError
+from ._errors import LaunchError as LaunchError
+from ._errors import OutOfMemoryError as OutOfMemoryError
+from ._errors import UsageError as UsageError
+from ._graph import Graph as Graph
+from ._kernel import Kernel as Kernel
+from ._kernel import LaunchConfig as LaunchConfig
+from ._kernel import Module as Module
+from ._kernel import compile as compile  # noqa: A004
+from ._operation import DeviceOperation as DeviceOperation
+from ._operation import SharedOperation as SharedOperation
+from ._operation import value as value
+from ._operation import with_context as with_context
+from ._operation import zip as zip  # noqa: A004
+from ._runtime import current_backend as current_backend
+from ._runtime import current_device as current_device
+from ._runtime import init_device_contexts as init_device_contexts
+from ._runtime import reset_device as reset_device
+from ._stream import SchedulingPolicy as SchedulingPolicy
+from ._stream import SingleStream as SingleStream
+from ._stream import Stream as Stream
+from ._stream import StreamPoolRoundRobin as StreamPoolRoundRobin
+from ._stream import new_stream as new_stream
+
+__version__ = "0.1.0.dev0"

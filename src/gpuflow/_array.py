@@ -1,0 +1,405 @@
+"""Device arrays, the operations that make and move them, and their hazards.
+
+A :class:`DeviceArray` is a typed, C-contiguous view of one allocation.  The
+allocation remembers which stream last wrote it and which streams read it
+since, so an operation on another stream orders itself after them
+automatically (read-after-write, write-after-read, write-after-write) with
+an event, and work on one stream pays nothing.  When the last array of an
+allocation goes, it is freed *in stream order*, after every use that was
+enqueued: nothing the GPU still reads is freed early.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, SupportsIndex
+
+import numpy as np
+
+from ._errors import UsageError
+from ._graph import capture_log
+from ._operation import DeviceOperation, PendingHost, _as_op
+
+if TYPE_CHECKING:
+    from ._backends._base import Backend, RawBuffer
+    from ._context import ExecutionContext
+    from ._stream import Stream
+
+ShapeLike = SupportsIndex | Sequence[SupportsIndex]
+
+
+class _Allocation:
+    """One device buffer and its hazard state.  Freed in stream order on GC."""
+
+    __slots__ = ("_lock", "backend", "buffer", "generation", "readers", "synced", "writer")
+
+    def __init__(self, backend: Backend, buffer: RawBuffer, stream: Stream) -> None:
+        self.backend = backend
+        self.buffer = buffer
+        self.generation = stream._generation
+        self.writer: Stream = stream  # the allocation itself is ordered on it
+        self.synced: set[Stream] = {stream}  # streams already ordered after the last write
+        self.readers: set[Stream] = set()
+        self._lock = threading.Lock()
+
+    def before_read(self, stream: Stream) -> None:
+        log = capture_log.get()
+        if log is not None:  # captured work runs at replay: the launch orders it
+            log.setdefault(id(self), (self, False))
+            return
+        with self._lock:
+            if stream not in self.synced:
+                be = self.backend
+                be.wait_event(stream._raw, be.record_event(self.writer._raw))
+                self.synced.add(stream)
+            self.readers.add(stream)
+
+    def before_write(self, stream: Stream) -> None:
+        log = capture_log.get()
+        if log is not None:
+            log[id(self)] = (self, True)
+            return
+        with self._lock:
+            be = self.backend
+            for s in {self.writer, *self.readers}:
+                if s != stream:
+                    be.wait_event(stream._raw, be.record_event(s._raw))
+            self.writer = stream
+            self.synced = {stream}
+            self.readers = set()
+
+    def __del__(self) -> None:
+        try:
+            be = self.backend
+            stream = self.writer
+            rt = stream._runtime
+            if not rt.live or stream._generation != rt.generation(stream.device):
+                return  # the context is gone with its memory: leak, never dangle
+            for s in self.readers:
+                if s != stream:
+                    be.wait_event(stream._raw, be.record_event(s._raw))
+            be.free(self.buffer, stream._raw)
+        except Exception as exc:  # a finalizer must not raise
+            warnings.warn(f"gpuflow: could not free {self.buffer!r}: {exc!r}", stacklevel=1)
+
+
+def _shape(shape: ShapeLike) -> tuple[int, ...]:
+    if isinstance(shape, SupportsIndex) and not isinstance(shape, tuple | list):
+        shape = (shape,)
+    try:
+        out = tuple(int(s.__index__()) for s in shape)  # type: ignore[union-attr]
+    except (TypeError, AttributeError):
+        raise UsageError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
+    if any(s < 0 for s in out):
+        raise UsageError(f"shape {out} has a negative dimension")
+    return out
+
+
+def _dtype(dtype: Any) -> np.dtype[Any]:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise UsageError(f"{dtype!r} is not a NumPy dtype") from None
+    if dt.hasobject or dt.kind not in "biufc":
+        raise UsageError(f"dtype {dt} cannot live on the device (numbers and bool only)")
+    return dt
+
+
+class DeviceArray:
+    """A C-contiguous array in device memory.
+
+    Arrays are handles: operations that produce one return it while the GPU
+    may still be writing it; gpuflow orders every later use after that write.
+    Thread-safe to pass around; the memory is freed (in stream order) when
+    the last array using it is garbage-collected.
+    """
+
+    __slots__ = ("__weakref__", "_alloc", "dtype", "shape")
+
+    def __init__(self, alloc: _Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self._alloc = alloc
+        self.shape = shape
+        self.dtype = dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def device(self) -> int:
+        return self._alloc.buffer.device
+
+    @property
+    def ptr(self) -> int:
+        """The device address of the first element."""
+        return self._alloc.buffer.ptr
+
+    def reshape(self, *shape: SupportsIndex | Sequence[SupportsIndex]) -> DeviceArray:
+        """The same memory with another shape (same number of elements)."""
+        new = _shape(shape[0] if len(shape) == 1 else shape)  # type: ignore[arg-type]
+        if math.prod(new) != self.size:
+            raise UsageError(f"cannot reshape an array of size {self.size} into {new}")
+        return DeviceArray(self._alloc, new, self.dtype)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"<gpuflow.DeviceArray shape={self.shape} dtype={self.dtype} device={self.device}>"
+
+    def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
+        a = self._alloc
+        if a.generation != ctx._runtime.generation(self.device) or a.writer._runtime is not ctx._runtime:
+            raise UsageError(
+                f"{what}: {self!r} belongs to a device context that was reset or replaced"
+            )
+
+
+def _allocate(
+    ctx: ExecutionContext, shape: tuple[int, ...], dtype: np.dtype[Any], stream: Stream | None = None
+) -> DeviceArray:
+    s = stream or ctx.stream
+    if ctx.capturing:
+        raise UsageError(
+            "allocation inside a graph capture is not supported: allocate the arrays "
+            "before capturing and write into them (gf.copy(src, out=...), kernels)"
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = ctx.backend.alloc(s.device, nbytes, s._raw)
+    return DeviceArray(_Allocation(ctx.backend, buf, s), shape, dtype)
+
+
+def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
+    if isinstance(x, DeviceOperation):
+        x = x.execute(ctx)
+    if not isinstance(x, DeviceArray):
+        raise UsageError(f"{what} needs a DeviceArray (or an operation producing one), got {type(x).__name__}")
+    x._check_usable(ctx, what)
+    return x
+
+
+class _Fill(DeviceOperation[DeviceArray]):
+    __slots__ = ("_dtype", "_shape", "_value")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], value: Any) -> None:
+        self._shape = shape
+        self._dtype = dtype
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                self._value = np.array(value).astype(dtype, casting="same_kind")[()]
+        except (TypeError, ValueError, RuntimeWarning, OverflowError) as exc:
+            raise UsageError(f"fill value {value!r} does not fit dtype {dtype}: {exc}") from None
+
+    def execute(self, ctx: ExecutionContext) -> DeviceArray:
+        out = _allocate(ctx, self._shape, self._dtype)
+        if out.size:
+            ctx.backend.fill(out._alloc.buffer, self._value, out.size, ctx.stream._raw)
+        return out
+
+    def _label(self) -> str:
+        return f"full {self._shape} {self._dtype} = {self._value!r}"
+
+    def _kind(self) -> str:
+        return "alloc"
+
+
+def full(shape: ShapeLike, fill_value: Any, dtype: Any = None) -> DeviceOperation[DeviceArray]:
+    """An array of ``shape`` filled with ``fill_value`` (dtype inferred as NumPy does)."""
+    dt = np.array(fill_value).dtype if dtype is None else dtype
+    return _Fill(_shape(shape), _dtype(dt), fill_value)
+
+
+def zeros(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
+    """An array of zeros (``float64`` by default, as NumPy and CuPy)."""
+    return _Fill(_shape(shape), _dtype(dtype), 0)
+
+
+def ones(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
+    """An array of ones (``float64`` by default, as NumPy and CuPy)."""
+    return _Fill(_shape(shape), _dtype(dtype), 1)
+
+
+class _Arange(DeviceOperation[DeviceArray]):
+    __slots__ = ("_dtype", "_n", "_start", "_step")
+
+    def __init__(self, n: int, start: np.generic, step: np.generic, dtype: np.dtype[Any]) -> None:
+        self._n = n
+        self._start = start
+        self._step = step
+        self._dtype = dtype
+
+    def execute(self, ctx: ExecutionContext) -> DeviceArray:
+        out = _allocate(ctx, (self._n,), self._dtype)
+        if self._n:
+            ctx.backend.arange(out._alloc.buffer, self._start, self._step, self._n, ctx.stream._raw)
+        return out
+
+    def _label(self) -> str:
+        return f"arange {self._n} {self._dtype}"
+
+    def _kind(self) -> str:
+        return "alloc"
+
+
+def arange(
+    start: float, stop: float | None = None, step: float = 1, *, dtype: Any = None
+) -> DeviceOperation[DeviceArray]:
+    """``[start, stop)`` by ``step``, as :func:`numpy.arange` (one argument: ``[0, start)``)."""
+    if stop is None:
+        start, stop = 0, start
+    if step == 0:
+        raise UsageError("arange step must not be zero")
+    dt = _dtype(np.result_type(start, stop, step) if dtype is None else dtype)
+    n = max(0, math.ceil((stop - start) / step))
+    return _Arange(n, np.array(start).astype(dt)[()], np.array(step).astype(dt)[()], dt)
+
+
+class _FromHost(DeviceOperation[DeviceArray]):
+    __slots__ = ("_host",)
+
+    def __init__(self, host: np.ndarray[Any, Any]) -> None:
+        self._host = host
+
+    def execute(self, ctx: ExecutionContext) -> DeviceArray:
+        src = np.ascontiguousarray(self._host)
+        if ctx.capturing:
+            raise UsageError(
+                "from_host inside a graph capture: host-to-device copies from pageable "
+                "memory cannot be captured; copy before capturing"
+            )
+        out = _allocate(ctx, src.shape, src.dtype)
+        if out.nbytes:
+            ctx.backend.copy_from_host(out._alloc.buffer, src, ctx.stream._raw)
+            ctx.keep(src)
+        return out
+
+    def _label(self) -> str:
+        return f"from_host {self._host.shape} {self._host.dtype}"
+
+    def _kind(self) -> str:
+        return "copy"
+
+
+def from_host(array: Any) -> DeviceOperation[DeviceArray]:
+    """Copy a host array (anything :func:`numpy.asarray` takes) to the device.
+
+    The host data is read when the operation runs, not when it is built.
+    """
+    host = np.asarray(array)
+    _dtype(host.dtype)
+    return _FromHost(host)
+
+
+class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
+    __slots__ = ("_src",)
+
+    def __init__(self, src: DeviceArray | DeviceOperation[DeviceArray]) -> None:
+        self._src = src
+
+    def execute(self, ctx: ExecutionContext) -> Any:
+        a = _resolve_array(self._src, ctx, "to_host")
+        if ctx.capturing:
+            raise UsageError("to_host inside a graph capture: device-to-host copies cannot be captured")
+        if a.device != ctx.device:
+            raise UsageError(f"to_host: {a!r} is on device {a.device}, the run on device {ctx.device}")
+        out = np.empty(a.shape, a.dtype)
+        if a.nbytes:
+            a._alloc.before_read(ctx.stream)
+            ctx.backend.copy_to_host(out, a._alloc.buffer, ctx.stream._raw)
+            ctx.keep(out)
+        return PendingHost(out)
+
+    def _label(self) -> str:
+        return "to_host"
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return (self._src,) if isinstance(self._src, DeviceOperation) else ()
+
+    def _kind(self) -> str:
+        return "copy"
+
+
+def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np.ndarray[Any, Any]]:
+    """An operation producing a NumPy copy of a device array (or of an operation's output)."""
+    if not isinstance(x, DeviceArray):
+        _as_op(x, "to_host()")
+    return _ToHost(x)
+
+
+class _Copy(DeviceOperation[DeviceArray]):
+    __slots__ = ("_device", "_out", "_src")
+
+    def __init__(
+        self,
+        src: DeviceArray | DeviceOperation[DeviceArray],
+        out: DeviceArray | DeviceOperation[DeviceArray] | None,
+        device: int | None,
+    ) -> None:
+        self._src = src
+        self._out = out
+        self._device = device
+
+    def execute(self, ctx: ExecutionContext) -> DeviceArray:
+        src = _resolve_array(self._src, ctx, "copy() source")
+        if self._out is not None:
+            dst = _resolve_array(self._out, ctx, "copy() out")
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise UsageError(
+                    f"copy(): out is {dst.shape} {dst.dtype}, the source {src.shape} {src.dtype}"
+                )
+            if self._device is not None and dst.device != self._device:
+                raise UsageError(f"copy(): out is on device {dst.device}, not {self._device}")
+        else:
+            dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
+            stream = ctx.stream if dev == ctx.device else ctx._runtime.pool(dev)[0]
+            dst = _allocate(ctx, src.shape, src.dtype, stream)
+        if not src.nbytes:
+            return dst
+        # the copy runs on the destination's device; the run's stream joins it
+        stream = ctx.stream if dst.device == ctx.device else dst._alloc.writer
+        src._alloc.before_read(stream)
+        dst._alloc.before_write(stream)
+        ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, src.nbytes, stream._raw)
+        ctx.wait_for(stream)
+        return dst
+
+    def _label(self) -> str:
+        where = "" if self._device is None else f" -> device {self._device}"
+        return "copy" + (" into out" if self._out is not None else "") + where
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return tuple(x for x in (self._src, self._out) if isinstance(x, DeviceOperation))
+
+    def _kind(self) -> str:
+        return "copy"
+
+
+def copy(
+    src: DeviceArray | DeviceOperation[DeviceArray],
+    out: DeviceArray | DeviceOperation[DeviceArray] | None = None,
+    device: int | None = None,
+) -> DeviceOperation[DeviceArray]:
+    """Copy a device array on the device: into ``out``, or into a new array on
+    ``device`` (default: the device of the run).  Across devices the copy goes
+    peer to peer where the hardware allows."""
+    if not isinstance(src, DeviceArray):
+        _as_op(src, "copy() source")
+    if out is not None and not isinstance(out, DeviceArray):
+        _as_op(out, "copy() out")
+    if device is not None and (not isinstance(device, int) or device < 0):
+        raise UsageError(f"copy(): device must be a device ordinal, not {device!r}")
+    return _Copy(src, out, device)

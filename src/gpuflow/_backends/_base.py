@@ -1,0 +1,203 @@
+"""The interface between gpuflow's front end and a device backend.
+
+gpuflow has one front end (operations, scheduling, the completion bridge,
+lifetimes) and interchangeable backends behind this interface, chosen once by
+:func:`gpuflow.init_device_contexts`.  A backend speaks in raw handles
+(streams, events, buffers, kernels) and knows nothing of operations; the front
+end never touches a driver.
+
+Threading contract: every method may be called from any thread, concurrently.
+``free`` and ``destroy_stream`` are also called from finalizers: they must not
+raise (report failures as warnings) and must prefer a leak to a dangling
+pointer.  Errors raised keep the driver's code (:class:`DeviceError`).
+
+The completion half of the bridge is split here: the backend provides a
+*native* signal per stream (``enqueue_signal``: when the GPU reaches it, the
+stream's signal count goes up and the dispatcher is woken, without the GIL
+on CUDA), and the front end's dispatcher thread turns counts into completed
+submissions, FIFO per stream.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from .._errors import DeviceFaultError
+
+
+class RawBuffer(Protocol):
+    """Device memory owned by the front end's allocation object."""
+
+    @property
+    def device(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def ptr(self) -> int: ...
+
+
+class ModuleSource(Protocol):
+    """What a backend needs of a compiled module to load its kernels."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def references(self) -> dict[str, Callable[..., Any]]: ...
+    def binary_for(self, arch: str) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PointerArg:
+    """A pointer parameter: the buffer, typed as the kernel signature says.
+
+    ``count`` is the number of ``dtype`` elements the array holds; ``writes``
+    is False for a ``const T*`` parameter.
+    """
+
+    buffer: RawBuffer
+    dtype: np.dtype[Any]
+    count: int
+    writes: bool
+
+
+KernelArg = PointerArg | np.generic
+
+
+class Backend(abc.ABC):
+    """A device backend.  One instance serves every device of the process."""
+
+    name: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def device_name(self, device: int) -> str: ...
+
+    # -- streams --------------------------------------------------------------
+    @abc.abstractmethod
+    def create_stream(self, device: int) -> Any:
+        """A new non-blocking stream on ``device``."""
+
+    @abc.abstractmethod
+    def destroy_stream(self, stream: Any) -> None:
+        """Release a stream; work already enqueued still completes."""
+
+    @abc.abstractmethod
+    def stream_handle(self, stream: Any) -> int:
+        """The ``CUstream`` address, for ``__cuda_stream__``."""
+
+    @abc.abstractmethod
+    def synchronize(self, stream: Any) -> None:
+        """Block until the stream is idle; DeviceFaultError after a fault."""
+
+    @abc.abstractmethod
+    def query(self, stream: Any) -> bool:
+        """True when all work on the stream is done; DeviceFaultError after a fault."""
+
+    # -- events ---------------------------------------------------------------
+    @abc.abstractmethod
+    def record_event(self, stream: Any) -> Any:
+        """An event that completes when the stream's current work is done."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Later work on ``stream`` waits for ``event`` (any device)."""
+
+    # -- memory ---------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc(self, device: int, nbytes: int, stream: Any) -> RawBuffer:
+        """Stream-ordered allocation; OutOfMemoryError when it fails."""
+
+    @abc.abstractmethod
+    def free(self, buffer: RawBuffer, stream: Any) -> None:
+        """Stream-ordered free, after all work enqueued on ``stream``."""
+
+    @abc.abstractmethod
+    def copy_from_host(self, dst: RawBuffer, src: np.ndarray[Any, Any], stream: Any) -> None:
+        """Copy a C-contiguous host array into ``dst``; ``src`` must stay alive until done."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, dst: np.ndarray[Any, Any], src: RawBuffer, stream: Any) -> None:
+        """Copy ``dst.nbytes`` from ``src`` into a C-contiguous host array."""
+
+    @abc.abstractmethod
+    def copy_device(self, dst: RawBuffer, src: RawBuffer, nbytes: int, stream: Any) -> None:
+        """Device-to-device copy; peer-to-peer when the devices differ."""
+
+    @abc.abstractmethod
+    def fill(self, dst: RawBuffer, value: np.generic, count: int, stream: Any) -> None:
+        """Set ``count`` elements of ``value``'s dtype to ``value``."""
+
+    @abc.abstractmethod
+    def arange(
+        self, dst: RawBuffer, start: np.generic, step: np.generic, count: int, stream: Any
+    ) -> None:
+        """Write ``start + i * step`` for ``i < count``, in ``start``'s dtype."""
+
+    # -- kernels --------------------------------------------------------------
+    @abc.abstractmethod
+    def load_kernel(self, device: int, module: ModuleSource, name: str) -> Any:
+        """A launchable handle of kernel ``name`` on ``device`` (cached by the caller)."""
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shmem: int,
+        args: Sequence[KernelArg],
+        stream: Any,
+    ) -> None:
+        """Enqueue a kernel; LaunchError for a bad configuration."""
+
+    # -- the native half of the completion bridge -----------------------------
+    @abc.abstractmethod
+    def enqueue_signal(self, stream: Any) -> None:
+        """When the GPU reaches this point of ``stream``, count one signal for it
+        and wake :meth:`wait_signals`.  Never needs the GIL on a real device."""
+
+    @abc.abstractmethod
+    def wait_signals(self, timeout: float | None) -> None:
+        """Block (without the GIL) until a signal or :meth:`wake`, or the timeout."""
+
+    @abc.abstractmethod
+    def take_signals(self, stream: Any) -> int:
+        """How many signals of ``stream`` arrived since the last call."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Wake :meth:`wait_signals` without a signal."""
+
+    # -- graphs ---------------------------------------------------------------
+    @abc.abstractmethod
+    def begin_capture(self, stream: Any) -> None:
+        """Start recording the work enqueued on ``stream`` instead of running it."""
+
+    @abc.abstractmethod
+    def end_capture(self, stream: Any) -> Any:
+        """Stop recording; return an executable graph of what was enqueued."""
+
+    @abc.abstractmethod
+    def launch_graph(self, graph: Any, stream: Any) -> None:
+        """Enqueue one replay of a captured graph."""
+
+    # -- faults ---------------------------------------------------------------
+    @abc.abstractmethod
+    def device_fault(self, device: int) -> DeviceFaultError | None:
+        """The sticky fault of ``device``, if one has been seen."""
+
+    @abc.abstractmethod
+    def reset_device(self, device: int) -> None:
+        """Clear a sticky fault; every stream, buffer and kernel of the device
+        made before is invalid afterwards (CUDA's primary context reset)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release process-wide resources (threads) when the runtime is replaced."""

@@ -1,0 +1,497 @@
+"""The ``sim`` backend: a faithful CPU simulation of a CUDA device.
+
+It keeps CUDA's contract so that every test that needs no GPU runs here, in
+CI, with the real concurrency of the real thing:
+
+* each stream is a FIFO worker thread; independent streams overlap (a kernel
+  reference that sleeps takes time on its stream only);
+* events complete in stream order and cross-stream waits block the waiting
+  stream, not the host;
+* host signals are delivered by a separate "driver" thread, never by the
+  thread that enqueued them, so the bridge's thread hand-off always runs;
+* a kernel whose reference raises is a *sticky fault*: as on CUDA after an
+  illegal address, the device stops, nothing queued runs, host signals never
+  fire and every query reports the fault until :meth:`reset_device`;
+* memory is host memory, reserved at allocation (out of memory is reported
+  at the call, and is not sticky) and released in stream order; freed memory
+  is poisoned and any later access by the device is a fault that names the
+  buffer, so a use after free is detected, never silently read;
+* capture records the work enqueued on a stream (and on the streams that
+  join it through events) and replays it as one item.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import DeviceFaultError, GpuflowError, LaunchError, OutOfMemoryError, UsageError
+from ._base import Backend, KernelArg, ModuleSource, PointerArg
+
+DEFAULT_MEMORY_BYTES = 2 << 30
+_POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
+_MAX_BLOCK = 1024
+_ADDRESS_ALIGN = 256
+
+Item = Callable[[], None]
+
+
+@dataclass(eq=False)
+class _SimDevice:
+    index: int
+    memory_limit: int
+    memory_used: int = 0
+    fault: DeviceFaultError | None = None
+    generation: int = 0
+    next_address: int = 0x7F0000000000
+
+
+@dataclass(eq=False)
+class SimBuffer:
+    device: int
+    nbytes: int
+    ptr: int
+    data: np.ndarray[Any, np.dtype[np.uint8]]
+    generation: int
+    freed: bool = False
+
+    def __repr__(self) -> str:
+        return f"<sim buffer 0x{self.ptr:x} ({self.nbytes} bytes) on device {self.device}>"
+
+
+@dataclass(eq=False)
+class _Capture:
+    items: list[tuple[str, Item]] = field(default_factory=list)
+    streams: list[SimStream] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class SimEvent:
+    device: int
+    done: bool = False
+    capture: _Capture | None = None
+
+
+@dataclass(eq=False)
+class SimGraph:
+    device: int
+    items: list[tuple[str, Item]]
+
+
+@dataclass(eq=False)
+class SimKernel:
+    device: int
+    name: str
+    reference: Callable[..., Any]
+    generation: int
+
+
+class SimStream:
+    """One FIFO worker thread; items run in order, outside the backend lock."""
+
+    def __init__(self, backend: SimBackend, device: _SimDevice) -> None:
+        self.backend = backend
+        self.device = device
+        self.queue: collections.deque[tuple[str, Item]] = collections.deque()
+        self.signals = 0
+        self.closed = False
+        self.capture: _Capture | None = None
+        self.running = False
+        self.thread = threading.Thread(
+            target=self._work, name=f"gpuflow-sim-stream-d{device.index}", daemon=True
+        )
+        self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"<sim stream {id(self):#x} on device {self.device.index}>"
+
+    def _work(self) -> None:
+        cond = self.backend.cond
+        while True:
+            with cond:
+                while not self.queue and not self.closed:
+                    cond.wait()
+                if not self.queue:
+                    return
+                what, item = self.queue[0]
+                live = self.device.fault is None
+                self.running = live
+            if live:
+                try:
+                    item()
+                except BaseException as exc:
+                    self.backend._set_fault(self.device, what, exc)
+            with cond:
+                self.queue.popleft()
+                self.running = False
+                cond.notify_all()
+
+
+class SimBackend(Backend):
+    """A CPU simulation of ``num_devices`` devices (default 1)."""
+
+    name = "sim"
+
+    def __init__(
+        self, num_devices: int | None = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES
+    ) -> None:
+        n = 1 if num_devices is None else num_devices
+        self.cond = threading.Condition(threading.Lock())
+        self._devices = [_SimDevice(i, memory_bytes) for i in range(n)]
+        self._streams: list[SimStream] = []
+        self._wake_count = 0
+        self._driver_queue: collections.deque[SimStream] = collections.deque()
+        self._closed = False
+        self.use_after_free = 0
+        self._driver = threading.Thread(target=self._drive, name="gpuflow-sim-driver", daemon=True)
+        self._driver.start()
+
+    # -- the driver thread: host signals are called here, never on a stream --
+    def _drive(self) -> None:
+        with self.cond:
+            while True:
+                while not self._driver_queue and not self._closed:
+                    self.cond.wait()
+                if self._closed:
+                    return
+                stream = self._driver_queue.popleft()
+                stream.signals += 1
+                self._wake_count += 1
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self._closed = True
+            for s in self._streams:
+                s.closed = True
+            self.cond.notify_all()
+
+    # -- devices -------------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def device_name(self, device: int) -> str:
+        return f"gpuflow sim device {device}"
+
+    def _dev(self, device: int) -> _SimDevice:
+        try:
+            return self._devices[device]
+        except IndexError:
+            raise UsageError(
+                f"device {device} does not exist: the sim backend has {len(self._devices)}"
+            ) from None
+
+    def _set_fault(self, device: _SimDevice, what: str, exc: BaseException) -> None:
+        if isinstance(exc, DeviceFaultError):
+            err = exc
+        else:
+            code, name = (700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+            if not isinstance(exc, IndexError | _UseAfterFree):
+                code, name = (719, "CUDA_ERROR_LAUNCH_FAILED")
+            err = DeviceFaultError(
+                f"sim device {device.index} faulted in {what}: {exc!r}",
+                code=code,
+                name=name,
+                device=device.index,
+            )
+            err.__cause__ = exc
+        with self.cond:
+            if device.fault is None:
+                device.fault = err
+            self.cond.notify_all()
+
+    def device_fault(self, device: int) -> DeviceFaultError | None:
+        return self._dev(device).fault
+
+    def reset_device(self, device: int) -> None:
+        dev = self._dev(device)
+        with self.cond:
+            dev.fault = None
+            dev.generation += 1
+            dev.memory_used = 0
+            for s in self._streams:
+                if s.device is dev:
+                    # what was queued is gone with the context, as on CUDA
+                    while len(s.queue) > (1 if s.running else 0):
+                        s.queue.pop()
+                    s.capture = None
+            self.cond.notify_all()
+
+    # -- streams -------------------------------------------------------------
+    def create_stream(self, device: int) -> SimStream:
+        s = SimStream(self, self._dev(device))
+        with self.cond:
+            self._streams.append(s)
+        return s
+
+    def destroy_stream(self, stream: Any) -> None:
+        with self.cond:
+            stream.closed = True
+            if stream in self._streams:
+                self._streams.remove(stream)
+            self.cond.notify_all()
+
+    def stream_handle(self, stream: Any) -> int:
+        raise UsageError("the sim backend has no CUDA streams: __cuda_stream__ needs backend 'cuda'")
+
+    def _enqueue(self, stream: SimStream, what: str, item: Item) -> None:
+        with self.cond:
+            fault = stream.device.fault
+            if fault is not None:
+                raise fault
+            if stream.capture is not None:
+                stream.capture.items.append((what, item))
+                return
+            stream.queue.append((what, item))
+            self.cond.notify_all()
+
+    def synchronize(self, stream: Any) -> None:
+        with self.cond:
+            if stream.capture is not None:
+                raise UsageError("cannot synchronize a stream while it is being captured")
+            while stream.queue and stream.device.fault is None:
+                self.cond.wait()
+            if stream.device.fault is not None:
+                raise stream.device.fault
+
+    def query(self, stream: Any) -> bool:
+        with self.cond:
+            if stream.device.fault is not None:
+                raise stream.device.fault
+            return not stream.queue
+
+    # -- events --------------------------------------------------------------
+    def record_event(self, stream: Any) -> SimEvent:
+        ev = SimEvent(stream.device.index, capture=stream.capture)
+
+        def record() -> None:
+            with self.cond:
+                ev.done = True
+                self.cond.notify_all()
+
+        self._enqueue(stream, "event record", record)
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if event.capture is not None and stream.capture is None:
+            # as on CUDA: waiting on an event recorded in a capture joins it
+            stream.capture = event.capture
+            event.capture.streams.append(stream)
+        if event.done and stream.capture is None:
+            return
+        other = self._devices[event.device]
+
+        def wait() -> None:
+            with self.cond:
+                while not event.done and other.fault is None and stream.device.fault is None:
+                    self.cond.wait()
+                if other.fault is not None and not event.done:
+                    raise other.fault
+
+        self._enqueue(stream, "event wait", wait)
+
+    # -- memory --------------------------------------------------------------
+    def alloc(self, device: int, nbytes: int, stream: Any) -> SimBuffer:
+        dev = self._dev(device)
+        size = max(nbytes, 1)
+        with self.cond:
+            if dev.fault is not None:
+                raise dev.fault
+            if dev.memory_used + size > dev.memory_limit:
+                raise OutOfMemoryError(
+                    f"out of memory on sim device {device}: {nbytes} bytes requested, "
+                    f"{dev.memory_limit - dev.memory_used} of {dev.memory_limit} free",
+                    code=2,
+                    name="CUDA_ERROR_OUT_OF_MEMORY",
+                    device=device,
+                )
+            dev.memory_used += size
+            ptr = dev.next_address
+            dev.next_address += (size + _ADDRESS_ALIGN - 1) // _ADDRESS_ALIGN * _ADDRESS_ALIGN
+        data = np.empty(size, dtype=np.uint8)
+        data.fill(_POISON)  # fresh device memory holds garbage, never zeros
+        return SimBuffer(device, nbytes, ptr, data, dev.generation)
+
+    def free(self, buffer: Any, stream: Any) -> None:
+        dev = self._devices[buffer.device]
+
+        def release() -> None:
+            with self.cond:
+                if buffer.generation == dev.generation and not buffer.freed:
+                    dev.memory_used -= max(buffer.nbytes, 1)
+                buffer.freed = True
+            buffer.data.fill(_POISON)
+
+        try:
+            self._enqueue(stream, f"free of {buffer!r}", release)
+        except DeviceFaultError:
+            pass  # the context is gone with its memory; a reset reclaims it
+        except Exception as exc:  # a finalizer must not raise
+            warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
+
+    def _check(self, buffer: SimBuffer) -> None:
+        if buffer.freed:
+            with self.cond:
+                self.use_after_free += 1
+            raise _UseAfterFree(f"use after free of {buffer!r}")
+        if buffer.generation != self._devices[buffer.device].generation:
+            raise _UseAfterFree(f"{buffer!r} belongs to a context that was reset")
+
+    def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
+        def copy() -> None:
+            self._check(dst)
+            flat = src.reshape(-1).view(np.uint8)
+            dst.data[: flat.size] = flat
+
+        self._enqueue(stream, f"copy to {dst!r}", copy)
+
+    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
+        def copy() -> None:
+            self._check(src)
+            flat = dst.reshape(-1).view(np.uint8)
+            flat[:] = src.data[: flat.size]
+
+        self._enqueue(stream, f"copy from {src!r}", copy)
+
+    def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
+        def copy() -> None:
+            self._check(src)
+            self._check(dst)
+            dst.data[:nbytes] = src.data[:nbytes]
+
+        self._enqueue(stream, f"copy {src!r} -> {dst!r}", copy)
+
+    def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
+        def fill() -> None:
+            self._check(dst)
+            dst.data[: count * value.itemsize].view(value.dtype)[:] = value
+
+        self._enqueue(stream, f"fill of {dst!r}", fill)
+
+    def arange(
+        self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
+    ) -> None:
+        dtype = start.dtype
+
+        def arange() -> None:
+            self._check(dst)
+            out = dst.data[: count * dtype.itemsize].view(dtype)
+            out[:] = start + np.arange(count).astype(dtype) * step
+
+        self._enqueue(stream, f"arange into {dst!r}", arange)
+
+    # -- kernels -------------------------------------------------------------
+    def load_kernel(self, device: int, module: ModuleSource, name: str) -> SimKernel:
+        ref = module.references.get(name)
+        if ref is None:
+            raise GpuflowError(
+                f"kernel {name!r} has no NumPy reference: the sim backend runs "
+                f"gf.compile(..., references={{{name!r}: fn}})"
+            )
+        return SimKernel(device, name, ref, self._dev(device).generation)
+
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shmem: int,
+        args: Sequence[KernelArg],
+        stream: Any,
+    ) -> None:
+        threads = block[0] * block[1] * block[2]
+        if threads > _MAX_BLOCK or min(grid) < 1 or min(block) < 1:
+            raise LaunchError(
+                f"kernel {kernel.name!r}: invalid configuration grid={grid} block={block} "
+                f"(at most {_MAX_BLOCK} threads a block, every dimension at least 1)",
+                code=9,
+                name="CUDA_ERROR_INVALID_VALUE",
+                device=kernel.device,
+            )
+        if kernel.generation != self._devices[kernel.device].generation:
+            raise UsageError(f"kernel {kernel.name!r} was loaded before its device was reset")
+
+        def run() -> None:
+            values: list[Any] = []
+            for a in args:
+                if isinstance(a, PointerArg):
+                    self._check(a.buffer)  # type: ignore[arg-type]
+                    buf: SimBuffer = a.buffer  # type: ignore[assignment]
+                    view = buf.data[: a.count * a.dtype.itemsize].view(a.dtype)
+                    if not a.writes:
+                        view = view.view()
+                        view.flags.writeable = False
+                    values.append(view)
+                else:
+                    values.append(a.item())
+            kernel.reference(*values)
+            for a in args:
+                if isinstance(a, PointerArg):
+                    self._check(a.buffer)  # type: ignore[arg-type]
+
+        self._enqueue(stream, f"kernel {kernel.name!r}", run)
+
+    # -- completion signals ---------------------------------------------------
+    def enqueue_signal(self, stream: Any) -> None:
+        def signal() -> None:
+            with self.cond:
+                self._driver_queue.append(stream)
+                self.cond.notify_all()
+
+        self._enqueue(stream, "host signal", signal)
+
+    def wait_signals(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while self._wake_count == 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                self.cond.wait(remaining)
+            self._wake_count = 0
+
+    def take_signals(self, stream: Any) -> int:
+        with self.cond:
+            n: int = stream.signals
+            stream.signals = 0
+            return n
+
+    def wake(self) -> None:
+        with self.cond:
+            self._wake_count += 1
+            self.cond.notify_all()
+
+    # -- graphs ----------------------------------------------------------------
+    def begin_capture(self, stream: Any) -> None:
+        with self.cond:
+            if stream.capture is not None:
+                raise UsageError("the stream is already being captured")
+            stream.capture = _Capture(streams=[stream])
+
+    def end_capture(self, stream: Any) -> SimGraph:
+        with self.cond:
+            cap = stream.capture
+            if cap is None:
+                raise UsageError("the stream is not being captured")
+            for s in cap.streams:
+                s.capture = None
+        return SimGraph(stream.device.index, list(cap.items))
+
+    def launch_graph(self, graph: Any, stream: Any) -> None:
+        def replay() -> None:
+            for _what, item in graph.items:
+                item()
+
+        self._enqueue(stream, f"graph of {len(graph.items)} nodes", replay)
+
+
+class _UseAfterFree(Exception):
+    pass

@@ -1,0 +1,82 @@
+"""What an operation sees while it enqueues: device, stream, backend.
+
+An :class:`ExecutionContext` lives for one run.  Operations enqueue on
+``ctx.stream`` and never create streams; a ``zip`` arm may ask the run's
+policy for another stream of the same device (:meth:`fork`), and joins it
+back with events.  Everything the enqueued work still uses after the run
+returns is handed to :meth:`keep`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._backends._base import Backend
+    from ._bridge import Submission
+    from ._runtime import Runtime
+    from ._stream import SchedulingPolicy, Stream
+
+
+class ExecutionContext:
+    """The device, stream and backend an operation enqueues on.
+
+    Only valid during :meth:`DeviceOperation.execute`; safe to use from the
+    thread running it.
+    """
+
+    __slots__ = ("_capturing", "_policy", "_runtime", "_submission", "device", "stream")
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        stream: Stream,
+        policy: SchedulingPolicy | None,
+        submission: Submission,
+        capturing: bool = False,
+    ) -> None:
+        self._runtime = runtime
+        self.stream = stream
+        self.device = stream.device
+        self._policy = policy
+        self._submission = submission
+        self._capturing = capturing
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the work is enqueued on."""
+        return self._runtime.backend
+
+    @property
+    def backend_name(self) -> str:
+        return self._runtime.backend.name
+
+    @property
+    def capturing(self) -> bool:
+        """True while the run is being captured into a graph."""
+        return self._capturing
+
+    def keep(self, *objs: Any) -> None:
+        """Keep ``objs`` alive until the GPU has finished the work enqueued so far."""
+        self._submission.keep.extend(objs)
+
+    def with_stream(self, stream: Stream) -> ExecutionContext:
+        """The same run, enqueueing on ``stream``."""
+        return ExecutionContext(
+            self._runtime, stream, self._policy, self._submission, self._capturing
+        )
+
+    def fork(self) -> Stream:
+        """Another stream of this device for independent work (may be ``self.stream``)."""
+        if self._policy is None:
+            return self.stream
+        return self._policy.next_stream(self.device)
+
+    def wait_for(self, other: Stream) -> None:
+        """Make later work on ``self.stream`` wait for what ``other`` has enqueued."""
+        if other != self.stream:
+            be = self._runtime.backend
+            be.wait_event(self.stream._raw, be.record_event(other._raw))
+
+    def __repr__(self) -> str:
+        return f"<ExecutionContext device={self.device} stream={self.stream!r}>"

@@ -1,0 +1,495 @@
+"""Lazy device operations and the combinators that compose them.
+
+A :class:`DeviceOperation` is a recipe: building one does no work.  Running
+it (``sync``, ``sync_on``, ``enqueue_on`` or ``await``) makes an
+:class:`ExecutionContext` and calls :meth:`DeviceOperation.execute`, which
+enqueues the work on ``ctx.stream`` and returns the output *handle*: arrays
+whose contents the GPU may still be writing.  A recipe is reusable and runs
+its work again each time, except :meth:`DeviceOperation.shared`.
+
+Host data produced by the device (:func:`to_host`) is only readable when the
+run has completed, so inside a run it is a *pending* value: ``map`` over it is
+deferred to completion, and ``then`` over it is refused (await first).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+import numpy as np
+
+from ._errors import UsageError
+
+if TYPE_CHECKING:
+    from ._context import ExecutionContext
+    from ._graph import Graph
+    from ._stream import SchedulingPolicy, Stream
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Pending:
+    """A host value that is valid only once the run's GPU work is done."""
+
+    __slots__ = ()
+
+    def resolve(self) -> Any:
+        raise NotImplementedError
+
+
+class PendingHost(Pending):
+    """A host array the device is copying into."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+
+    def resolve(self) -> Any:
+        return self.array
+
+
+class PendingMap(Pending):
+    """``fn`` applied to a pending value once it is ready."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn: Callable[[Any], Any], value: Any) -> None:
+        self.fn = fn
+        self.value = value
+
+    def resolve(self) -> Any:
+        return self.fn(resolve(self.value))
+
+
+def is_pending(value: Any) -> bool:
+    if isinstance(value, Pending):
+        return True
+    if isinstance(value, tuple | list):
+        return any(is_pending(v) for v in value)
+    return False
+
+
+def resolve(value: Any) -> Any:
+    """The output of a completed run: pending host values made concrete."""
+    if isinstance(value, Pending):
+        return value.resolve()
+    if isinstance(value, tuple) and any(is_pending(v) for v in value):
+        return tuple(resolve(v) for v in value)
+    if isinstance(value, list) and any(is_pending(v) for v in value):
+        return [resolve(v) for v in value]
+    return value
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _as_op(x: object, what: str) -> DeviceOperation[Any]:
+    if not isinstance(x, DeviceOperation):
+        raise TypeError(
+            f"{what} expected a gpuflow DeviceOperation, got {type(x).__name__}: {x!r:.80} "
+            "(wrap plain values with gf.value(x))"
+        )
+    return x
+
+
+class DeviceOperation(Generic[T]):
+    """A lazy recipe of GPU work producing a ``T``.
+
+    Subclass it and implement :meth:`execute` for a new kind of work.
+    Operations are immutable and may be shared between tasks and threads;
+    every run is independent (except :meth:`shared`).
+    """
+
+    __slots__ = ("__weakref__",)
+
+    def execute(self, ctx: ExecutionContext) -> T:
+        """Enqueue this operation's work on ``ctx.stream``; return the output handle.
+
+        The work may still be running when it returns.  Only the four entry
+        points (:meth:`sync`, :meth:`sync_on`, :meth:`enqueue_on`, ``await``)
+        should call it, and combinators on behalf of them.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.execute")
+
+    # -- combinators -------------------------------------------------------------
+    def then(self, fn: Callable[[T], DeviceOperation[U]]) -> DeviceOperation[U]:
+        """Run ``fn(output)``'s operation after this one, on the same stream.
+
+        ``fn`` runs on the host at enqueue time and gets the output handle; it
+        must return a DeviceOperation.
+        """
+        if not callable(fn):
+            raise TypeError(f"then() expected a callable, got {type(fn).__name__}")
+        return _Then(self, fn)
+
+    def map(self, fn: Callable[[T], U]) -> DeviceOperation[U]:
+        """Transform the output on the host; no GPU work.
+
+        ``fn`` runs at enqueue time on device handles, or once the run is
+        done when the output holds host data from :func:`to_host`.
+        """
+        if not callable(fn):
+            raise TypeError(f"map() expected a callable, got {type(fn).__name__}")
+        return _Map(self, fn)
+
+    def shared(self) -> SharedOperation[T]:
+        """A clonable operation that runs this one at most once.
+
+        Every run of it (or of its clones), from any task or thread, gets the
+        output of the single run, or the same error.  A run on another stream
+        waits for the producer's work before it reads.
+        """
+        return SharedOperation(_SharedState(self))
+
+    def unzip(self, n: int) -> tuple[DeviceOperation[Any], ...]:
+        """Split an operation producing an ``n``-tuple into ``n`` operations.
+
+        The source runs once, however many parts are run and from where.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise UsageError(f"unzip(n) needs a positive int, not {n!r}")
+        src = self.shared()
+        return tuple(_Pick(src, i, n, "unzip") for i in range(n))
+
+    def first(self) -> DeviceOperation[Any]:
+        """The first element of a tuple output."""
+        return _Pick(self, 0, None, "first")
+
+    def last(self) -> DeviceOperation[Any]:
+        """The last element of a tuple output."""
+        return _Pick(self, -1, None, "last")
+
+    # -- running -------------------------------------------------------------------
+    def sync(self, policy: SchedulingPolicy | None = None) -> T:
+        """Run on a stream chosen by ``policy`` and block until done; return the output.
+
+        Raises :class:`UsageError` when called from a thread running an event
+        loop (that would block the loop): ``await`` the operation there.
+        """
+        from ._run import run_sync
+
+        return run_sync(self, policy)  # type: ignore[no-any-return]
+
+    def sync_on(self, stream: Stream) -> T:
+        """Run on ``stream`` and block until the stream is idle; return the output."""
+        from ._run import run_sync_on
+
+        return run_sync_on(self, stream)  # type: ignore[no-any-return]
+
+    def enqueue_on(self, stream: Stream) -> T:
+        """Enqueue on ``stream`` and return the output handle without waiting.
+
+        The caller synchronizes the stream before reading results; gpuflow
+        keeps what the work uses alive until the GPU is done with it.
+        """
+        from ._run import run_enqueue_on
+
+        return run_enqueue_on(self, stream)  # type: ignore[no-any-return]
+
+    def __await__(self) -> Generator[Any, None, T]:
+        """Run on a stream chosen by the policy (or the lease) and await the result.
+
+        Cancelling the awaiting task raises the loop's cancellation at once;
+        work already enqueued finishes on the GPU, and what it uses is kept
+        alive until then.
+        """
+        from ._run import run_async
+
+        return run_async(self).__await__()
+
+    async def run(self, policy: SchedulingPolicy | None = None) -> T:
+        """``await op`` with an explicit scheduling policy."""
+        from ._run import run_async
+
+        return await run_async(self, policy)  # type: ignore[no-any-return]
+
+    # -- graphs and pictures ---------------------------------------------------------
+    def capture(self, stream: Stream | None = None) -> Graph[T]:
+        """Capture this operation's work into a replayable :class:`gpuflow.Graph`."""
+        from ._graph import capture
+
+        return capture(self, stream)
+
+    def to_dot(self) -> str:
+        """This operation's DAG as Graphviz DOT (kernels, copies, joins, shared points)."""
+        from ._dot import to_dot
+
+        return to_dot(self)
+
+    # -- for to_dot ----------------------------------------------------------------------
+    def _label(self) -> str:
+        return type(self).__name__.lstrip("_")
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return ()
+
+    def _kind(self) -> str:
+        return "op"
+
+    def __repr__(self) -> str:
+        return f"<gpuflow.DeviceOperation {self._label()}>"
+
+
+class _Value(DeviceOperation[T]):
+    __slots__ = ("_x",)
+
+    def __init__(self, x: T) -> None:
+        self._x = x
+
+    def execute(self, ctx: ExecutionContext) -> T:
+        return self._x
+
+    def _label(self) -> str:
+        return f"value {type(self._x).__name__}"
+
+
+def value(x: T) -> DeviceOperation[T]:
+    """An operation that produces ``x`` and does no work."""
+    return _Value(x)
+
+
+class _WithContext(DeviceOperation[T]):
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[ExecutionContext], DeviceOperation[T]]) -> None:
+        self._fn = fn
+
+    def execute(self, ctx: ExecutionContext) -> T:
+        op = self._fn(ctx)
+        if not isinstance(op, DeviceOperation):
+            raise UsageError(
+                f"with_context: {_fn_name(self._fn)} must return a DeviceOperation, "
+                f"returned {type(op).__name__}"
+            )
+        return op.execute(ctx)
+
+    def _label(self) -> str:
+        return f"with_context {_fn_name(self._fn)}"
+
+
+def with_context(fn: Callable[[ExecutionContext], DeviceOperation[T]]) -> DeviceOperation[T]:
+    """An operation built at run time from the :class:`ExecutionContext`.
+
+    Use it to put foreign work (CuPy, PyTorch, cuda.core) on gpuflow's stream:
+    ``fn`` gets the context (``ctx.stream`` implements ``__cuda_stream__``)
+    and returns an operation, ``gf.value(...)`` for work it did itself.
+    """
+    if not callable(fn):
+        raise TypeError(f"with_context() expected a callable, got {type(fn).__name__}")
+    return _WithContext(fn)
+
+
+class _Then(DeviceOperation[U]):
+    __slots__ = ("_fn", "_op")
+
+    def __init__(self, op: DeviceOperation[T], fn: Callable[[T], DeviceOperation[U]]) -> None:
+        self._op = op
+        self._fn = fn
+
+    def execute(self, ctx: ExecutionContext) -> U:
+        out = self._op.execute(ctx)
+        if is_pending(out):
+            raise UsageError(
+                f"then({_fn_name(self._fn)}): the output holds host data that the GPU is "
+                "still copying (gf.to_host); await the operation first, or use .map()"
+            )
+        nxt = self._fn(out)
+        if not isinstance(nxt, DeviceOperation):
+            raise UsageError(
+                f"then: {_fn_name(self._fn)} must return a DeviceOperation, returned "
+                f"{type(nxt).__name__} (use .map() for a host-side transform)"
+            )
+        return nxt.execute(ctx)
+
+    def _label(self) -> str:
+        return f"then {_fn_name(self._fn)}"
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return (self._op,)
+
+    def _kind(self) -> str:
+        return "then"
+
+
+class _Map(DeviceOperation[U]):
+    __slots__ = ("_fn", "_op")
+
+    def __init__(self, op: DeviceOperation[T], fn: Callable[[T], U]) -> None:
+        self._op = op
+        self._fn = fn
+
+    def execute(self, ctx: ExecutionContext) -> U:
+        out = self._op.execute(ctx)
+        if is_pending(out):
+            return PendingMap(self._fn, out)  # type: ignore[return-value]
+        return self._fn(out)
+
+    def _label(self) -> str:
+        return f"map {_fn_name(self._fn)}"
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return (self._op,)
+
+    def _kind(self) -> str:
+        return "map"
+
+
+class _Zip(DeviceOperation[tuple[Any, ...]]):
+    __slots__ = ("_ops",)
+
+    def __init__(self, ops: tuple[DeviceOperation[Any], ...]) -> None:
+        self._ops = ops
+
+    def execute(self, ctx: ExecutionContext) -> tuple[Any, ...]:
+        outs: list[Any] = []
+        forked: list[Stream] = []
+        try:
+            for i, op in enumerate(self._ops):
+                stream = ctx.stream if i == 0 else ctx.fork()
+                if stream == ctx.stream:
+                    outs.append(op.execute(ctx))
+                    continue
+                # the arm sees everything enqueued before the zip, then runs
+                # alongside the others; the join below waits for it
+                arm = ctx.with_stream(stream)
+                arm.wait_for(ctx.stream)
+                forked.append(stream)
+                outs.append(op.execute(arm))
+        finally:
+            for s in forked:
+                ctx.wait_for(s)
+        return tuple(outs)
+
+    def _label(self) -> str:
+        return f"zip ({len(self._ops)})"
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return self._ops
+
+    def _kind(self) -> str:
+        return "join"
+
+
+@overload
+def zip(a: DeviceOperation[T], /) -> DeviceOperation[tuple[T]]: ...
+@overload
+def zip(a: DeviceOperation[T], b: DeviceOperation[U], /) -> DeviceOperation[tuple[T, U]]: ...
+@overload
+def zip(*ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]: ...
+def zip(*ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]:
+    """Fan-in: one operation producing the tuple of the outputs of ``ops``.
+
+    Independent arms may run on different streams of the pool; the join waits
+    on their events, so what follows sees all of them done.
+    """
+    if not ops:
+        raise UsageError("zip() needs at least one operation")
+    for i, op in enumerate(ops):
+        _as_op(op, f"zip() argument {i}")
+    return _Zip(tuple(ops))
+
+
+class _SharedState(Generic[T]):
+    __slots__ = ("error", "event", "lock", "output", "ready", "source", "started", "stream")
+
+    def __init__(self, source: DeviceOperation[T]) -> None:
+        self.source = source
+        self.lock = threading.Lock()
+        self.ready = threading.Event()
+        self.started = False
+        self.output: T | None = None
+        self.error: BaseException | None = None
+        self.stream: Stream | None = None
+        self.event: Any = None
+
+
+class SharedOperation(DeviceOperation[T]):
+    """An operation that runs its source at most once (see :meth:`DeviceOperation.shared`).
+
+    Thread-safe: clones may be run concurrently from several tasks and threads.
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _SharedState[T]) -> None:
+        self._state = state
+
+    def clone(self) -> SharedOperation[T]:
+        """Another handle on the same single run."""
+        return SharedOperation(self._state)
+
+    def execute(self, ctx: ExecutionContext) -> T:
+        st = self._state
+        with st.lock:
+            producer = not st.started
+            st.started = True
+        if producer:
+            try:
+                st.output = st.source.execute(ctx)
+                st.stream = ctx.stream
+            except BaseException as exc:
+                st.error = exc
+                raise
+            finally:
+                st.ready.set()
+            return st.output
+        st.ready.wait()
+        if st.error is not None:
+            raise st.error
+        assert st.stream is not None
+        if st.stream != ctx.stream:
+            be = ctx.backend
+            with st.lock:
+                if st.event is None:
+                    st.event = be.record_event(st.stream._raw)
+            be.wait_event(ctx.stream._raw, st.event)
+        return st.output  # type: ignore[return-value]
+
+    def _label(self) -> str:
+        return "shared"
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return (self._state.source,)
+
+    def _kind(self) -> str:
+        return "shared"
+
+    def _dot_key(self) -> int:
+        return id(self._state)
+
+
+class _Pick(DeviceOperation[Any]):
+    __slots__ = ("_index", "_n", "_op", "_what")
+
+    def __init__(self, op: DeviceOperation[Any], index: int, n: int | None, what: str) -> None:
+        self._op = op
+        self._index = index
+        self._n = n
+        self._what = what
+
+    def execute(self, ctx: ExecutionContext) -> Any:
+        out = self._op.execute(ctx)
+        if isinstance(out, PendingMap):
+            return PendingMap(self._pick, out)
+        return self._pick(out)
+
+    def _pick(self, out: Any) -> Any:
+        if not isinstance(out, tuple) or not out:
+            raise UsageError(
+                f"{self._what}() needs an operation producing a non-empty tuple, "
+                f"got {type(out).__name__}"
+            )
+        if self._n is not None and len(out) != self._n:
+            raise UsageError(f"unzip({self._n}) of an operation producing {len(out)} values")
+        return out[self._index]
+
+    def _label(self) -> str:
+        return f"{self._what} [{self._index}]"
+
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
+        return (self._op,)

@@ -1,0 +1,173 @@
+"""The four ways to run an operation: sync, sync_on, enqueue_on, await.
+
+Each run makes one :class:`Submission` and one :class:`ExecutionContext`,
+lets the operation enqueue, and then either blocks on the stream (``sync``),
+hands the submission to the dispatcher and returns (``enqueue_on``), or
+hands it over and awaits the GPU's wake-up (``await``).  Whatever happens
+after something was enqueued, the submission keeps what that work uses until
+the GPU is done with it.
+
+Structured scopes (stream leases, device groups) see every run started
+inside them through a context variable, so that they can wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+from ._bridge import Submission
+from ._context import ExecutionContext
+from ._errors import UsageError
+from ._graph import refuse_in_capture
+from ._operation import DeviceOperation, PendingMap, is_pending, resolve
+from ._runtime import Runtime, current_device, get_runtime
+from ._stream import SchedulingPolicy, Stream
+
+
+class Scope(Protocol):
+    """A structured scope that tracks the runs started inside it."""
+
+    def track(self, sub: Submission) -> None: ...
+
+    @property
+    def stream(self) -> Stream | None: ...
+
+
+#: The scopes the current task runs in, innermost last.
+current_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("gpuflow_scopes", default=())
+
+
+def _event_loop_running() -> str | None:
+    try:
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return "trio"
+        except RuntimeError:
+            pass
+    return None
+
+
+def _refuse_blocking(what: str) -> None:
+    lib = _event_loop_running()
+    if lib is not None:
+        raise UsageError(
+            f"{what} would block the running {lib} event loop: use `await op` "
+            "(or op.run(policy)) inside async code"
+        )
+
+
+def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> Stream:
+    if policy is None:
+        for scope in reversed(current_scopes.get()):
+            s = scope.stream
+            if s is not None:
+                return s
+        policy = rt.policy
+    elif not isinstance(policy, SchedulingPolicy):
+        raise TypeError(
+            f"policy must be a gf.SchedulingPolicy (with next_stream(device)), "
+            f"got {type(policy).__name__}"
+        )
+    stream = policy.next_stream(current_device())
+    if not isinstance(stream, Stream):
+        raise UsageError(f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream")
+    return stream
+
+
+def _start(
+    op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None
+) -> tuple[Runtime, Submission, ExecutionContext]:
+    if not isinstance(op, DeviceOperation):
+        raise TypeError(f"expected a gpuflow DeviceOperation, got {type(op).__name__}")
+    if not isinstance(stream, Stream):
+        raise TypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
+    refuse_in_capture("running an operation")
+    rt = stream._runtime
+    if not rt.live or stream._generation != rt.generation(stream.device):
+        raise UsageError(
+            f"{stream!r} belongs to a runtime or device context that was replaced or reset"
+        )
+    rt.check_fault(stream.device)
+    sub = Submission(stream.device)
+    for scope in current_scopes.get():
+        scope.track(sub)
+    return rt, sub, ExecutionContext(rt, stream, policy or rt.policy, sub)
+
+
+def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
+    _refuse_blocking("op.sync()")
+    rt = get_runtime()
+    return _sync(op, _choose(rt, policy), policy)
+
+
+def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+    _refuse_blocking("op.sync_on(stream)")
+    return _sync(op, stream, None)
+
+
+def _sync(op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None) -> Any:
+    _rt, sub, ctx = _start(op, stream, policy)
+    try:
+        out = op.execute(ctx)
+    except BaseException:
+        # what was enqueued finishes before what it uses is released
+        try:
+            stream.synchronize()
+        finally:
+            sub._finish(None)
+        raise
+    try:
+        stream.synchronize()
+    finally:
+        sub._finish(None)
+    return resolve(out)
+
+
+def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+    rt, sub, ctx = _start(op, stream, None)
+    try:
+        out = op.execute(ctx)
+    finally:
+        rt.dispatcher.submit(stream._raw, sub)
+    if is_pending(out):
+        if _has_map(out):
+            raise UsageError(
+                "enqueue_on() cannot apply map() to host data the GPU is still copying: "
+                "use sync_on() or await"
+            )
+        return resolve(out)
+    return out
+
+
+def _has_map(value: Any) -> bool:
+    if isinstance(value, PendingMap):
+        return True
+    if isinstance(value, tuple | list):
+        return any(_has_map(v) for v in value)
+    return False
+
+
+async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = None) -> Any:
+    rt = get_runtime()
+    stream = _choose(rt, policy)
+    rt, sub, ctx = _start(op, stream, policy)
+    try:
+        out = op.execute(ctx)
+    except BaseException:
+        try:
+            rt.dispatcher.submit(stream._raw, sub)
+        except Exception:  # the original failure is the one to report
+            pass
+        raise
+    rt.dispatcher.submit(stream._raw, sub)
+    await sub.wait()
+    return resolve(out)

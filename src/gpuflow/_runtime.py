@@ -1,0 +1,176 @@
+"""The process-wide runtime: one backend, its devices, their stream pools.
+
+:func:`init_device_contexts` makes it; the first use of gpuflow without it
+makes one with the defaults (``backend="auto"``), as CuPy and PyTorch
+initialise lazily.  The current device is a context variable, so each task
+(and each thread) sees its own, and a device group's children see theirs.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+from ._backends import load_backend
+from ._backends._base import Backend
+from ._bridge import Dispatcher
+from ._errors import DeviceFaultError, UsageError
+from ._stream import SchedulingPolicy, Stream, StreamPoolRoundRobin
+
+if TYPE_CHECKING:
+    pass
+
+_current_device: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
+
+
+class Runtime:
+    """Backend, devices and stream pools.  Internal: reach it through the API."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        default_device: int,
+        devices: list[int],
+        streams_per_device: int,
+    ) -> None:
+        self.backend = backend
+        self.default_device = default_device
+        self.devices = devices
+        self.streams_per_device = streams_per_device
+        self.policy: SchedulingPolicy = StreamPoolRoundRobin()
+        self.live = True
+        self._lock = threading.Lock()
+        self._generations = {d: 0 for d in devices}
+        self._pools: dict[int, list[Stream]] = {}
+        self.dispatcher = Dispatcher(backend)
+        for d in devices:
+            self._make_pool(d)
+
+    def _make_pool(self, device: int) -> None:
+        self._pools[device] = [
+            Stream(self, device, self.backend.create_stream(device))
+            for _ in range(self.streams_per_device)
+        ]
+
+    def generation(self, device: int) -> int:
+        return self._generations.get(device, 0)
+
+    def check_device(self, device: int) -> int:
+        if device not in self._generations:
+            raise UsageError(
+                f"device {device} is not initialised (devices: {self.devices}); "
+                "see gf.init_device_contexts(num_devices=...)"
+            )
+        return device
+
+    def pool(self, device: int) -> list[Stream]:
+        try:
+            return self._pools[device]
+        except KeyError:
+            self.check_device(device)
+            raise
+
+    def check_fault(self, device: int) -> None:
+        fault = self.backend.device_fault(device)
+        if fault is not None:
+            raise DeviceFaultError(
+                f"device {device} has a sticky fault; call gf.reset_device({device}) "
+                f"to recover: {fault}",
+                code=fault.code,
+                name=fault.name,
+                device=device,
+            ) from fault
+
+    def reset_device(self, device: int) -> None:
+        self.check_device(device)
+        with self._lock:
+            self.dispatcher.fail_device(
+                device,
+                DeviceFaultError(f"device {device} was reset while work was pending", device=device),
+            )
+            old = self._pools.pop(device, [])
+            self.backend.reset_device(device)
+            self._generations[device] += 1
+            self._make_pool(device)
+        for s in old:
+            self.backend.destroy_stream(s._raw)
+
+    def close(self) -> None:
+        self.live = False
+        self.dispatcher.close()
+        self.backend.close()
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def init_device_contexts(
+    default_device: int = 0,
+    num_devices: int | None = None,
+    streams_per_device: int = 4,
+    backend: str = "auto",
+) -> str:
+    """Initialise gpuflow: choose the backend, the devices and their stream pools.
+
+    ``backend`` is ``"auto"`` (``cuda`` when a CUDA device is present, else
+    ``sim``), ``"cuda"`` or ``"sim"``.  ``num_devices=None`` takes every
+    device.  Calling it again replaces the runtime; arrays and streams made
+    before belong to the old one.  Returns the name of the backend chosen
+    (also logged on the ``gpuflow`` logger).
+    """
+    global _runtime
+    if not isinstance(streams_per_device, int) or streams_per_device < 1:
+        raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
+    if num_devices is not None and (not isinstance(num_devices, int) or num_devices < 1):
+        raise UsageError(f"num_devices must be a positive int or None, not {num_devices!r}")
+    be = load_backend(backend, num_devices)
+    count = be.device_count
+    if num_devices is not None and num_devices > count:
+        be.close()
+        raise UsageError(f"num_devices={num_devices}, but backend {be.name!r} has {count}")
+    n = count if num_devices is None else num_devices
+    if not 0 <= default_device < n:
+        be.close()
+        raise UsageError(f"default_device={default_device} is not one of the {n} devices")
+    rt = Runtime(be, default_device, list(range(n)), streams_per_device)
+    with _runtime_lock:
+        old, _runtime = _runtime, rt
+    if old is not None:
+        old.close()
+    return be.name
+
+
+def get_runtime() -> Runtime:
+    rt = _runtime
+    if rt is None:
+        with _runtime_lock:
+            rt = _runtime
+        if rt is None:
+            init_device_contexts()
+            rt = _runtime
+            assert rt is not None
+    return rt
+
+
+def current_device() -> int:
+    """The device that operations started from this task or thread run on."""
+    d = _current_device.get()
+    return get_runtime().default_device if d is None else d
+
+
+def current_backend() -> str:
+    """The name of the backend in use (``"cuda"`` or ``"sim"``)."""
+    return get_runtime().backend.name
+
+
+def reset_device(device: int | None = None) -> None:
+    """Recover ``device`` (default: the current one) from a sticky fault.
+
+    Pending operations on it fail with :class:`DeviceFaultError`; its pool
+    streams are replaced; arrays and kernels made on it before are invalid
+    (as after CUDA's primary context reset).
+    """
+    rt = get_runtime()
+    rt.reset_device(current_device() if device is None else device)
