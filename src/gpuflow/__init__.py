@@ -6,6 +6,8 @@ with ``then``, ``zip``, ``unzip``, ``shared``), then run them with
 wakes the awaiting task itself; nothing polls.
 """
 
+from . import lowlevel as lowlevel
+from . import testing as testing
 from ._array import DeviceArray as DeviceArray
 from ._array import arange as arange
 from ._array import copy as copy
@@ -26,16 +28,20 @@ from ._graph import Graph as Graph
 from ._kernel import Kernel as Kernel
 from ._kernel import LaunchConfig as LaunchConfig
 from ._kernel import Module as Module
-from ._kernel import compile as compile  # noqa: A004
+from ._kernel import compile as compile
 from ._operation import DeviceOperation as DeviceOperation
 from ._operation import SharedOperation as SharedOperation
 from ._operation import value as value
 from ._operation import with_context as with_context
-from ._operation import zip as zip  # noqa: A004
+from ._operation import zip as zip
 from ._runtime import current_backend as current_backend
 from ._runtime import current_device as current_device
 from ._runtime import init_device_contexts as init_device_contexts
 from ._runtime import reset_device as reset_device
+from ._scope import DeviceGroup as DeviceGroup
+from ._scope import StreamLease as StreamLease
+from ._scope import open_device_group as open_device_group
+from ._scope import open_stream_lease as open_stream_lease
 from ._stream import SchedulingPolicy as SchedulingPolicy
 from ._stream import SingleStream as SingleStream
 from ._stream import Stream as Stream

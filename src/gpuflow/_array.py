@@ -12,10 +12,11 @@ enqueued: nothing the GPU still reads is freed early.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import numpy as np
 
@@ -31,10 +32,23 @@ if TYPE_CHECKING:
 ShapeLike = SupportsIndex | Sequence[SupportsIndex]
 
 
-class _Allocation:
-    """One device buffer and its hazard state.  Freed in stream order on GC."""
+#: Ordering a use after an allocation's hazards and enqueueing that use must be
+#: one step: another thread recording the allocation's last write in between
+#: would not see this use, and its work would race with it.  Launches, copies
+#: and graph launches hold it from their first ``before_read``/``before_write``
+#: until their work is enqueued; one lock for every allocation, because a
+#: launch orders itself after several, in any order.
+hazard_lock = threading.RLock()
 
-    __slots__ = ("_lock", "backend", "buffer", "generation", "readers", "synced", "writer")
+
+class _Allocation:
+    """One device buffer and its hazard state.  Freed in stream order on GC.
+
+    ``before_read``/``before_write`` are called under :data:`hazard_lock`,
+    together with the enqueue of the use they order.
+    """
+
+    __slots__ = ("backend", "buffer", "generation", "readers", "synced", "writer")
 
     def __init__(self, backend: Backend, buffer: RawBuffer, stream: Stream) -> None:
         self.backend = backend
@@ -43,14 +57,13 @@ class _Allocation:
         self.writer: Stream = stream  # the allocation itself is ordered on it
         self.synced: set[Stream] = {stream}  # streams already ordered after the last write
         self.readers: set[Stream] = set()
-        self._lock = threading.Lock()
 
     def before_read(self, stream: Stream) -> None:
         log = capture_log.get()
         if log is not None:  # captured work runs at replay: the launch orders it
             log.setdefault(id(self), (self, False))
             return
-        with self._lock:
+        with hazard_lock:
             if stream not in self.synced:
                 be = self.backend
                 be.wait_event(stream._raw, be.record_event(self.writer._raw))
@@ -62,7 +75,7 @@ class _Allocation:
         if log is not None:
             log[id(self)] = (self, True)
             return
-        with self._lock:
+        with hazard_lock:
             be = self.backend
             for s in {self.writer, *self.readers}:
                 if s != stream:
@@ -72,6 +85,10 @@ class _Allocation:
             self.readers = set()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # the process is going away with its memory, and a daemon thread
+            # (a stream, the driver) may be frozen holding a lock: never hang
+            return
         try:
             be = self.backend
             stream = self.writer
@@ -90,7 +107,7 @@ def _shape(shape: ShapeLike) -> tuple[int, ...]:
     if isinstance(shape, SupportsIndex) and not isinstance(shape, tuple | list):
         shape = (shape,)
     try:
-        out = tuple(int(s.__index__()) for s in shape)  # type: ignore[union-attr]
+        out = tuple(int(s.__index__()) for s in shape)
     except (TypeError, AttributeError):
         raise UsageError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
     if any(s < 0 for s in out):
@@ -98,9 +115,14 @@ def _shape(shape: ShapeLike) -> tuple[int, ...]:
     return out
 
 
+def _item(a: np.ndarray[Any, Any]) -> np.generic:
+    """The element of a 0-d array, as a NumPy scalar of its dtype."""
+    return cast(np.generic, a[()])
+
+
 def _dtype(dtype: Any) -> np.dtype[Any]:
     try:
-        dt = np.dtype(dtype)
+        dt: np.dtype[Any] = np.dtype(dtype)
     except TypeError:
         raise UsageError(f"{dtype!r} is not a NumPy dtype") from None
     if dt.hasobject or dt.kind not in "biufc":
@@ -162,14 +184,18 @@ class DeviceArray:
 
     def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
         a = self._alloc
-        if a.generation != ctx._runtime.generation(self.device) or a.writer._runtime is not ctx._runtime:
+        rt = ctx._runtime
+        if a.generation != rt.generation(self.device) or a.writer._runtime is not rt:
             raise UsageError(
                 f"{what}: {self!r} belongs to a device context that was reset or replaced"
             )
 
 
 def _allocate(
-    ctx: ExecutionContext, shape: tuple[int, ...], dtype: np.dtype[Any], stream: Stream | None = None
+    ctx: ExecutionContext,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    stream: Stream | None = None,
 ) -> DeviceArray:
     s = stream or ctx.stream
     if ctx.capturing:
@@ -186,7 +212,10 @@ def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
     if isinstance(x, DeviceOperation):
         x = x.execute(ctx)
     if not isinstance(x, DeviceArray):
-        raise UsageError(f"{what} needs a DeviceArray (or an operation producing one), got {type(x).__name__}")
+        raise UsageError(
+            f"{what} needs a DeviceArray (or an operation producing one), "
+            f"got {type(x).__name__}"
+        )
     x._check_usable(ctx, what)
     return x
 
@@ -199,8 +228,16 @@ class _Fill(DeviceOperation[DeviceArray]):
         self._dtype = dtype
         try:
             with warnings.catch_warnings():
+                # overflow to inf, NaN to an int and complex to real warn
                 warnings.simplefilter("error")
-                self._value = np.array(value).astype(dtype, casting="same_kind")[()]
+                src = np.array(value)
+                if src.ndim:
+                    raise ValueError("it is not a scalar")
+                self._value = _item(src.astype(dtype))
+                # a casting rule cannot tell 0 (fits uint8 and bool) from 300
+                # or -1 (does not): ints and bools must hold the value exactly
+                if dtype.kind in "biu" and self._value != src[()]:
+                    raise ValueError(f"{dtype} cannot hold it exactly")
         except (TypeError, ValueError, RuntimeWarning, OverflowError) as exc:
             raise UsageError(f"fill value {value!r} does not fit dtype {dtype}: {exc}") from None
 
@@ -265,7 +302,7 @@ def arange(
         raise UsageError("arange step must not be zero")
     dt = _dtype(np.result_type(start, stop, step) if dtype is None else dtype)
     n = max(0, math.ceil((stop - start) / step))
-    return _Arange(n, np.array(start).astype(dt)[()], np.array(step).astype(dt)[()], dt)
+    return _Arange(n, _item(np.array(start).astype(dt)), _item(np.array(step).astype(dt)), dt)
 
 
 class _FromHost(DeviceOperation[DeviceArray]):
@@ -275,7 +312,8 @@ class _FromHost(DeviceOperation[DeviceArray]):
         self._host = host
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
-        src = np.ascontiguousarray(self._host)
+        # ascontiguousarray makes a 0-d array 1-d: keep the shape
+        src = np.ascontiguousarray(self._host).reshape(self._host.shape)
         if ctx.capturing:
             raise UsageError(
                 "from_host inside a graph capture: host-to-device copies from pageable "
@@ -313,13 +351,18 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
     def execute(self, ctx: ExecutionContext) -> Any:
         a = _resolve_array(self._src, ctx, "to_host")
         if ctx.capturing:
-            raise UsageError("to_host inside a graph capture: device-to-host copies cannot be captured")
+            raise UsageError(
+                "to_host inside a graph capture: device-to-host copies cannot be captured"
+            )
         if a.device != ctx.device:
-            raise UsageError(f"to_host: {a!r} is on device {a.device}, the run on device {ctx.device}")
+            raise UsageError(
+                f"to_host: {a!r} is on device {a.device}, the run on device {ctx.device}"
+            )
         out = np.empty(a.shape, a.dtype)
         if a.nbytes:
-            a._alloc.before_read(ctx.stream)
-            ctx.backend.copy_to_host(out, a._alloc.buffer, ctx.stream._raw)
+            with hazard_lock:
+                a._alloc.before_read(ctx.stream)
+                ctx.backend.copy_to_host(out, a._alloc.buffer, ctx.stream._raw)
             ctx.keep(out)
         return PendingHost(out)
 
@@ -371,9 +414,10 @@ class _Copy(DeviceOperation[DeviceArray]):
             return dst
         # the copy runs on the destination's device; the run's stream joins it
         stream = ctx.stream if dst.device == ctx.device else dst._alloc.writer
-        src._alloc.before_read(stream)
-        dst._alloc.before_write(stream)
-        ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, src.nbytes, stream._raw)
+        with hazard_lock:
+            src._alloc.before_read(stream)
+            dst._alloc.before_write(stream)
+            ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, src.nbytes, stream._raw)
         ctx.wait_for(stream)
         return dst
 

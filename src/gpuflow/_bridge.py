@@ -30,7 +30,6 @@ import anyio
 import anyio.lowlevel
 
 from ._backends._base import Backend
-from ._errors import DeviceFaultError
 
 WATCHDOG_S = 0.02
 #: After the last pending submission, keep the watchdog timer this long so
@@ -46,16 +45,19 @@ class Submission:
     ``keep`` holds host buffers, staging memory, graphs and leases that
     enqueued work still uses; it is released by the completion (or a fault),
     never earlier, whatever happens to the task that started the run.
+
+    Any number of tasks may :meth:`wait` for it (the task that started the
+    run, and a scope that drains it on exit): the completion wakes them all.
     """
 
-    __slots__ = ("device", "done", "error", "keep", "on_done", "waiter")
+    __slots__ = ("device", "done", "error", "keep", "on_done", "waiters")
 
     def __init__(self, device: int) -> None:
         self.device = device
         self.keep: list[object] = []
         self.done = False
         self.error: BaseException | None = None
-        self.waiter: Waiter | None = None
+        self.waiters: list[Waiter] = []
         self.on_done: list[Callable[[BaseException | None], None]] | None = None
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
@@ -68,7 +70,7 @@ class Submission:
             self.on_done.remove(fn)
             fn(self.error)
 
-    def _finish(self, error: BaseException | None) -> Waiter | None:
+    def _finish(self, error: BaseException | None) -> list[Waiter]:
         self.error = error
         self.keep = []
         self.done = True
@@ -78,7 +80,7 @@ class Submission:
                 fn(error)
             except BaseException as exc:  # never into the dispatcher thread
                 warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
-        return self.waiter
+        return self.waiters
 
     async def wait(self) -> None:
         """Wait (cancellably) until the work is done; raise its device error.
@@ -89,9 +91,9 @@ class Submission:
         if not self.done:
             token = anyio.lowlevel.current_token()
             event = anyio.Event()
-            self.waiter = (token, event.set)
+            self.waiters.append((token, event.set))
             # the dispatcher may have finished us between the check and here:
-            # the waiter is idempotent, so a double wake is harmless
+            # a wake-up is idempotent, so a double wake is harmless
             if not self.done:
                 await event.wait()
             else:
@@ -151,11 +153,16 @@ class Dispatcher:
                 if sub in q:
                     q.remove(sub)
                     self._pending -= 1
-            if sub.waiter is None:
+            if not sub.waiters:
                 sub._finish(exc)
             raise
         if wake:
             self._backend.wake()
+
+    @property
+    def pending(self) -> int:
+        """Submissions handed over whose work has not been seen to finish."""
+        return self._pending
 
     def fail_device(self, device: int, error: BaseException) -> None:
         """Fail every pending submission of ``device`` (a fault, a reset)."""
@@ -176,9 +183,7 @@ class Dispatcher:
     def _deliver(self, done: list[tuple[Submission, BaseException | None]]) -> None:
         posts: dict[int, tuple[Any, list[Callable[[], object]]]] = {}
         for sub, err in done:
-            waiter = sub._finish(err)
-            if waiter is not None:
-                token, fn = waiter
+            for token, fn in sub._finish(err):
                 entry = posts.get(id(token.native_token))
                 if entry is None:
                     posts[id(token.native_token)] = (token, [fn])
@@ -232,9 +237,7 @@ class Dispatcher:
                 continue
             try:
                 self._backend.query(raw)
-            except DeviceFaultError as exc:
+            except Exception as exc:  # a fault, or an unknown failure: either ends the wait
                 faulted[device] = exc
-            except Exception as exc:  # an unknown failure also ends the wait
-                faulted[device] = exc
-        for device, exc in faulted.items():
-            self.fail_device(device, exc)
+        for device, err in faulted.items():
+            self.fail_device(device, err)

@@ -104,7 +104,9 @@ class _GraphLaunch(DeviceOperation[T]):
     def execute(self, ctx: ExecutionContext) -> T:
         g = self._graph
         if ctx.device != g.device:
-            raise UsageError(f"a graph captured on device {g.device} launched on device {ctx.device}")
+            raise UsageError(
+                f"a graph captured on device {g.device} launched on device {ctx.device}"
+            )
         if g._runtime is not ctx._runtime or g._generation != ctx._runtime.generation(g.device):
             raise UsageError("the graph belongs to a device context that was reset or replaced")
         if ctx.capturing:
@@ -113,12 +115,15 @@ class _GraphLaunch(DeviceOperation[T]):
             updates, g._updates = g._updates, []
         for op in updates:
             op.execute(ctx)
-        for alloc, writes in g._hazards:
-            if writes:
-                alloc.before_write(ctx.stream)
-            else:
-                alloc.before_read(ctx.stream)
-        ctx.backend.launch_graph(g._raw, ctx.stream._raw)
+        from ._array import hazard_lock  # _array imports this module
+
+        with hazard_lock:  # ordering after the hazards and enqueueing are one step
+            for alloc, writes in g._hazards:
+                if writes:
+                    alloc.before_write(ctx.stream)
+                else:
+                    alloc.before_read(ctx.stream)
+            ctx.backend.launch_graph(g._raw, ctx.stream._raw)
         ctx.keep(g)
         return g._output
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._array import DeviceArray
+from ._array import DeviceArray, _Allocation, hazard_lock
 from ._backends._base import PointerArg
 from ._backends._nvrtc import CHECK_ARCH, compile_source
 from ._errors import CompileError, UsageError
@@ -162,7 +162,12 @@ class LaunchConfig:
 
     @staticmethod
     def _dims(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
-        t = (v,) if isinstance(v, int | np.integer) else tuple(v)
+        if isinstance(v, int | np.integer):
+            t: tuple[Any, ...] = (v,)
+        elif isinstance(v, Sequence):
+            t = tuple(v)
+        else:  # a float or None is a usage error, not a TypeError from tuple()
+            t = ()
         if not 1 <= len(t) <= 3 or not all(isinstance(x, int | np.integer) and x >= 1 for x in t):
             raise UsageError(f"LaunchConfig: {what} must be 1 to 3 positive ints, not {v!r}")
         t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
@@ -201,7 +206,7 @@ class Module:
         self.references = references
         self.options = options
         self._kernels = {n: Kernel(self, n, p) for n, p in signatures.items()}
-        self._loaded: dict[tuple[int, int, int], Any] = {}
+        self._loaded: dict[tuple[int, int, int, str], Any] = {}
         self._lock = threading.Lock()
 
     @property
@@ -226,18 +231,18 @@ class Module:
         return [*super().__dir__(), *self._kernels]
 
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
-        key = (id(ctx._runtime), ctx.device, ctx._runtime.generation(ctx.device))
-        k = self._loaded.get(key + (name,))  # type: ignore[call-overload]
+        # a kernel handle belongs to one runtime, device and context generation
+        key = (id(ctx._runtime), ctx.device, ctx._runtime.generation(ctx.device), name)
+        k = self._loaded.get(key)
         if k is None:
             with self._lock:
-                k = self._loaded.get(key + (name,))  # type: ignore[call-overload]
+                k = self._loaded.get(key)
                 if k is None:
-                    k = ctx.backend.load_kernel(ctx.device, self, name)
-                    self._loaded[key + (name,)] = k  # type: ignore[index]
+                    k = self._loaded[key] = ctx.backend.load_kernel(ctx.device, self, name)
         return k
 
 
-def compile(  # noqa: A001 - the public name is fixed by the design
+def compile(
     source: str,
     references: dict[str, Callable[..., Any]] | None = None,
     options: Sequence[str] = (),
@@ -379,6 +384,8 @@ class _Launch(DeviceOperation[Any]):
             values.append(a)
         args: list[PointerArg | np.generic] = []
         written: list[DeviceArray] = []
+        reads: list[_Allocation] = []
+        writes: list[_Allocation] = []
         stream = ctx.stream
         for p, a in zip(k.params, values, strict=True):
             if p.pointer:
@@ -392,15 +399,20 @@ class _Launch(DeviceOperation[Any]):
                 dt = a.dtype if p.dtype is None else p.dtype
                 args.append(PointerArg(a._alloc.buffer, dt, a.nbytes // dt.itemsize, not p.const))
                 if p.const:
-                    a._alloc.before_read(stream)
+                    reads.append(a._alloc)
                 else:
-                    a._alloc.before_write(stream)
+                    writes.append(a._alloc)
                     written.append(a)
             else:
                 args.append(a)
         raw = k.module._load(ctx, k.name)
         cfg = self._config
-        ctx.backend.launch(raw, cfg.grid, cfg.block, cfg.shmem, args, stream._raw)
+        with hazard_lock:  # ordering after the hazards and enqueueing are one step
+            for alloc in reads:
+                alloc.before_read(stream)
+            for alloc in writes:
+                alloc.before_write(stream)
+            ctx.backend.launch(raw, cfg.grid, cfg.block, cfg.shmem, args, stream._raw)
         if not written:
             return None
         return written[0] if len(written) == 1 else tuple(written)

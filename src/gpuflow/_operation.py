@@ -14,6 +14,7 @@ deferred to completion, and ``then`` over it is refused (await first).
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -349,18 +350,24 @@ class _Zip(DeviceOperation[tuple[Any, ...]]):
         outs: list[Any] = []
         forked: list[Stream] = []
         try:
-            for i, op in enumerate(self._ops):
+            # every arm's stream is ordered after what was enqueued before the
+            # zip *before* any arm enqueues: waiting later would also wait for
+            # the arms already enqueued on ctx.stream and serialize them
+            arms: list[ExecutionContext] = []
+            for i in range(len(self._ops)):
                 stream = ctx.stream if i == 0 else ctx.fork()
                 if stream == ctx.stream:
-                    outs.append(op.execute(ctx))
+                    arms.append(ctx)
                     continue
-                # the arm sees everything enqueued before the zip, then runs
-                # alongside the others; the join below waits for it
                 arm = ctx.with_stream(stream)
-                arm.wait_for(ctx.stream)
-                forked.append(stream)
+                if stream not in forked:
+                    arm.wait_for(ctx.stream)
+                    forked.append(stream)
+                arms.append(arm)
+            for op, arm in builtins.zip(self._ops, arms, strict=True):
                 outs.append(op.execute(arm))
         finally:
+            # the join: what follows on ctx.stream sees every arm done
             for s in forked:
                 ctx.wait_for(s)
         return tuple(outs)

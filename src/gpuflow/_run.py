@@ -18,6 +18,8 @@ import sys
 from contextvars import ContextVar
 from typing import Any, Protocol
 
+import anyio.lowlevel
+
 from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError
@@ -65,12 +67,29 @@ def _refuse_blocking(what: str) -> None:
         )
 
 
-def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> Stream:
+class _Pinned:
+    """The policy of a run inside a stream lease: every part of it, zip arms
+    included, stays on the lease's stream (any other stream of the pool may be
+    another scope's lease)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+
+    def next_stream(self, device: int) -> Stream:
+        return self._stream
+
+
+def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
+    """The stream a run starts on, and the policy its zip arms fork with."""
     if policy is None:
+        device = current_device()
         for scope in reversed(current_scopes.get()):
             s = scope.stream
-            if s is not None:
-                return s
+            # a lease of another device does not apply (a device group's child)
+            if s is not None and s.device == device:
+                return s, _Pinned(s)
         policy = rt.policy
     elif not isinstance(policy, SchedulingPolicy):
         raise TypeError(
@@ -80,7 +99,7 @@ def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> Stream:
     stream = policy.next_stream(current_device())
     if not isinstance(stream, Stream):
         raise UsageError(f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream")
-    return stream
+    return stream, policy
 
 
 def _start(
@@ -90,7 +109,7 @@ def _start(
         raise TypeError(f"expected a gpuflow DeviceOperation, got {type(op).__name__}")
     if not isinstance(stream, Stream):
         raise TypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
-    refuse_in_capture("running an operation")
+    refuse_in_capture(f"running {op!r}")
     rt = stream._runtime
     if not rt.live or stream._generation != rt.generation(stream.device):
         raise UsageError(
@@ -106,7 +125,8 @@ def _start(
 def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
     _refuse_blocking("op.sync()")
     rt = get_runtime()
-    return _sync(op, _choose(rt, policy), policy)
+    stream, policy = _choose(rt, policy)
+    return _sync(op, stream, policy)
 
 
 def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
@@ -157,8 +177,10 @@ def _has_map(value: Any) -> bool:
 
 
 async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = None) -> Any:
+    # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
+    await anyio.lowlevel.checkpoint_if_cancelled()
     rt = get_runtime()
-    stream = _choose(rt, policy)
+    stream, policy = _choose(rt, policy)
     rt, sub, ctx = _start(op, stream, policy)
     try:
         out = op.execute(ctx)

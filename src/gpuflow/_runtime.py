@@ -87,10 +87,11 @@ class Runtime:
         with self._lock:
             self.dispatcher.fail_device(
                 device,
-                DeviceFaultError(f"device {device} was reset while work was pending", device=device),
+                DeviceFaultError(f"device {device} was reset with work pending", device=device),
             )
-            old = self._pools.pop(device, [])
+            # raises (and changes nothing of ours) where the driver refuses
             self.backend.reset_device(device)
+            old = self._pools.pop(device, [])
             self._generations[device] += 1
             self._make_pool(device)
         for s in old:

@@ -52,6 +52,6 @@ def compile_source(source: str, arch: str, options: tuple[str, ...]) -> bytes:
                 n = check(nvrtc.nvrtcGetPTXSize(prog), "ptx size")
                 out = b" " * int(n)  # type: ignore[call-overload]
                 check(nvrtc.nvrtcGetPTX(prog, out), "ptx")
-            return out
+            return bytes(out)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)

@@ -122,12 +122,13 @@ class SimStream:
                     return
                 what, item = self.queue[0]
                 live = self.device.fault is None
+                generation = self.device.generation
                 self.running = live
             if live:
                 try:
                     item()
                 except BaseException as exc:
-                    self.backend._set_fault(self.device, what, exc)
+                    self.backend._set_fault(self.device, what, exc, generation)
             with cond:
                 self.queue.popleft()
                 self.running = False
@@ -189,7 +190,9 @@ class SimBackend(Backend):
                 f"device {device} does not exist: the sim backend has {len(self._devices)}"
             ) from None
 
-    def _set_fault(self, device: _SimDevice, what: str, exc: BaseException) -> None:
+    def _set_fault(
+        self, device: _SimDevice, what: str, exc: BaseException, generation: int
+    ) -> None:
         if isinstance(exc, DeviceFaultError):
             err = exc
         else:
@@ -204,7 +207,9 @@ class SimBackend(Backend):
             )
             err.__cause__ = exc
         with self.cond:
-            if device.fault is None:
+            # an item still running when its device was reset belongs to the
+            # context that is gone: its failure must not fault the new one
+            if device.fault is None and device.generation == generation:
                 device.fault = err
             self.cond.notify_all()
 
@@ -240,7 +245,9 @@ class SimBackend(Backend):
             self.cond.notify_all()
 
     def stream_handle(self, stream: Any) -> int:
-        raise UsageError("the sim backend has no CUDA streams: __cuda_stream__ needs backend 'cuda'")
+        raise UsageError(
+            "the sim backend has no CUDA streams: __cuda_stream__ needs backend 'cuda'"
+        )
 
     def _enqueue(self, stream: SimStream, what: str, item: Item) -> None:
         with self.cond:

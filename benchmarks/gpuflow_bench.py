@@ -1,0 +1,371 @@
+"""gpuflow's benchmarks: medians and ratios against baselines measured in the
+same process, side by side.  ``python -m gpuflow bench [--quick] [--only NAME]``.
+
+Absolute times only mean something on a GPU (backend ``cuda``); on ``sim``
+the gpuflow side runs and the raw-driver baselines are left out.  Each row:
+what was measured, gpuflow's median, the baseline and its median, their
+ratio, and the target the issue set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+import gpuflow as gf
+
+EMPTY = r"""
+extern "C" __global__ void empty() {}
+extern "C" __global__ void crash(int* p, unsigned long long bad) {
+    *((volatile int*)(bad + 4 * threadIdx.x)) = p[0];  // an address nothing maps
+}
+extern "C" __global__ void busy(float* x, int iters) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float a = x[i], b = 1.0001f, c = 0.9999f;
+    for (int k = 0; k < iters; ++k) { a = a * b + c; b = b * c + a * 1e-9f; }
+    x[i] = a + b;
+}
+"""
+
+
+def _refs() -> dict[str, Callable[..., None]]:
+    def crash(p: Any, bad: int) -> None:
+        raise IndexError("illegal address (write through a null pointer)")
+
+    def busy(x: Any, iters: int) -> None:
+        x += 1.0
+
+    return {"empty": lambda: None, "crash": crash, "busy": busy}
+
+
+ROWS: list[dict[str, Any]] = []
+
+
+def row(name: str, value: float, unit: str, base_name: str = "", base: float | None = None,
+        target: str = "", lower_is_better: bool = True) -> None:
+    ratio = None if base is None or base == 0 else value / base
+    ROWS.append(dict(name=name, value=value, unit=unit, base_name=base_name, base=base,
+                     ratio=ratio, target=target))
+    b = "" if base is None else f"{base:10.1f} {unit} ({base_name})"
+    r = "" if ratio is None else f"{ratio:6.2f}x"
+    print(f"  {name:<46}{value:10.1f} {unit:<6} {b:<44} {r:>8}  {target}", flush=True)
+
+
+def median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+# -- raw driver baselines (cuda only) ----------------------------------------------
+class Raw:
+    """The same kernels through cuda.bindings alone: what the driver itself allows."""
+
+    def __init__(self, stream: gf.Stream) -> None:
+        from cuda.bindings import driver as cu
+
+        from gpuflow._backends._nvrtc import compile_source
+
+        self.cu = cu
+        dev = stream.device
+        cudev = cu.cuDeviceGet(dev)[1]
+        major = cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, cudev)[1]
+        minor = cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, cudev)[1]
+        cubin = compile_source(EMPTY, f"sm_{major}{minor}", ())
+        ctx = cu.cuDevicePrimaryCtxRetain(cudev)[1]
+        cu.cuCtxSetCurrent(ctx)
+        self.mod = cu.cuModuleLoadData(cubin)[1]
+        self.empty = cu.cuModuleGetFunction(self.mod, b"empty")[1]
+        self.stream = cu.CUstream(stream.__cuda_stream__()[1])
+
+    def launch(self) -> None:
+        self.cu.cuLaunchKernel(self.empty, 1, 1, 1, 1, 1, 1, 0, self.stream, 0, 0)
+
+    def sync(self) -> None:
+        self.cu.cuStreamSynchronize(self.stream)
+
+
+def bench_launch_await(mod: gf.Module, quick: bool, cuda: bool) -> None:
+    n = 300 if quick else 3000
+    op = mod.empty(gf.LaunchConfig(1, 1))
+    print("launch + await of one empty kernel (median per op)")
+    for lib in ("asyncio", "trio"):
+        async def gf_loop() -> list[float]:
+            out = []
+            for _ in range(n // 10):
+                await op
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await op
+                out.append(time.perf_counter() - t0)
+            return out
+
+        ours = median_us(anyio.run(gf_loop, backend=lib))
+        if not cuda:
+            row(f"gpuflow await ({lib})", ours, "us", target="(sim: no target)")
+            continue
+        stream = gf.new_stream()
+        raw = Raw(stream)
+
+        async def thread_loop() -> list[float]:
+            out = []
+            for _ in range(n // 10):
+                raw.launch()
+                await anyio.to_thread.run_sync(raw.sync)
+            for _ in range(n):
+                t0 = time.perf_counter()
+                raw.launch()
+                await anyio.to_thread.run_sync(raw.sync)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        base = median_us(anyio.run(thread_loop, backend=lib))
+        target = "<= 30 us" if lib == "asyncio" else "<= 40 us"
+        row(f"gpuflow await ({lib})", ours, "us", f"to_thread(sync) {lib}", base, target)
+        blocking = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            raw.launch()
+            raw.sync()
+            blocking.append(time.perf_counter() - t0)
+        row(f"gpuflow await ({lib}) vs blocking", ours, "us", "launch+cuStreamSynchronize",
+            median_us(blocking), "(floor)")
+
+
+def bench_throughput(mod: gf.Module, quick: bool) -> None:
+    tasks, per = 64, (20 if quick else 100)
+    op = mod.empty(gf.LaunchConfig(1, 1))
+    print(f"{tasks} tasks x {per} awaited tiny kernels over the 4-stream pool")
+    for lib in ("asyncio", "trio"):
+        async def main() -> float:
+            async def worker() -> None:
+                for _ in range(per):
+                    await op
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(worker)
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for _ in range(tasks):
+                    tg.start_soon(worker)
+            return tasks * per / (time.perf_counter() - t0)
+
+        rates = [anyio.run(main, backend=lib) for _ in range(3)]
+        row(f"awaited ops per second ({lib})", statistics.median(rates), "op/s",
+            target=">= 80,000 (asyncio)" if lib == "asyncio" else "")
+
+
+def _chain(mod: gf.Module, n: int) -> gf.DeviceOperation[Any]:
+    k = mod.empty(gf.LaunchConfig(1, 1))
+    op: gf.DeviceOperation[Any] = k
+    for _ in range(n - 1):
+        op = op.then(lambda _o: k)
+    return op
+
+
+def bench_chain_and_graph(mod: gf.Module, quick: bool, cuda: bool) -> None:
+    reps = 20 if quick else 200
+    chain = _chain(mod, 132)
+    stream = gf.new_stream()
+    print("132-kernel token (median per token)")
+
+    one = gf.SingleStream()
+
+    async def await_chain() -> list[float]:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await chain.run(one)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    ours = median_us(anyio.run(await_chain))
+    per_kernel = []
+    k = mod.empty(gf.LaunchConfig(1, 1))
+    for _ in range(max(3, reps // 20)):
+        t0 = time.perf_counter()
+        for _ in range(132):
+            k.sync_on(stream)
+        per_kernel.append(time.perf_counter() - t0)
+    sync_each = median_us(per_kernel)
+    graph = chain.capture(stream)
+    launch = graph.launch()
+
+    async def await_graph() -> list[float]:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await launch.run(one)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    replay = median_us(anyio.run(await_graph))
+    if cuda:
+        raw = Raw(stream)
+        loop = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(132):
+                raw.launch()
+            raw.sync()
+            loop.append(time.perf_counter() - t0)
+        row("then chain awaited once", ours, "us", "raw cuLaunchKernel x132 + sync",
+            median_us(loop), "<= 1.15x")
+    row("then chain awaited once", ours, "us", "op.sync() after every kernel", sync_each,
+        "<= 0.6x")
+    row("graph replay awaited", replay, "us", "op.sync() after every kernel", sync_each,
+        ">= 10x faster (<= 0.1x)")
+    if cuda:
+        cu = raw.cu
+        exec_handle = gf.lowlevel.graph_exec_handle(graph)
+        gexec = cu.CUgraphExec(exec_handle)
+        rawg = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            cu.cuGraphLaunch(gexec, raw.stream)
+            raw.sync()
+            rawg.append(time.perf_counter() - t0)
+        row("graph replay awaited", replay, "us", "raw cuGraphLaunch + sync (same graph)",
+            median_us(rawg), "<= 1.1x")
+
+
+def bench_host_function_hold(cuda: bool) -> None:
+    if not cuda:
+        return
+    from cuda.bindings import driver as cu
+
+    print("stream held by gpuflow's host function while the loop thread runs Python")
+    stream = gf.new_stream()
+    s = cu.CUstream(stream.__cuda_stream__()[1])
+    e0 = cu.cuEventCreate(0)[1]
+    e1 = cu.cuEventCreate(0)[1]
+    op = gf.value(None)
+    held = []
+    for _ in range(15):
+        cu.cuEventRecord(e0, s)
+        op.enqueue_on(stream)
+        cu.cuEventRecord(e1, s)
+        t0 = time.perf_counter()
+        x = 0
+        while time.perf_counter() - t0 < 0.02:  # the GIL is held by pure Python
+            x += 1
+        stream.synchronize()
+        held.append(cu.cuEventElapsedTime(e0, e1)[1])
+    row("host function hold, GIL busy", statistics.median(held), "ms",
+        "GIL-taking callback (DESIGN.md)", 5.2, "<= 0.2 ms")
+
+
+def bench_fault(mod: gf.Module) -> None:
+    print("device fault to failed await")
+    times = []
+    for _ in range(3):
+        arr = gf.zeros(1, np.int32).sync()
+        op = mod.crash(gf.LaunchConfig(1, 32), arr, 8)
+
+        async def main() -> float:
+            t0 = time.perf_counter()
+            try:
+                await op
+            except gf.DeviceFaultError:
+                return time.perf_counter() - t0
+            raise AssertionError("the faulting kernel did not fail")
+
+        times.append(anyio.run(main))
+        del arr
+        gf.reset_device(gf.current_device())
+    row("fault -> DeviceFaultError", statistics.median(times) * 1e3, "ms", target="<= 100 ms")
+
+
+def bench_fan_out(mod: gf.Module, quick: bool, cuda: bool) -> None:
+    from gpuflow._runtime import get_runtime
+
+    devices = get_runtime().devices
+    if len(devices) < 2:
+        print("fan-out: one device only; needs two (the nvidia-h200-x2 machine)")
+        return
+    iters = 2_000 if not cuda else (20_000 if quick else 200_000)
+    n = 8 if quick else 32
+    print(f"compute-bound pipeline of {2 * n} kernels: one device vs a device group of 2")
+
+    def pipeline(x: gf.DeviceArray) -> gf.DeviceOperation[Any]:
+        cfg = gf.LaunchConfig(132 * 8, 256)
+        op: gf.DeviceOperation[Any] = mod.busy(cfg, x, iters)
+        for _ in range(n - 1):
+            op = op.then(lambda _o: mod.busy(cfg, x, iters))
+        return op
+
+    size = 132 * 8 * 256
+    xs = {}
+    for d in devices[:2]:
+        xs[d] = gf.copy(gf.zeros(size, np.float32).sync(), device=d).sync()
+    pipeline(xs[devices[0]]).sync()  # warm-up
+
+    async def one() -> float:
+        t0 = time.perf_counter()
+        await pipeline(xs[devices[0]])
+        await pipeline(xs[devices[0]])
+        return time.perf_counter() - t0
+
+    async def two() -> float:
+        async def work(d: int) -> None:
+            await pipeline(xs[d])
+
+        t0 = time.perf_counter()
+        async with gf.open_device_group(devices[:2]) as g:
+            for d in devices[:2]:
+                g.start_soon(work, d, device=d)
+        return time.perf_counter() - t0
+
+    t1 = statistics.median(anyio.run(one) for _ in range(3))
+    t2 = statistics.median(anyio.run(two) for _ in range(3))
+    row("device group speed-up (2 devices)", t1 / t2, "x", target=">= 1.9x", lower_is_better=False)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpuflow bench")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--only", action="append", default=[],
+                   help="launch, throughput, chain, hold, fanout, fault (repeatable)")
+    args = p.parse_args(argv)
+    backend = gf.init_device_contexts(backend=args.backend)
+    cuda = backend == "cuda"
+    from gpuflow._runtime import get_runtime
+
+    rt = get_runtime()
+    print(f"gpuflow bench on backend {backend!r}: "
+          + ", ".join(rt.backend.device_name(d) for d in rt.devices))
+    if not cuda:
+        print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
+    mod = gf.compile(EMPTY, references=_refs())
+    only = set(args.only) or {"launch", "throughput", "chain", "hold", "fanout", "fault"}
+    head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
+    print(f"{head} {'ratio':>8}  target")
+    if "launch" in only:
+        bench_launch_await(mod, args.quick, cuda)
+    if "throughput" in only:
+        bench_throughput(mod, args.quick)
+    if "chain" in only:
+        bench_chain_and_graph(mod, args.quick, cuda)
+    if "hold" in only:
+        bench_host_function_hold(cuda)
+    if "fanout" in only:
+        bench_fan_out(mod, args.quick, cuda)
+    if "fault" in only:
+        bench_fault(mod)
+    out = os.environ.get("OUT")
+    if out:
+        import json
+
+        with open(os.path.join(out, "bench.json"), "w") as f:
+            json.dump({"backend": backend, "rows": ROWS}, f, indent=1)
+    return 0
+

@@ -1,0 +1,265 @@
+"""Structured lifetimes: stream leases and device groups.
+
+Every run started inside a scope (in its task or in tasks started from it)
+is tracked by the scope through a context variable.  Leaving the scope —
+normally, by an exception or by cancellation — waits, shielded, until the
+GPU has finished every tracked run, and only then gives back what the scope
+held.  Nothing enqueued outlives its scope.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from ._bridge import Submission, _post
+from ._errors import UsageError
+from ._run import current_scopes
+from ._runtime import Runtime, _current_device, current_device, get_runtime
+from ._stream import Stream
+
+_PRUNE_AT = 64
+
+
+class _Tracked:
+    """The runs started inside a scope that may still be running."""
+
+    __slots__ = ("_subs",)
+
+    def __init__(self) -> None:
+        self._subs: list[Submission] = []
+
+    def track(self, sub: Submission) -> None:
+        subs = self._subs
+        if len(subs) >= _PRUNE_AT:
+            subs[:] = [s for s in subs if not s.done]
+        subs.append(sub)
+
+    async def drain(self) -> None:
+        """Wait, shielded from cancellation, until every tracked run is done."""
+        with anyio.CancelScope(shield=True):
+            while self._subs:
+                sub = self._subs.pop()
+                if not sub.done:
+                    try:
+                        await sub.wait()
+                    except Exception:
+                        pass  # the run's own awaiter reports its failure
+
+    def pending(self) -> int:
+        return sum(not s.done for s in self._subs)
+
+
+class _LeasePool:
+    """Which pool streams of one device are leased; fair, cross-thread waiting."""
+
+    def __init__(self, streams: list[Stream]) -> None:
+        self.free = list(streams)
+        self.waiters: collections.deque[tuple[Any, anyio.Event, list[Stream]]] = (
+            collections.deque()
+        )
+        self.lock = threading.Lock()
+        self.held = 0
+
+    def release(self, stream: Stream) -> None:
+        with self.lock:
+            self.held -= 1
+            if self.waiters:
+                token, event, slot = self.waiters.popleft()
+                slot.append(stream)
+                self.held += 1
+            else:
+                self.free.append(stream)
+                return
+        _post(token, [event.set])
+
+    async def acquire(self) -> Stream:
+        with self.lock:
+            if self.free and not self.waiters:
+                self.held += 1
+                return self.free.pop(0)
+            event = anyio.Event()
+            slot: list[Stream] = []
+            entry = (anyio.lowlevel.current_token(), event, slot)
+            self.waiters.append(entry)
+        try:
+            await event.wait()
+        except BaseException:
+            with self.lock:
+                if entry in self.waiters:
+                    self.waiters.remove(entry)
+                    slot = []
+            if slot:  # handed over just as we were cancelled: pass it on
+                self.release(slot[0])
+            raise
+        return slot[0]
+
+
+def _leave(token: Any) -> None:
+    """Take a scope off ``current_scopes``.  An async generator holding the
+    scope may be closed from another task, whose context never had it: then
+    there is nothing to take off, and the scope must still be left."""
+    try:
+        current_scopes.reset(token)
+    except ValueError:
+        pass
+
+
+_lease_pools: dict[tuple[int, int, int], _LeasePool] = {}
+_lease_pools_lock = threading.Lock()
+
+
+def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
+    key = (id(rt), device, rt.generation(device))
+    with _lease_pools_lock:
+        pool = _lease_pools.get(key)
+        if pool is None:
+            pool = _lease_pools[key] = _LeasePool(rt.pool(device))
+        return pool
+
+
+def leases_held() -> int:
+    """How many stream leases are held now, over every device."""
+    with _lease_pools_lock:
+        return sum(p.held for p in _lease_pools.values())
+
+
+class StreamLease:
+    """One pool stream held by one scope (see :func:`open_stream_lease`)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._stream: Stream | None = None
+        self._tracked = _Tracked()
+        self._pool: _LeasePool | None = None
+        self._token: Any = None
+
+    @property
+    def stream(self) -> Stream:
+        """The leased stream; operations awaited in the scope run on it, in order."""
+        if self._stream is None:
+            raise UsageError("the stream lease is not held (use it inside `async with`)")
+        return self._stream
+
+    def track(self, sub: Submission) -> None:
+        self._tracked.track(sub)
+
+    async def __aenter__(self) -> StreamLease:
+        rt = get_runtime()
+        rt.check_device(self.device)
+        self._pool = _lease_pool(rt, self.device)
+        self._stream = await self._pool.acquire()
+        self._token = current_scopes.set((*current_scopes.get(), self))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _leave(self._token)
+        try:
+            await self._tracked.drain()
+        finally:
+            stream, self._stream = self._stream, None
+            assert self._pool is not None and stream is not None
+            self._pool.release(stream)
+
+
+def open_stream_lease(device: int | None = None) -> StreamLease:
+    """Lease one stream of ``device``'s pool (default: the current device) for a scope.
+
+    ``async with gf.open_stream_lease() as lease:`` — operations awaited in
+    the scope, in this task and in tasks it starts, run on ``lease.stream``
+    in order (unless given an explicit policy).  Leaving the scope, however
+    it is left, waits (shielded) until the GPU has finished what the scope
+    enqueued, then returns the stream.  Two leases never hold the same stream;
+    when every stream is leased, a new lease waits for one (fairly, FIFO).
+    """
+    return StreamLease(current_device() if device is None else device)
+
+
+class DeviceGroup:
+    """A task group for multi-device fan-out (see :func:`open_device_group`)."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._tracked = _Tracked()
+        self._token: Any = None
+        self._next = 0
+
+    @property
+    def stream(self) -> Stream | None:
+        return None
+
+    def track(self, sub: Submission) -> None:
+        self._tracked.track(sub)
+
+    def start_soon(
+        self,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        device: int | None = None,
+        name: object = None,
+    ) -> None:
+        """Start ``fn(*args)`` as a child task with ``device`` current.
+
+        ``device=None`` takes the group's devices in turn.  A failure in one
+        child cancels the others, as in any AnyIO task group.
+        """
+        if self._tg is None:
+            raise UsageError("start_soon() outside the device group's `async with`")
+        if device is None:
+            device = self.devices[self._next % len(self.devices)]
+            self._next += 1
+        elif device not in self.devices:
+            raise UsageError(f"device {device} is not in this group (devices {self.devices})")
+
+        async def child() -> None:
+            _current_device.set(device)
+            await fn(*args)
+
+        self._tg.start_soon(child, name=name or getattr(fn, "__qualname__", None))
+
+    async def __aenter__(self) -> DeviceGroup:
+        self._token = current_scopes.set((*current_scopes.get(), self))
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None
+        try:
+            return await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._tg = None
+            _leave(self._token)
+            await self._tracked.drain()
+
+
+def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
+    """An AnyIO task group whose children each run with one device current.
+
+    ``async with gf.open_device_group() as group: group.start_soon(fn, device=d)``.
+    ``devices=None`` means every initialised device.  The group exits only
+    after every child has finished and the GPU work they enqueued on every
+    device is done (a shielded wait, also after a failure or cancellation).
+    """
+    rt = get_runtime()
+    devs = list(rt.devices) if devices is None else [rt.check_device(d) for d in devices]
+    if not devs:
+        raise UsageError("open_device_group() needs at least one device")
+    return DeviceGroup(devs)

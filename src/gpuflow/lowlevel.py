@@ -1,0 +1,29 @@
+"""Lower-level pieces for writing new kinds of operations and for interop.
+
+Subclass :class:`gpuflow.DeviceOperation` and implement ``execute(ctx)``
+with the :class:`ExecutionContext` it gets; everything the enqueued work
+still uses must be handed to ``ctx.keep``.
+"""
+
+from __future__ import annotations
+
+from ._backends._base import Backend as Backend
+from ._backends._base import PointerArg as PointerArg
+from ._bridge import Submission as Submission
+from ._context import ExecutionContext as ExecutionContext
+from ._errors import UsageError
+from ._graph import Graph
+from ._runtime import get_runtime
+
+
+def current_backend_object() -> Backend:
+    """The backend instance serving this process (raw handles, for interop and benchmarks)."""
+    return get_runtime().backend
+
+
+def graph_exec_handle(graph: Graph[object]) -> int:
+    """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
+    handle = getattr(graph._raw, "exec", None)
+    if handle is None:
+        raise UsageError("graph_exec_handle() needs a graph captured on the cuda backend")
+    return int(handle)

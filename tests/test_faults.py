@@ -1,0 +1,297 @@
+"""Sticky device faults, recovery with reset_device, and the simulator's own guarantees.
+
+A kernel that writes through a null pointer faults the device (an illegal
+address on a GPU; its reference raises on ``sim``).  As on CUDA the fault is
+sticky: what is pending on the device fails, what comes later fails at once,
+until ``gf.reset_device``.  Awaits must learn of it within 100 ms.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import kernels as K
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow import testing
+from gpuflow._runtime import get_runtime
+
+F32 = np.float32
+FAULT_DEADLINE_S = 0.1
+
+
+def fault_op() -> gf.DeviceOperation[Any]:
+    return K.fault_module().null_write(gf.LaunchConfig(1, 32), 32)
+
+
+@contextmanager
+def resetting(*devices: int) -> Iterator[None]:
+    """Reset the devices however the test ends: a fault must not outlive it."""
+    try:
+        yield
+    finally:
+        for d in devices:
+            gf.reset_device(d)
+
+
+def assert_fault(err: BaseException, device: int = 0) -> None:
+    assert isinstance(err, gf.DeviceFaultError) and isinstance(err, gf.DeviceError)
+    assert err.device == device
+
+
+def test_error_hierarchy_and_driver_codes() -> None:
+    assert issubclass(gf.DeviceError, gf.GpuflowError)
+    for cls in (gf.DeviceFaultError, gf.OutOfMemoryError, gf.LaunchError):
+        assert issubclass(cls, gf.DeviceError)
+    for cls in (gf.CompileError, gf.UsageError):
+        assert issubclass(cls, gf.GpuflowError) and not issubclass(cls, gf.DeviceError)
+    err = gf.DeviceFaultError(
+        "kernel faulted", code=700, name="CUDA_ERROR_ILLEGAL_ADDRESS", device=1
+    )
+    assert (err.code, err.name, err.device) == (700, "CUDA_ERROR_ILLEGAL_ADDRESS", 1)
+    assert str(err) == "kernel faulted [CUDA_ERROR_ILLEGAL_ADDRESS (700)]"
+    plain = gf.DeviceError("no driver code")
+    assert (plain.code, plain.name, plain.device) == (None, None, None)
+    assert str(plain) == "no driver code"
+    assert gf.CompileError("bad source", "line 1: error").log == "line 1: error"
+
+
+@pytest.mark.anyio
+async def test_a_fault_fails_the_await_within_100_ms() -> None:
+    x = await gf.zeros(16, F32)
+    with resetting(0), anyio.fail_after(2):  # a lost wake-up fails, never hangs
+        # the fault comes 50 ms after the run was handed over: only the
+        # watchdog can tell the awaiting task (a faulted device runs no host
+        # functions)
+        fault = fault_op()  # built (and compiled) before the clock starts
+        op = K.slow_fill(x, 1.0, 0.05).then(lambda _: fault)
+        t0 = time.perf_counter()
+        with pytest.raises(gf.DeviceFaultError) as info:
+            await op
+        elapsed = time.perf_counter() - t0 - 0.05
+        assert elapsed < FAULT_DEADLINE_S, (
+            f"the fault took {elapsed * 1e3:.0f} ms to reach the await"
+        )
+        err = info.value
+        assert_fault(err)
+        assert err.code == 700 and err.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+        # later operations on the device fail at once, and say how to recover
+        t0 = time.perf_counter()
+        with pytest.raises(gf.DeviceFaultError, match=r"reset_device\(0\)") as later:
+            await gf.zeros(4, F32)
+        assert time.perf_counter() - t0 < 0.05
+        assert_fault(later.value)
+        with pytest.raises(gf.DeviceFaultError):
+            await gf.value(1)  # even a run without GPU work: the context is gone
+    # recovered: new work succeeds
+    x = await gf.arange(5, dtype=np.int32)
+    np.testing.assert_array_equal(await gf.to_host(x), np.arange(5, dtype=np.int32))
+
+
+def test_a_fault_fails_sync_and_stream_synchronize() -> None:
+    s = gf.new_stream()
+    x = gf.ones(8, F32).sync_on(s)
+    with resetting(0):
+        with pytest.raises(gf.DeviceFaultError):
+            fault_op().sync_on(s)
+        with pytest.raises(gf.DeviceFaultError):
+            s.synchronize()
+        with pytest.raises(gf.DeviceFaultError):
+            gf.to_host(x).sync()
+        with pytest.raises(gf.DeviceFaultError):
+            gf.value(1).sync()
+    np.testing.assert_array_equal(gf.to_host(gf.ones(8, F32)).sync(), np.ones(8, F32))
+    # arrays and streams made before the reset belong to the old context
+    with pytest.raises(gf.UsageError, match="reset"):
+        gf.to_host(x).sync()
+    with pytest.raises(gf.UsageError, match="reset"):
+        gf.value(1).sync_on(s)
+
+
+@pytest.mark.anyio
+async def test_pending_work_on_the_faulted_device_fails_too() -> None:
+    n = 64
+    a, b = await gf.zip(gf.zeros(n, F32), gf.zeros(n, F32))
+    failures: dict[str, float] = {}
+    seconds = 0.4
+
+    async def expect_fault(name: str, op: gf.DeviceOperation[Any]) -> None:
+        t0 = time.perf_counter()
+        with pytest.raises(gf.DeviceFaultError) as info:
+            await op
+        assert_fault(info.value)
+        failures[name] = time.perf_counter() - t0
+
+    with resetting(0), anyio.fail_after(2):  # a lost wake-up fails, never hangs
+        async with anyio.create_task_group() as tg:
+            # running on another stream of the device when the fault comes
+            tg.start_soon(expect_fault, "running", K.slow_fill(a, 1.0, seconds))
+            await anyio.sleep(0.03)
+            # queued behind the faulting kernel on its own stream: never runs
+            tg.start_soon(
+                expect_fault, "behind", fault_op().then(lambda _: K.slow_fill(b, 2.0, seconds))
+            )
+        assert set(failures) == {"running", "behind"}
+        assert failures["behind"] < FAULT_DEADLINE_S
+        assert failures["running"] < 0.03 + FAULT_DEADLINE_S + 0.05 < seconds
+        assert testing.pending_runs() == 0
+    # the old slow kernel may still be running on the old context: nothing of it
+    # reaches the new one
+    x = await gf.full(n, 3.0, F32)
+    await anyio.sleep(seconds)
+    y = await gf.copy(x)
+    np.testing.assert_array_equal(await gf.to_host(y), np.full(n, 3, F32))
+
+
+@pytest.mark.anyio
+async def test_a_faulting_shared_operation_fails_every_clone() -> None:
+    shared = fault_op().shared()
+    errors: list[BaseException] = []
+
+    async def user() -> None:
+        try:
+            await shared.clone()
+        except gf.DeviceFaultError as exc:
+            errors.append(exc)
+
+    with resetting(0), anyio.fail_after(2):  # a lost wake-up fails, never hangs
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(user)
+        assert len(errors) == 5
+        for e in errors:
+            assert_fault(e)
+
+
+@pytest.mark.anyio
+async def test_the_other_device_is_unaffected() -> None:
+    if K.num_devices() < 2:
+        pytest.skip("needs two devices")
+    on1 = gf.SingleStream(device=1)
+    n = 128
+    x1 = await gf.zeros(n, F32).run(on1)
+    done: list[gf.DeviceArray] = []
+
+    async def slow_on_1() -> None:
+        done.append(await K.slow_fill(x1, 4.0, 0.2).run(on1))
+
+    with resetting(0), anyio.fail_after(2):  # a lost wake-up fails, never hangs
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(slow_on_1)  # pending on device 1 while device 0 faults
+            await anyio.sleep(0.02)
+            with pytest.raises(gf.DeviceFaultError):
+                await fault_op()
+            with pytest.raises(gf.DeviceFaultError):
+                await gf.zeros(4, F32)
+            # device 1 takes new work meanwhile
+            y1 = await gf.full(n, 1.0, F32).run(on1)
+        assert done == [x1]
+        np.testing.assert_array_equal(await gf.to_host(x1).run(on1), np.full(n, 4, F32))
+        np.testing.assert_array_equal(await gf.to_host(y1).run(on1), np.ones(n, F32))
+    # device 1's arrays survive device 0's reset
+    np.testing.assert_array_equal(await gf.to_host(x1).run(on1), np.full(n, 4, F32))
+    assert (await gf.to_host(gf.ones(2, F32))).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.anyio
+async def test_reset_recovers_repeatedly() -> None:
+    m = K.module()
+    for _ in range(2):
+        with resetting(0), anyio.fail_after(2), pytest.raises(gf.DeviceFaultError):
+            await fault_op()
+        x = await m.scale(K.cfg(4), gf.ones(4, F32), 5.0, 4)
+        np.testing.assert_array_equal(await gf.to_host(x), np.full(4, 5, F32))
+
+
+# -- properties of the simulator itself -----------------------------------------------------------
+
+
+@pytest.mark.sim_only
+@pytest.mark.anyio
+async def test_sim_host_signals_fire_on_a_driver_thread() -> None:
+    be: Any = get_runtime().backend
+    events: list[tuple[str, threading.Thread]] = []
+
+    class Recording(collections.deque):  # type: ignore[type-arg]
+        # the stream worker appends when it reaches the host signal; the
+        # driver thread pops to deliver it
+        def append(self, item: Any) -> None:
+            events.append(("reached", threading.current_thread()))
+            super().append(item)
+
+        def popleft(self) -> Any:
+            events.append(("delivered", threading.current_thread()))
+            return super().popleft()
+
+    with be.cond:
+        be._driver_queue = Recording(be._driver_queue)
+    loop_thread = threading.current_thread()
+    x = await gf.zeros(16, F32)
+    await gf.zip(K.slow_fill(x, 1.0, 0.01), gf.ones(4, F32))
+    await gf.to_host(x)
+    assert threading.current_thread() is loop_thread
+    workers = {s.thread for s in be._streams}
+    reached = [t for what, t in events if what == "reached"]
+    delivered = [t for what, t in events if what == "delivered"]
+    assert len(reached) == len(delivered) >= 3
+    assert all(t in workers for t in reached)
+    assert len(set(delivered)) == 1
+    (driver,) = set(delivered)
+    assert driver is not loop_thread and driver not in workers
+    assert driver is be._driver
+
+
+@pytest.mark.sim_only
+def test_sim_poisons_freed_memory_and_detects_use_after_free() -> None:
+    be: Any = get_runtime().backend
+    s = gf.new_stream()
+    x = gf.full(16, 1.0, F32).sync_on(s)
+    buf = x._alloc.buffer
+    assert (buf.data[: x.nbytes].view(F32) == 1).all()
+    be.free(buf, s._raw)  # what a premature free would do
+    s.synchronize()
+    assert (buf.data == 0xFF).all()
+    assert np.isnan(buf.data[: x.nbytes].view(F32)).all()
+    try:
+        with pytest.raises(gf.DeviceFaultError, match="use after free") as info:
+            K.module().scale(K.cfg(16), x, 2.0, 16).sync_on(s)
+        assert info.value.code == 700
+        assert testing.use_after_free_count() == 1
+    finally:
+        # a fresh runtime: the conftest checks that no use after free was seen
+        gf.init_device_contexts(backend="sim", num_devices=2)
+    assert testing.use_after_free_count() == 0
+
+
+@pytest.mark.sim_only
+def test_sim_detects_a_read_after_free() -> None:
+    be: Any = get_runtime().backend
+    s = gf.new_stream()
+    x = gf.arange(8, dtype=np.int64).sync_on(s)
+    be.free(x._alloc.buffer, s._raw)
+    try:
+        with pytest.raises(gf.DeviceFaultError, match="use after free"):
+            gf.to_host(x).sync_on(s)
+        assert testing.use_after_free_count() == 1
+    finally:
+        gf.init_device_contexts(backend="sim", num_devices=2)
+
+
+@pytest.mark.sim_only
+def test_sim_fresh_memory_is_garbage_not_zeros() -> None:
+    be: Any = get_runtime().backend
+    s = gf.new_stream()
+    buf = be.alloc(0, 64, s._raw)
+    try:
+        assert (buf.data == 0xFF).all()
+    finally:
+        be.free(buf, s._raw)
+        s.synchronize()

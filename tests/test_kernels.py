@@ -1,0 +1,288 @@
+"""gf.compile, kernel signatures, argument checks, launches and LaunchConfig."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kernels as K
+import numpy as np
+import pytest
+
+import gpuflow as gf
+
+pytestmark = pytest.mark.anyio
+
+F32 = np.float32
+
+SIGNATURES = r"""
+// comments are not kernels: extern "C" __global__ void commented(int a) {}
+/* nor are block comments: extern "C" __global__ void blocked(float* x) {} */
+extern "C" {
+__global__ void in_block(const double* __restrict__ a, double *b, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) b[i] = 2.0 * a[i];
+}
+
+__global__ void scalars(long long a, unsigned char b, short c, bool d, size_t e,
+                        __half* h, void* raw) {}
+}
+
+extern "C" __global__ void __launch_bounds__(128) bounded(const int* const x, int* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i];
+}
+
+extern "C" __global__ void no_args() {}
+
+// C++ linkage: a mangled name that cannot be looked up, so not a gpuflow kernel
+__global__ void mangled(int* x) {}
+"""
+
+HEADER = "struct __half;\n"  # the pointer needs no definition (and NVRTC no include path)
+
+
+def _params(k: gf.Kernel) -> list[tuple[str, str, Any, bool, bool]]:
+    return [(p.name, p.ctype, p.dtype, p.pointer, p.const) for p in k.params]
+
+
+def test_compile_parses_signatures() -> None:
+    mod = gf.compile(HEADER + SIGNATURES)
+    assert set(mod.kernels) == {"in_block", "scalars", "bounded", "no_args"}
+    assert _params(mod.in_block) == [
+        ("a", "double", np.dtype(np.float64), True, True),
+        ("b", "double", np.dtype(np.float64), True, False),
+        ("n", "unsigned int", np.dtype(np.uint32), False, False),
+    ]
+    assert _params(mod.scalars) == [
+        ("a", "long long", np.dtype(np.int64), False, False),
+        ("b", "unsigned char", np.dtype(np.uint8), False, False),
+        ("c", "short", np.dtype(np.int16), False, False),
+        ("d", "bool", np.dtype(np.bool_), False, False),
+        ("e", "size_t", np.dtype(np.uint64), False, False),
+        ("h", "__half", np.dtype(np.float16), True, False),
+        ("raw", "void", None, True, False),
+    ]
+    assert _params(mod.bounded) == [
+        ("x", "int", np.dtype(np.int32), True, True),
+        ("y", "int", np.dtype(np.int32), True, False),
+        ("n", "int", np.dtype(np.int32), False, False),
+    ]
+    assert mod.no_args.params == ()
+    assert mod.in_block.signature == "in_block(const double* a, double* b, unsigned int n)"
+    with pytest.raises(AttributeError, match="mangled"):
+        _ = mod.mangled
+    with pytest.raises(AttributeError, match="commented"):
+        _ = mod.commented
+
+
+def test_compile_parses_the_shared_kernels() -> None:
+    mod = K.module()
+    assert mod.saxpy.signature == "saxpy(float a, const float* x, float* y, int n)"
+    assert mod.slow_fill.signature == "slow_fill(float* x, float v, int n, long long ns)"
+    assert K.fault_module().null_write.signature == "null_write(int n)"
+
+
+def test_syntax_error_raises_compile_error_with_the_log() -> None:
+    bad = 'extern "C" __global__ void broken(float* x) { x[0] = undefined_name + ; }'
+    with pytest.raises(gf.CompileError) as info:
+        gf.compile(bad)
+    err = info.value
+    assert isinstance(err, gf.GpuflowError)
+    assert err.log.strip()
+    assert "error" in err.log and "undefined_name" in err.log
+    assert err.log in str(err)
+
+
+def test_compile_checks_references() -> None:
+    with pytest.raises(gf.UsageError, match="nope"):
+        gf.compile(K.SOURCE, references={"nope": lambda: None})
+    with pytest.raises(gf.UsageError, match="saxpy"):
+        gf.compile(K.SOURCE, references={"saxpy": 3})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="source"):
+        gf.compile(b"extern")  # type: ignore[arg-type]
+
+
+async def test_launch_with_arrays_and_scalars() -> None:
+    m = K.module()
+    n = 1000
+    x = await gf.from_host(np.arange(n, dtype=F32))
+    y = await gf.full(n, 1.0, F32)
+    out = await m.saxpy(K.cfg(n), 2.0, x, y, n)
+    assert out is y
+    np.testing.assert_array_equal(await gf.to_host(y), 2 * np.arange(n, dtype=F32) + 1)
+    # ints are fine for float parameters; NumPy scalars of the right kind too
+    await m.scale(K.cfg(n), y, 3, np.int32(n))
+    np.testing.assert_array_equal(await gf.to_host(y), 3 * (2 * np.arange(n, dtype=F32) + 1))
+
+
+async def test_launch_with_operations_producing_arrays() -> None:
+    m = K.module()
+    n = 300
+    # argument operations run first, in order, on the launch's stream
+    op = m.vadd(K.cfg(n), gf.arange(n, dtype=F32), gf.full(n, 10.0, F32), gf.zeros(n, F32), n)
+    out = await op
+    assert isinstance(out, gf.DeviceArray) and out.shape == (n,)
+    np.testing.assert_array_equal(await gf.to_host(out), np.arange(n, dtype=F32) + 10)
+    # and through then(): the output of one launch feeds the next
+    chained = await gf.to_host(
+        m.scale(K.cfg(n), gf.arange(n, dtype=F32), 2.0, n).then(
+            lambda a: m.saxpy(K.cfg(n), 1.0, a, gf.ones(n, F32), n)
+        )
+    )
+    np.testing.assert_array_equal(chained, 2 * np.arange(n, dtype=F32) + 1)
+
+
+def _two_ref(a: np.ndarray, b: np.ndarray, c: np.ndarray, n: int) -> None:
+    b[:n] = a[:n] + 1
+    c[:n] = a[:n] * 2
+
+
+async def test_launch_output_is_the_written_arrays() -> None:
+    m = gf.compile(
+        r"""
+        extern "C" __global__ void two(const int* a, int* b, int* c, int n) {
+            int i = blockIdx.x * blockDim.x + threadIdx.x;
+            if (i < n) { b[i] = a[i] + 1; c[i] = a[i] * 2; }
+        }
+        extern "C" __global__ void none(const int* a, int n) {}
+        """,
+        references={"two": _two_ref, "none": lambda a, n: None},
+    )
+    a = await gf.arange(5, dtype=np.int32)
+    b, c = await gf.zip(gf.zeros(5, np.int32), gf.zeros(5, np.int32))
+    out = await m.two(K.cfg(5), a, b, c, 5)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert out[0] is b and out[1] is c
+    np.testing.assert_array_equal(await gf.to_host(b), np.arange(5) + 1)
+    np.testing.assert_array_equal(await gf.to_host(c), np.arange(5) * 2)
+    assert await m.none(K.cfg(5), a, 5) is None
+
+
+async def test_reference_gets_flat_typed_views_and_python_scalars() -> None:
+    seen: dict[str, Any] = {}
+
+    def ref(x: np.ndarray, s: float, n: int) -> None:
+        seen.update(dtype=x.dtype, ndim=x.ndim, size=x.size, s=type(s), n=type(n))
+        x[:n] *= s
+
+    m = gf.compile(K.SOURCE, references={**K.REFERENCES, "scale": ref})
+    x = await gf.from_host(np.ones((4, 8), F32))
+    await m.scale(K.cfg(32), x, 2.0, 32)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full((4, 8), 2, F32))
+    if gf.current_backend() == "sim":
+        assert seen == {"dtype": np.dtype(F32), "ndim": 1, "size": 32, "s": float, "n": int}
+
+
+async def test_argument_checks_name_the_kernel_and_the_parameter() -> None:
+    m = K.module()
+    c = K.cfg(4)
+    x32 = await gf.zeros(4, F32)
+    x64 = await gf.zeros(4, np.float64)
+    cases: list[tuple[tuple[Any, ...], str]] = [
+        ((2.0, x32, x32), "takes 4 arguments, got 3"),
+        ((2.0, x32, x32, 4, 5), "takes 4 arguments, got 5"),
+        ((2.0, x64, x32, 4), r"const float\* x.*float32.*float64"),
+        ((2.0, x32, x64, 4), r"float\* y.*float32.*float64"),
+        ((2.0, x32, x32, 4.0), r"int n.*expected a int scalar, got float"),
+        ((2.0, x32, x32, 2**31), r"int n.*out of range"),
+        ((2.0, x32, x32, -(2**31) - 1), r"int n.*out of range"),
+        ((2.0, x32, x32, True), r"int n.*bool"),
+        (("2", x32, x32, 4), r"float a.*str"),
+        ((2.0, np.zeros(4, F32), x32, 4), r"const float\* x.*needs a DeviceArray.*ndarray"),
+        ((2.0, x32, 7, 4), r"float\* y.*needs a DeviceArray.*int"),
+    ]
+    for args, pattern in cases:
+        with pytest.raises(gf.UsageError, match=pattern) as info:
+            m.saxpy(c, *args)
+        assert "saxpy" in str(info.value)
+    with pytest.raises(gf.UsageError, match="LaunchConfig"):
+        m.saxpy((1, 4), 2.0, x32, x32, 4)  # type: ignore[arg-type]
+
+
+async def test_bad_arguments_enqueue_nothing() -> None:
+    m = K.module()
+    counter = await gf.zeros(1, np.int32)
+    x64 = await gf.zeros(4, np.float64)
+    with pytest.raises(gf.UsageError):
+        m.saxpy(K.cfg(4), 2.0, x64, x64, 4)
+    # an operation argument is checked when it has produced its array, before the launch
+    op = K.bump(counter).then(
+        lambda _: m.saxpy(K.cfg(4), 2.0, gf.zeros(4, np.float64), gf.zeros(4, F32), 4)
+    )
+    with pytest.raises(gf.UsageError, match=r"saxpy.*const float\* x.*float64"):
+        await op
+    y = await gf.full(4, 1.0, F32)
+    with pytest.raises(gf.UsageError, match=r"saxpy.*int n"):
+        await m.saxpy(K.cfg(4), 2.0, y, y, gf.value(4.5))
+    np.testing.assert_array_equal(await gf.to_host(y), np.ones(4, F32))
+    assert (await gf.to_host(counter))[0] == 1  # only the bump before the bad launch ran
+
+
+@pytest.mark.sim_only
+async def test_kernel_without_a_reference_fails_naming_it() -> None:
+    m = gf.compile(K.SOURCE, references={"saxpy": K.saxpy_ref})
+    x = await gf.ones(4, F32)
+    with pytest.raises(gf.GpuflowError, match=r"'scale'.*reference"):
+        await m.scale(K.cfg(4), x, 2.0, 4)
+    np.testing.assert_array_equal(await gf.to_host(x), np.ones(4, F32))
+    # the module's other kernels still run
+    await m.saxpy(K.cfg(4), 1.0, x, x, 4)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(4, 2, F32))
+
+
+def test_launch_config_validation() -> None:
+    cfg = gf.LaunchConfig(4, 128)
+    assert cfg.grid == (4, 1, 1) and cfg.block == (128, 1, 1) and cfg.shmem == 0
+    cfg = gf.LaunchConfig((2, 3), (8, 8, 2), shmem=1024)
+    assert cfg.grid == (2, 3, 1) and cfg.block == (8, 8, 2) and cfg.shmem == 1024
+    assert gf.LaunchConfig(np.int64(2), 32) == gf.LaunchConfig((2, 1, 1), (32,))
+    assert hash(gf.LaunchConfig(2, 32)) == hash(gf.LaunchConfig((2,), (32, 1)))
+    for grid, block, shmem in [
+        (0, 32, 0),
+        (1, 0, 0),
+        ((1, 2, 3, 4), 32, 0),
+        ((), 32, 0),
+        (1.5, 32, 0),
+        (1, 32, -1),
+        (1, 32, 1.0),
+        (-2, 32, 0),
+        ("1", 32, 0),
+    ]:
+        with pytest.raises(gf.UsageError, match="LaunchConfig"):
+            gf.LaunchConfig(grid, block, shmem)  # type: ignore[arg-type]
+
+
+def test_launch_config_for_num_elems() -> None:
+    assert gf.LaunchConfig.for_num_elems(1000) == gf.LaunchConfig(4, 256)
+    assert gf.LaunchConfig.for_num_elems(1024) == gf.LaunchConfig(4, 256)
+    assert gf.LaunchConfig.for_num_elems(1025) == gf.LaunchConfig(5, 256)
+    assert gf.LaunchConfig.for_num_elems(1) == gf.LaunchConfig(1, 256)
+    assert gf.LaunchConfig.for_num_elems(0) == gf.LaunchConfig(1, 256)
+    assert gf.LaunchConfig.for_num_elems(100, block=32) == gf.LaunchConfig(4, 32)
+    for bad in (-1, 2.5, "10"):
+        with pytest.raises(gf.UsageError, match="for_num_elems"):
+            gf.LaunchConfig.for_num_elems(bad)  # type: ignore[arg-type]
+
+
+async def test_a_block_too_large_fails_the_launch() -> None:
+    m = K.module()
+    x = await gf.ones(4, F32)
+    with pytest.raises(gf.LaunchError) as info:
+        await m.scale(gf.LaunchConfig(1, 2048), x, 2.0, 4)
+    assert isinstance(info.value, gf.DeviceError) and "scale" in str(info.value)
+    # not a fault: the device works on
+    await m.scale(gf.LaunchConfig(1, 1024), x, 2.0, 4)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(4, 2, F32))
+
+
+async def test_kernels_of_one_module_on_two_devices() -> None:
+    if K.num_devices() < 2:
+        pytest.skip("needs two devices")
+    m = K.module()
+    policy = gf.SingleStream(device=1)
+    x = await m.scale(K.cfg(8), gf.arange(8, dtype=F32), 3.0, 8).run(policy)
+    assert x.device == 1
+    np.testing.assert_array_equal(await gf.to_host(x).run(policy), 3 * np.arange(8, dtype=F32))
+    y = await gf.arange(8, dtype=F32)
+    with pytest.raises(gf.UsageError, match=r"device 0.*device 1"):
+        await m.scale(K.cfg(8), y, 3.0, 8).run(policy)
