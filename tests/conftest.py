@@ -9,6 +9,9 @@ quiescent: nothing pending, no lease held, no use after free seen.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -54,3 +57,28 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sim_only: runs on the sim backend only")
     config.addinivalue_line("markers", "cuda_only: runs on a CUDA device only")
+    config.addinivalue_line(
+        "markers", "faults_device: faults the device on purpose (on cuda: in a child process)"
+    )
+
+
+_CHILD = "GPUFLOW_TEST_CHILD"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """On a real GPU a sticky fault lasts as long as the process (the driver
+    refuses to reset the context), so a test that faults the device on
+    purpose runs in a fresh child process there, and its verdict is the child's."""
+    callspec = getattr(pyfuncitem, "callspec", None)
+    on_cuda = callspec is not None and callspec.params.get("device_backend") == "cuda"
+    if not on_cuda or not pyfuncitem.get_closest_marker("faults_device") or os.environ.get(_CHILD):
+        return None
+    env = dict(os.environ, **{_CHILD: "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        env=env, capture_output=True, text=True, timeout=100, cwd=pyfuncitem.config.rootpath,
+    )
+    if proc.returncode != 0 or " 1 passed" not in proc.stdout:
+        pytest.fail(f"in a child process:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+    return True

@@ -19,6 +19,7 @@ submission of that device with :class:`DeviceFaultError`.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -36,7 +37,18 @@ WATCHDOG_S = 0.02
 #: that a busy program does not pay a wake-up per submission.
 _IDLE_GRACE_S = 1.0
 
-Waiter = tuple[Any, Callable[[], object]]
+#: How a completion reaches a waiting task: the loop (or Trio token) to post
+#: to, its non-blocking post, and the idempotent wake-up to run there.
+Poster = Callable[[Callable[[], object]], object]
+Waiter = tuple[Any, Poster, Callable[[], object]]
+
+
+def _wake_future(fut: asyncio.Future[None]) -> Callable[[], object]:
+    def wake() -> None:
+        if not fut.done():  # cancelled, or woken twice
+            fut.set_result(None)
+
+    return wake
 
 
 class Submission:
@@ -45,9 +57,6 @@ class Submission:
     ``keep`` holds host buffers, staging memory, graphs and leases that
     enqueued work still uses; it is released by the completion (or a fault),
     never earlier, whatever happens to the task that started the run.
-
-    Any number of tasks may :meth:`wait` for it (the task that started the
-    run, and a scope that drains it on exit): the completion wakes them all.
     """
 
     __slots__ = ("device", "done", "error", "keep", "on_done", "waiters")
@@ -85,36 +94,61 @@ class Submission:
     async def wait(self) -> None:
         """Wait (cancellably) until the work is done; raise its device error.
 
-        On cancellation the loop's own exception propagates at once; the
-        submission still retains its resources until the GPU is done.
+        Uses the running loop's own primitives (an asyncio future, a Trio
+        event), so on cancellation the loop's own exception propagates at
+        once; the submission still retains its resources until the GPU is done.
         """
-        if not self.done:
-            token = anyio.lowlevel.current_token()
-            event = anyio.Event()
-            self.waiters.append((token, event.set))
-            # the dispatcher may have finished us between the check and here:
-            # a wake-up is idempotent, so a double wake is harmless
-            if not self.done:
-                await event.wait()
-            else:
-                await anyio.lowlevel.checkpoint()
-        else:
+        if self.done:
             await anyio.lowlevel.checkpoint()
+        else:
+            loop = asyncio._get_running_loop()
+            if loop is not None:
+                fut: asyncio.Future[None] = loop.create_future()
+                self.waiters.append((loop, loop.call_soon_threadsafe, _wake_future(fut)))
+                # the dispatcher may have finished us between the check and the
+                # append; then nobody posts, and we must not wait
+                if self.done:
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    await fut
+            else:
+                import trio
+
+                token = trio.lowlevel.current_trio_token()
+                event = trio.Event()
+                self.waiters.append((token, token.run_sync_soon, event.set))
+                if self.done:
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await event.wait()
         if self.error is not None:
             raise self.error
 
 
-def _post(token: Any, fns: list[Callable[[], object]]) -> None:
+def post(target: Any, poster: Poster, fns: list[Callable[[], object]]) -> None:
+    """Run ``fns`` in ``target``'s loop, without blocking; a finished loop is skipped."""
+
     def run_all() -> None:
         for fn in fns:
             fn()
 
     try:
-        token.backend_class.run_sync_soon(run_all, (), token.native_token)
-    except anyio.RunFinishedError:
-        pass  # the loop is gone and so is whoever waited
+        poster(fns[0] if len(fns) == 1 else run_all)
+    except RuntimeError:
+        pass  # the loop is closed (trio.RunFinishedError is one too): nobody waits
     except Exception as exc:
-        warnings.warn(f"gpuflow: could not wake an event loop: {exc!r}", stacklevel=1)
+        warnings.warn(f"gpuflow: could not wake the event loop {target!r}: {exc!r}", stacklevel=1)
+
+
+def current_waker() -> tuple[Any, Poster]:
+    """The running loop (or Trio token) and its non-blocking, thread-safe post."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop, loop.call_soon_threadsafe
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    return token, token.run_sync_soon
 
 
 class Dispatcher:
@@ -123,6 +157,7 @@ class Dispatcher:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._lock = threading.Lock()
+        # only streams with pending submissions: a finished stream is dropped
         self._fifo: dict[Any, collections.deque[Submission]] = {}
         self._devices: dict[Any, int] = {}
         self._pending = 0
@@ -168,11 +203,11 @@ class Dispatcher:
         """Fail every pending submission of ``device`` (a fault, a reset)."""
         done: list[tuple[Submission, BaseException | None]] = []
         with self._lock:
-            for raw, q in self._fifo.items():
-                if self._devices[raw] == device and q:
-                    done.extend((s, error) for s in q)
-                    self._pending -= len(q)
-                    q.clear()
+            for raw in [r for r, d in self._devices.items() if d == device]:
+                q = self._fifo.pop(raw)
+                del self._devices[raw]
+                done.extend((s, error) for s in q)
+                self._pending -= len(q)
         self._deliver(done)
 
     def close(self) -> None:
@@ -181,16 +216,17 @@ class Dispatcher:
         self._backend.wake()
 
     def _deliver(self, done: list[tuple[Submission, BaseException | None]]) -> None:
-        posts: dict[int, tuple[Any, list[Callable[[], object]]]] = {}
+        # coalesced: one post per loop, however many of its tasks finished
+        posts: dict[int, tuple[Any, Poster, list[Callable[[], object]]]] = {}
         for sub, err in done:
-            for token, fn in sub._finish(err):
-                entry = posts.get(id(token.native_token))
+            for target, poster, fn in sub._finish(err):
+                entry = posts.get(id(target))
                 if entry is None:
-                    posts[id(token.native_token)] = (token, [fn])
+                    posts[id(target)] = (target, poster, [fn])
                 else:
-                    entry[1].append(fn)
-        for token, fns in posts.values():
-            _post(token, fns)
+                    entry[2].append(fn)
+        for target, poster, fns in posts.values():
+            post(target, poster, fns)
 
     def _run(self) -> None:
         backend = self._backend
@@ -214,15 +250,18 @@ class Dispatcher:
                 time.sleep(WATCHDOG_S)
             done: list[tuple[Submission, BaseException | None]] = []
             with self._lock:
+                idle = []
                 for raw, q in self._fifo.items():
-                    if not q:
-                        continue
                     n = backend.take_signals(raw)
                     for _ in range(min(n, len(q))):
                         done.append((q.popleft(), None))
+                    if not q:
+                        idle.append(raw)
+                for raw in idle:
+                    del self._fifo[raw], self._devices[raw]
                 self._pending -= len(done)
                 check = self._pending > 0 and time.monotonic() - last_check >= WATCHDOG_S
-                suspects = [raw for raw, q in self._fifo.items() if q] if check else []
+                suspects = list(self._fifo) if check else []
             if done:
                 self._deliver(done)
             if check:
@@ -232,8 +271,8 @@ class Dispatcher:
     def _watch(self, streams: list[Any]) -> None:
         faulted: dict[int, BaseException] = {}
         for raw in streams:
-            device = self._devices[raw]
-            if device in faulted:
+            device = self._devices.get(raw)
+            if device is None or device in faulted:
                 continue
             try:
                 self._backend.query(raw)

@@ -169,7 +169,7 @@ def capture(op: DeviceOperation[T], stream: Stream | None = None) -> Graph[T]:
     return Graph(raw, out, device, log, [*sub.keep, policy, op], nodes)
 
 
-def refuse_in_capture(what: str) -> None:
+def refuse_in_capture(what: object) -> None:
     """Running another operation from inside a capture would not be captured."""
     if capture_log.get() is not None:
         raise UsageError(f"{what} inside a graph capture: compose the operation instead")

@@ -359,14 +359,36 @@ class Kernel:
 
 
 class _Launch(DeviceOperation[Any]):
-    __slots__ = ("_args", "_config", "_kernel")
+    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
         self._kernel = kernel
         self._config = config
         self._args = args
+        # scalars only: nothing to resolve, no hazards, the arguments are final
+        self._plain = not any(
+            p.pointer or isinstance(a, DeviceOperation)
+            for p, a in zip(kernel.params, args, strict=True)
+        )
+        self._cache: tuple[Any, int, int, Any] | None = None
+
+    def _raw_kernel(self, ctx: ExecutionContext) -> Any:
+        # one launch op is usually run on one device: remember its handle there
+        rt, device = ctx._runtime, ctx.device
+        c = self._cache
+        if c is not None and c[0] is rt and c[1] == device and c[2] == rt.generation(device):
+            return c[3]
+        raw = self._kernel.module._load(ctx, self._kernel.name)
+        self._cache = (rt, device, rt.generation(device), raw)
+        return raw
 
     def execute(self, ctx: ExecutionContext) -> Any:
+        cfg = self._config
+        if self._plain:
+            ctx.backend.launch(
+                self._raw_kernel(ctx), cfg.grid, cfg.block, cfg.shmem, self._args, ctx.stream._raw
+            )
+            return None
         k = self._kernel
         values: list[Any] = []
         for p, a in zip(k.params, self._args, strict=True):
@@ -405,8 +427,7 @@ class _Launch(DeviceOperation[Any]):
                     written.append(a)
             else:
                 args.append(a)
-        raw = k.module._load(ctx, k.name)
-        cfg = self._config
+        raw = self._raw_kernel(ctx)
         with hazard_lock:  # ordering after the hazards and enqueueing are one step
             for alloc in reads:
                 alloc.before_read(stream)

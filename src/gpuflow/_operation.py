@@ -172,15 +172,11 @@ class DeviceOperation(Generic[T]):
         Raises :class:`UsageError` when called from a thread running an event
         loop (that would block the loop): ``await`` the operation there.
         """
-        from ._run import run_sync
-
-        return run_sync(self, policy)  # type: ignore[no-any-return]
+        return _run.run_sync(self, policy)  # type: ignore[no-any-return]
 
     def sync_on(self, stream: Stream) -> T:
         """Run on ``stream`` and block until the stream is idle; return the output."""
-        from ._run import run_sync_on
-
-        return run_sync_on(self, stream)  # type: ignore[no-any-return]
+        return _run.run_sync_on(self, stream)  # type: ignore[no-any-return]
 
     def enqueue_on(self, stream: Stream) -> T:
         """Enqueue on ``stream`` and return the output handle without waiting.
@@ -188,9 +184,7 @@ class DeviceOperation(Generic[T]):
         The caller synchronizes the stream before reading results; gpuflow
         keeps what the work uses alive until the GPU is done with it.
         """
-        from ._run import run_enqueue_on
-
-        return run_enqueue_on(self, stream)  # type: ignore[no-any-return]
+        return _run.run_enqueue_on(self, stream)  # type: ignore[no-any-return]
 
     def __await__(self) -> Generator[Any, None, T]:
         """Run on a stream chosen by the policy (or the lease) and await the result.
@@ -199,15 +193,11 @@ class DeviceOperation(Generic[T]):
         work already enqueued finishes on the GPU, and what it uses is kept
         alive until then.
         """
-        from ._run import run_async
-
-        return run_async(self).__await__()
+        return _run.run_async(self).__await__()
 
     async def run(self, policy: SchedulingPolicy | None = None) -> T:
         """``await op`` with an explicit scheduling policy."""
-        from ._run import run_async
-
-        return await run_async(self, policy)  # type: ignore[no-any-return]
+        return await _run.run_async(self, policy)  # type: ignore[no-any-return]
 
     # -- graphs and pictures ---------------------------------------------------------
     def capture(self, stream: Stream | None = None) -> Graph[T]:
@@ -500,3 +490,7 @@ class _Pick(DeviceOperation[Any]):
 
     def _children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
+
+
+# at the end: the runners build on the classes above
+from . import _run  # noqa: E402

@@ -20,10 +20,10 @@ from typing import Any, Protocol
 
 import anyio.lowlevel
 
+from . import _graph
 from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError
-from ._graph import refuse_in_capture
 from ._operation import DeviceOperation, PendingMap, is_pending, resolve
 from ._runtime import Runtime, current_device, get_runtime
 from ._stream import SchedulingPolicy, Stream
@@ -81,6 +81,18 @@ class _Pinned:
         return self._stream
 
 
+class _Running:
+    """Names a run in an error message; formatted only when one is raised."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: DeviceOperation[Any]) -> None:
+        self.op = op
+
+    def __str__(self) -> str:
+        return f"running {self.op!r}"
+
+
 def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
     """The stream a run starts on, and the policy its zip arms fork with."""
     if policy is None:
@@ -109,7 +121,7 @@ def _start(
         raise TypeError(f"expected a gpuflow DeviceOperation, got {type(op).__name__}")
     if not isinstance(stream, Stream):
         raise TypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
-    refuse_in_capture(f"running {op!r}")
+    _graph.refuse_in_capture(_Running(op))
     rt = stream._runtime
     if not rt.live or stream._generation != rt.generation(stream.device):
         raise UsageError(

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ._bridge import Submission, _post
+from ._bridge import Submission, current_waker, post
 from ._errors import UsageError
 from ._run import current_scopes
 from ._runtime import Runtime, _current_device, current_device, get_runtime
@@ -61,7 +61,7 @@ class _LeasePool:
 
     def __init__(self, streams: list[Stream]) -> None:
         self.free = list(streams)
-        self.waiters: collections.deque[tuple[Any, anyio.Event, list[Stream]]] = (
+        self.waiters: collections.deque[tuple[Any, Any, anyio.Event, list[Stream]]] = (
             collections.deque()
         )
         self.lock = threading.Lock()
@@ -71,13 +71,13 @@ class _LeasePool:
         with self.lock:
             self.held -= 1
             if self.waiters:
-                token, event, slot = self.waiters.popleft()
+                target, poster, event, slot = self.waiters.popleft()
                 slot.append(stream)
                 self.held += 1
             else:
                 self.free.append(stream)
                 return
-        _post(token, [event.set])
+        post(target, poster, [event.set])
 
     async def acquire(self) -> Stream:
         with self.lock:
@@ -86,7 +86,7 @@ class _LeasePool:
                 return self.free.pop(0)
             event = anyio.Event()
             slot: list[Stream] = []
-            entry = (anyio.lowlevel.current_token(), event, slot)
+            entry = (*current_waker(), event, slot)
             self.waiters.append(entry)
         try:
             await event.wait()

@@ -100,9 +100,7 @@ class StreamPoolRoundRobin:
         self._counter = itertools.count()
 
     def next_stream(self, device: int) -> Stream:
-        from ._runtime import get_runtime
-
-        pool = get_runtime().pool(device)
+        pool = _runtime.get_runtime().pool(device)
         return pool[next(self._counter) % len(pool)]
 
     def __repr__(self) -> str:
@@ -140,3 +138,7 @@ class SingleStream:
 
     def __repr__(self) -> str:
         return f"SingleStream(device={self._device})"
+
+
+# at the end: _runtime imports this module's classes at its top
+from . import _runtime  # noqa: E402
