@@ -196,3 +196,22 @@ for signals in ("hostfunc", "event"):
             "us",
             flush=True,
         )
+
+# h. last (the fault lasts as long as the process): launch a faulting kernel and
+# time the first cuStreamQuery that reports it, in a tight loop
+bad = compile_source(
+    'extern "C" __global__ void bad(unsigned long long a) { *((volatile int*)a) = 1; }',
+    "sm_90", (),
+)
+cu.cuCtxSetCurrent(ctx)
+bmod = cu.cuModuleLoadData(bad)[1]
+bfn = cu.cuModuleGetFunction(bmod, b"bad")[1]
+s2 = cu.cuStreamCreate(1)[1]
+t0 = time.perf_counter()
+cu.cuLaunchKernel(bfn, 1, 1, 1, 32, 1, 1, 0, s2, ((8,), (ctypes.c_ulonglong,)), 0)
+while True:
+    rc = cu.cuStreamQuery(s2)[0]
+    if rc != cu.CUresult.CUDA_ERROR_NOT_READY:
+        break
+print("h fault -> first failing cuStreamQuery", round((time.perf_counter() - t0) * 1e3, 2), "ms",
+      rc, flush=True)

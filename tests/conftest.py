@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -79,6 +80,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
         env=env, capture_output=True, text=True, timeout=100, cwd=pyfuncitem.config.rootpath,
     )
-    if proc.returncode != 0 or " 1 passed" not in proc.stdout:
+    if proc.returncode != 0 or not re.search(r"\b1 passed", proc.stdout):
         pytest.fail(f"in a child process:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
     return True

@@ -284,7 +284,7 @@ class _Then(DeviceOperation[U]):
 
     def execute(self, ctx: ExecutionContext) -> U:
         out = self._op.execute(ctx)
-        if is_pending(out):
+        if out is not None and is_pending(out):
             raise UsageError(
                 f"then({_fn_name(self._fn)}): the output holds host data that the GPU is "
                 "still copying (gf.to_host); await the operation first, or use .map()"
