@@ -11,6 +11,7 @@ import anyio
 import kernels as K
 import numpy as np
 import pytest
+from conftest import CUDA_DEVICES
 
 import gpuflow as gf
 
@@ -295,7 +296,9 @@ def test_init_device_contexts_returns_the_backend(device_backend: str) -> None:
     assert gf.current_backend() == device_backend
     assert gf.init_device_contexts(backend=device_backend) == device_backend
     assert gf.current_backend() == device_backend
-    assert gf.init_device_contexts(backend="auto") == device_backend
+    # auto takes cuda wherever a CUDA device is present
+    assert gf.init_device_contexts(backend="auto") == ("cuda" if CUDA_DEVICES else "sim")
+    gf.init_device_contexts(backend=device_backend)
     np.testing.assert_array_equal(gf.to_host(gf.arange(3, dtype=np.int32)).sync(), [0, 1, 2])
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -206,7 +207,10 @@ class Module:
         self.references = references
         self.options = options
         self._kernels = {n: Kernel(self, n, p) for n, p in signatures.items()}
-        self._loaded: dict[tuple[int, int, int, str], Any] = {}
+        # per runtime (weakly: a replaced runtime's handles go with it)
+        self._loaded: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, str], Any]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
 
     @property
@@ -232,13 +236,15 @@ class Module:
 
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
         # a kernel handle belongs to one runtime, device and context generation
-        key = (id(ctx._runtime), ctx.device, ctx._runtime.generation(ctx.device), name)
-        k = self._loaded.get(key)
-        if k is None:
-            with self._lock:
-                k = self._loaded.get(key)
-                if k is None:
-                    k = self._loaded[key] = ctx.backend.load_kernel(ctx.device, self, name)
+        rt = ctx._runtime
+        key = (ctx.device, rt.generation(ctx.device), name)
+        with self._lock:
+            loaded = self._loaded.get(rt)
+            if loaded is None:
+                loaded = self._loaded[rt] = {}
+            k = loaded.get(key)
+            if k is None:
+                k = loaded[key] = ctx.backend.load_kernel(ctx.device, self, name)
         return k
 
 

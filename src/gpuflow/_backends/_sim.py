@@ -11,7 +11,9 @@ CI, with the real concurrency of the real thing:
   thread that enqueued them, so the bridge's thread hand-off always runs;
 * a kernel whose reference raises is a *sticky fault*: as on CUDA after an
   illegal address, the device stops, nothing queued runs, host signals never
-  fire and every query reports the fault until :meth:`reset_device`;
+  fire and every query reports the fault until :meth:`reset_device`; as
+  measured on two H200s, the fault reaches every device of the process (each
+  is reset on its own here; the CUDA driver refuses to reset at all);
 * memory is host memory, reserved at allocation (out of memory is reported
   at the call, and is not sticky) and released in stream order; freed memory
   is poisoned and any later access by the device is a fault that names the
@@ -211,6 +213,17 @@ class SimBackend(Backend):
             # context that is gone: its failure must not fault the new one
             if device.fault is None and device.generation == generation:
                 device.fault = err
+                # as measured on two H200s: after an illegal address on one
+                # device, every call on the other fails with the same error
+                for other in self._devices:
+                    if other is not device and other.fault is None:
+                        other.fault = DeviceFaultError(
+                            f"sim device {other.index}: the process has a sticky fault "
+                            f"from device {device.index}: {err}",
+                            code=err.code,
+                            name=err.name,
+                            device=other.index,
+                        )
             self.cond.notify_all()
 
     def device_fault(self, device: int) -> DeviceFaultError | None:
