@@ -249,10 +249,13 @@ class Dispatcher:
                 warnings.warn(f"gpuflow: waiting for signals failed: {exc!r}", stacklevel=1)
                 time.sleep(WATCHDOG_S)
             done: list[tuple[Submission, BaseException | None]] = []
+            signalled: list[tuple[Any, int]] = []
             with self._lock:
                 idle = []
                 for raw, q in self._fifo.items():
                     n = backend.take_signals(raw)
+                    if n:
+                        signalled.append((raw, self._devices[raw]))
                     for _ in range(min(n, len(q))):
                         done.append((q.popleft(), None))
                     if not q:
@@ -263,10 +266,31 @@ class Dispatcher:
                 check = self._pending > 0 and time.monotonic() - last_check >= WATCHDOG_S
                 suspects = list(self._fifo) if check else []
             if done:
+                done = self._confirm(done, signalled)
                 self._deliver(done)
             if check:
                 last_check = time.monotonic()
                 self._watch(suspects)
+
+    def _confirm(
+        self,
+        done: list[tuple[Submission, BaseException | None]],
+        streams: list[tuple[Any, int]],
+    ) -> list[tuple[Submission, BaseException | None]]:
+        """A signal is not a success on its own: on the H200 a kernel killed by
+        another stream's fault still lets the host function behind it run.  Ask
+        the driver about each signalled stream before reporting success."""
+        faulted: dict[int, BaseException] = {}
+        for raw, device in streams:
+            try:
+                self._backend.query(raw)
+            except Exception as exc:
+                faulted.setdefault(device, exc)
+        if not faulted:
+            return done
+        for device, fault in faulted.items():
+            self.fail_device(device, fault)
+        return [(s, faulted.get(s.device, err)) for s, err in done]
 
     def _watch(self, streams: list[Any]) -> None:
         faulted: dict[int, BaseException] = {}
