@@ -176,10 +176,15 @@ async def test_pending_work_on_the_faulted_device_fails_too() -> None:
             )
         assert set(failures) == {"running", "behind"}
         assert outcomes["behind"] == "fault"
-        assert failures["behind"] < fault_deadline()
         if gf.current_backend() == "sim":  # sim stops every stream at the fault
+            assert failures["behind"] < fault_deadline()
             assert outcomes["running"] == "fault"
             assert failures["running"] < 0.03 + fault_deadline() + 0.05 < seconds
+        else:
+            # seen on the H200: the driver reports the fault only once the kernel
+            # running on the other stream has finished (1.12 s here), which then
+            # completes; the await learns of it within the usual bound after that
+            assert failures["behind"] < seconds + fault_deadline()
         assert testing.pending_runs() == 0
     if gf.current_backend() != "sim":
         return

@@ -209,10 +209,12 @@ async def test_a_graph_keeps_its_arrays_alive() -> None:
     assert testing.use_after_free_count() == 0
 
 
-async def _slow_copy_graph(value: float, out: gf.DeviceArray) -> gf.Graph[Any]:
+async def _slow_copy_graph(
+    value: float, out: gf.DeviceArray, seconds: float = 0.1
+) -> gf.Graph[Any]:
     """A slow graph copying an input only the graph refers to into ``out``."""
     pause, x = await aarrays(0.0, value)
-    return K.slow_fill(pause, 1.0, 0.1).then(lambda _: M.copy_f32(CFG, x, out, N)).capture()
+    return K.slow_fill(pause, 1.0, seconds).then(lambda _: M.copy_f32(CFG, x, out, N)).capture()
 
 
 @pytest.mark.anyio
@@ -238,7 +240,8 @@ async def test_dropping_a_graph_while_a_launch_is_in_flight() -> None:
 @pytest.mark.anyio
 async def test_a_launch_in_flight_keeps_its_graph_until_the_gpu_is_done() -> None:
     out = await gf.zeros(N, F32)
-    graph = await _slow_copy_graph(3.0, out)
+    # long enough that the GPU is surely still at it after a full collection
+    graph = await _slow_copy_graph(3.0, out, seconds=1.0)
     alive = weakref.ref(graph)
     graph.launch().enqueue_on(gf.new_stream())
     del graph
