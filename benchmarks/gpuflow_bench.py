@@ -180,15 +180,15 @@ def bench_chain_and_graph(mod: gf.Module, quick: bool, cuda: bool) -> None:
 
     one = gf.SingleStream()
 
-    async def await_chain() -> list[float]:
+    async def timed(op: gf.DeviceOperation[Any]) -> list[float]:
         out = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            await chain.run(one)
+            await op.run(one)
             out.append(time.perf_counter() - t0)
         return out
 
-    ours = median_us(anyio.run(await_chain))
+    ours = median_us(anyio.run(timed, chain))
     per_kernel = []
     k = mod.empty(gf.LaunchConfig(1, 1))
     for _ in range(max(3, reps // 20)):
@@ -199,16 +199,7 @@ def bench_chain_and_graph(mod: gf.Module, quick: bool, cuda: bool) -> None:
     sync_each = median_us(per_kernel)
     graph = chain.capture(stream)
     launch = graph.launch()
-
-    async def await_graph() -> list[float]:
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            await launch.run(one)
-            out.append(time.perf_counter() - t0)
-        return out
-
-    replay = median_us(anyio.run(await_graph))
+    replay = median_us(anyio.run(timed, launch))
     if cuda:
         raw = Raw(stream)
         loop = []
