@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._backends import load_backend
 from ._backends._base import Backend
@@ -43,6 +43,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._generations = {d: 0 for d in devices}
         self._pools: dict[int, list[Stream]] = {}
+        #: stream-lease bookkeeping per (device, generation), owned by _scope
+        self.lease_pools: dict[tuple[int, int], Any] = {}
         self.dispatcher = Dispatcher(backend)
         for d in devices:
             self._make_pool(d)

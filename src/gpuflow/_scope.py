@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from . import _runtime as _runtime_module
 from ._bridge import Submission, current_waker, post
 from ._errors import UsageError
 from ._run import current_scopes
@@ -111,23 +112,26 @@ def _leave(token: Any) -> None:
         pass
 
 
-_lease_pools: dict[tuple[int, int, int], _LeasePool] = {}
 _lease_pools_lock = threading.Lock()
 
 
 def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
-    key = (id(rt), device, rt.generation(device))
+    # kept on the runtime: a replaced runtime takes its pools (and streams) along
+    key = (device, rt.generation(device))
     with _lease_pools_lock:
-        pool = _lease_pools.get(key)
+        pool: _LeasePool | None = rt.lease_pools.get(key)
         if pool is None:
-            pool = _lease_pools[key] = _LeasePool(rt.pool(device))
+            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device))
         return pool
 
 
 def leases_held() -> int:
-    """How many stream leases are held now, over every device."""
+    """How many stream leases of the current runtime are held now, over every device."""
+    rt = _runtime_module._runtime
+    if rt is None:
+        return 0
     with _lease_pools_lock:
-        return sum(p.held for p in _lease_pools.values())
+        return sum(p.held for p in rt.lease_pools.values())
 
 
 class StreamLease:
