@@ -95,8 +95,8 @@ class _Running:
 
 def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
     """The stream a run starts on, and the policy its zip arms fork with."""
+    device = current_device()
     if policy is None:
-        device = current_device()
         for scope in reversed(current_scopes.get()):
             s = scope.stream
             # a lease of another device does not apply (a device group's child)
@@ -108,7 +108,7 @@ def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, Sched
             f"policy must be a gf.SchedulingPolicy (with next_stream(device)), "
             f"got {type(policy).__name__}"
         )
-    stream = policy.next_stream(current_device())
+    stream = policy.next_stream(device)
     if not isinstance(stream, Stream):
         raise UsageError(f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream")
     return stream, policy
