@@ -145,6 +145,14 @@ def _reset(model: Model, embedding: np.ndarray[Any, Any]) -> None:
     gf.copy(gf.from_host(embedding), out=model.x).sync()
 
 
+async def _per_token(op: gf.DeviceOperation[Any], tokens: int) -> float:
+    """Seconds per token when ``op`` (one token) is awaited ``tokens`` times."""
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        await op
+    return (time.perf_counter() - t0) / tokens
+
+
 def run_modes(tokens: int, hidden: int) -> tuple[list[tuple[str, float]], bool]:
     mod = gf.compile(SOURCE, references=REFERENCES)
     model = Model(mod, hidden, seed=1, device=gf.current_device())
@@ -167,13 +175,7 @@ def run_modes(tokens: int, hidden: int) -> tuple[list[tuple[str, float]], bool]:
     _reset(model, emb)
     chain = model.token()
 
-    async def chained() -> float:
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            await chain
-        return (time.perf_counter() - t0) / tokens
-
-    results.append(("then chain, awaited per token", anyio.run(chained)))
+    results.append(("then chain, awaited per token", anyio.run(_per_token, chain, tokens)))
     finals.append(gf.to_host(model.x).sync())
 
     # 3. graph replay awaited per token
@@ -181,13 +183,7 @@ def run_modes(tokens: int, hidden: int) -> tuple[list[tuple[str, float]], bool]:
     graph = chain.capture()
     launch = graph.launch()
 
-    async def replayed() -> float:
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            await launch
-        return (time.perf_counter() - t0) / tokens
-
-    results.append(("graph replay, awaited per token", anyio.run(replayed)))
+    results.append(("graph replay, awaited per token", anyio.run(_per_token, launch, tokens)))
     finals.append(gf.to_host(model.x).sync())
     same = all(np.allclose(f, finals[0], rtol=1e-5, atol=1e-6) for f in finals[1:])
     return results, same
