@@ -277,9 +277,12 @@ class Dispatcher:
         done: list[tuple[Submission, BaseException | None]],
         streams: list[tuple[Any, int]],
     ) -> list[tuple[Submission, BaseException | None]]:
-        """A signal is not a success on its own: on the H200 a kernel killed by
-        another stream's fault still lets the host function behind it run.  Ask
-        the driver about each signalled stream before reporting success."""
+        """Ask the driver about each signalled stream before reporting success:
+        one query a stream a wake-up, and a fault the driver already knows of
+        (a host function running after the context died) is never reported
+        as success.  Seen on the H200: work already running on another stream
+        when a kernel faults finishes normally, and the driver reports the
+        fault only afterwards, so that work is rightly a success."""
         faulted: dict[int, BaseException] = {}
         for raw, device in streams:
             try:
