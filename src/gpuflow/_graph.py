@@ -146,14 +146,14 @@ def capture(op: DeviceOperation[T], stream: Stream | None = None) -> Graph[T]:
     policy = _CapturePolicy(device, 3)
     # the capture starts after everything already enqueued on the device's
     # pool, so that replays never race with work that made the inputs
+    be = rt.backend
     for s in rt.pool(device):
-        ctx0 = ExecutionContext(rt, cap_stream, None, Submission(device))
-        ctx0.wait_for(s)
+        if s != cap_stream:
+            be.wait_event(cap_stream._raw, be.record_event(s._raw))
     sub = Submission(device)
     ctx = ExecutionContext(rt, cap_stream, policy, sub, capturing=True)
     log: dict[int, tuple[_Allocation, bool]] = {}
     token = capture_log.set(log)
-    be = rt.backend
     be.begin_capture(cap_stream._raw)
     try:
         out = op.execute(ctx)

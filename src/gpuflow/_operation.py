@@ -344,16 +344,19 @@ class _Zip(DeviceOperation[tuple[Any, ...]]):
             # zip *before* any arm enqueues: waiting later would also wait for
             # the arms already enqueued on ctx.stream and serialize them
             arms: list[ExecutionContext] = []
+            fork_point = None  # one event on ctx.stream serves every forked arm
             for i in range(len(self._ops)):
                 stream = ctx.stream if i == 0 else ctx.fork()
                 if stream == ctx.stream:
                     arms.append(ctx)
                     continue
-                arm = ctx.with_stream(stream)
                 if stream not in forked:
-                    arm.wait_for(ctx.stream)
+                    be = ctx.backend
+                    if fork_point is None:
+                        fork_point = be.record_event(ctx.stream._raw)
+                    be.wait_event(stream._raw, fork_point)
                     forked.append(stream)
-                arms.append(arm)
+                arms.append(ctx.with_stream(stream))
             for op, arm in builtins.zip(self._ops, arms, strict=True):
                 outs.append(op.execute(arm))
         finally:
