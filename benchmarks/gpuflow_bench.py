@@ -32,6 +32,13 @@ extern "C" __global__ void busy(float* x, int iters) {
     for (int k = 0; k < iters; ++k) { a = a * b + c; b = b * c + a * 1e-9f; }
     x[i] = a + b;
 }
+extern "C" __global__ void spin(long long ns) {  // busy for ns of wall-clock time
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)ns);
+}
 """
 
 
@@ -42,7 +49,10 @@ def _refs() -> dict[str, Callable[..., None]]:
     def busy(x: Any, iters: int) -> None:
         x += 1.0
 
-    return {"empty": lambda: None, "crash": crash, "busy": busy}
+    def spin(ns: int) -> None:
+        time.sleep(ns / 1e9)
+
+    return {"empty": lambda: None, "crash": crash, "busy": busy, "spin": spin}
 
 
 ROWS: list[dict[str, Any]] = []
@@ -264,6 +274,59 @@ def bench_host_function_hold(cuda: bool) -> None:
         "GIL-taking callback (DESIGN.md)", 5.2, "<= 0.2 ms")
 
 
+def bench_lease_exit(mod: gf.Module, quick: bool) -> None:
+    """A task awaiting 20 ms of GPU work in a stream lease is cancelled 5 ms
+    in; its lease exit must come within the work's remaining time + 1 ms.
+
+    The end of the work is seen independently of gpuflow's bridge: a helper
+    thread blocks in ``stream.synchronize()`` on the leased stream (the
+    driver's own report) and notes when it returns."""
+    import threading
+
+    work_s, cancel_after = 0.020, 0.005
+    op = mod.spin(gf.LaunchConfig(1, 1), int(work_s * 1e9))
+    print(f"stream lease exit after cancellation ({work_s * 1e3:.0f} ms of GPU work, "
+          f"cancelled after {cancel_after * 1e3:.0f} ms)")
+    for lib in ("asyncio", "trio"):
+        late: list[float] = []
+        remaining: list[float] = []
+
+        async def sample() -> None:
+            seen: list[float] = []
+            marks: dict[str, float] = {}
+
+            async def job(*, task_status: Any) -> None:
+                try:
+                    async with gf.open_stream_lease() as lease:
+                        helper = threading.Thread(target=lambda: (
+                            lease.stream.synchronize(), seen.append(time.perf_counter())))
+                        try:
+                            task_status.started()
+                            await op
+                        finally:  # cancelled: the GPU work is still running
+                            helper.start()
+                finally:  # the cancellation goes on out of the lease
+                    marks["exit"] = time.perf_counter()
+                    helper.join()
+
+            async with anyio.create_task_group() as tg:
+                await tg.start(job)
+                await anyio.sleep(cancel_after)
+                marks["cancel"] = time.perf_counter()
+                tg.cancel_scope.cancel()
+            late.append(marks["exit"] - seen[0])
+            remaining.append(seen[0] - marks["cancel"])
+
+        async def main() -> None:
+            for _ in range(5 if quick else 25):
+                await sample()
+
+        anyio.run(main, backend=lib)
+        row(f"lease exit beyond the GPU work's end ({lib})", statistics.median(late) * 1e3,
+            "ms", "work remaining at cancel", statistics.median(remaining) * 1e3,
+            "<= 1 ms beyond")
+
+
 def bench_fault(mod: gf.Module, cuda: bool) -> None:
     """Last: on cuda the driver keeps a sticky fault until the process ends."""
     print("device fault to failed await")
@@ -337,7 +400,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--only", action="append", default=[],
-                   help="launch, throughput, chain, hold, fanout, fault (repeatable)")
+                   help="launch, throughput, chain, hold, lease, fanout, fault (repeatable)")
     args = p.parse_args(argv)
     backend = gf.init_device_contexts(backend=args.backend)
     cuda = backend == "cuda"
@@ -349,7 +412,7 @@ def main(argv: list[str]) -> int:
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
     mod = gf.compile(EMPTY, references=_refs())
-    only = set(args.only) or {"launch", "throughput", "chain", "hold", "fanout", "fault"}
+    only = set(args.only) or {"launch", "throughput", "chain", "hold", "lease", "fanout", "fault"}
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
     print(f"{head} {'ratio':>8}  target")
     if "launch" in only:
@@ -360,6 +423,8 @@ def main(argv: list[str]) -> int:
         bench_chain_and_graph(mod, args.quick, cuda)
     if "hold" in only:
         bench_host_function_hold(cuda)
+    if "lease" in only:
+        bench_lease_exit(mod, args.quick)
     if "fanout" in only:
         bench_fan_out(mod, args.quick, cuda)
     if "fault" in only:
