@@ -49,9 +49,9 @@ disp = rt.dispatcher
 orig_submit = disp.submit
 
 
-def submit(raw, sub):  # type: ignore[no-untyped-def]
+def submit(raw, sub, *rest):  # type: ignore[no-untyped-def]
     marks["submit0"] = pc()
-    orig_submit(raw, sub)
+    orig_submit(raw, sub, *rest)
     marks["submit1"] = pc()
 
 
@@ -66,8 +66,8 @@ N = 2000
 
 for lib in ("asyncio", "trio"):
     async def main() -> dict[str, list[float]]:
-        seg: dict[str, list[float]] = {k: [] for k in
-                                       ("front", "signal", "gpu+wake", "dispatch", "resume", "total")}
+        names = ("front", "signal", "gpu+wake", "dispatch", "resume", "total")
+        seg: dict[str, list[float]] = {k: [] for k in names}
         for _ in range(200):
             await op
         for _ in range(N):

@@ -31,6 +31,7 @@ import anyio
 import anyio.lowlevel
 
 from ._backends._base import Backend
+from ._errors import DeviceError
 
 WATCHDOG_S = 0.02
 #: After the last pending submission, keep the watchdog timer this long so
@@ -40,6 +41,8 @@ _IDLE_GRACE_S = 1.0
 #: How a completion reaches a waiting task: the loop (or Trio token) to post
 #: to, its non-blocking post, and the idempotent wake-up to run there.
 Poster = Callable[[Callable[[], object]], object]
+#: A loop (or Trio token) and its own same-thread ``call_soon``.
+Scheduler = tuple[Any, Poster]
 Waiter = tuple[Any, Poster, Callable[[], object]]
 
 
@@ -115,12 +118,23 @@ class Submission:
                 import trio
 
                 token = trio.lowlevel.current_trio_token()
-                event = trio.Event()
-                self.waiters.append((token, token.run_sync_soon, event.set))
+                task = trio.lowlevel.current_task()
+                parked = [True]
+
+                def wake() -> None:  # runs in Trio's thread, through run_sync_soon
+                    if parked[0]:
+                        parked[0] = False
+                        trio.lowlevel.reschedule(task)
+
+                def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+                    parked[0] = False  # cancelled: a later wake-up must not reschedule
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                self.waiters.append((token, token.run_sync_soon, wake))
                 if self.done:
                     await trio.lowlevel.checkpoint()
                 else:
-                    await event.wait()
+                    await trio.lowlevel.wait_task_rescheduled(abort)
         if self.error is not None:
             raise self.error
 
@@ -140,6 +154,17 @@ def post(target: Any, poster: Poster, fns: list[Callable[[], object]]) -> None:
         warnings.warn(f"gpuflow: could not wake the event loop {target!r}: {exc!r}", stacklevel=1)
 
 
+def current_scheduler() -> Scheduler:
+    """The running loop (or Trio token) and its same-thread ``call_soon``."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop, loop.call_soon
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    return token, token.run_sync_soon
+
+
 def current_waker() -> tuple[Any, Poster]:
     """The running loop (or Trio token) and its non-blocking, thread-safe post."""
     loop = asyncio._get_running_loop()
@@ -151,28 +176,75 @@ def current_waker() -> tuple[Any, Poster]:
     return token, token.run_sync_soon
 
 
+class _Lane:
+    """The submissions of one stream that the GPU has not been seen to finish.
+
+    Each signal enqueued on the stream covers every submission appended
+    before it: ``marks`` holds, per signal in flight, how many submissions had
+    been appended when it was enqueued (strictly increasing, recorded under
+    the dispatcher's lock).  When signals fire, the last mark popped says how
+    many submissions are done.  Popping marks in the order they were recorded
+    is safe even when two threads enqueue their signals in the other order:
+    after ``n`` signals fired, the largest mark among them is at least the
+    ``n``-th mark recorded.
+    """
+
+    __slots__ = ("appended", "completed", "device", "marks", "subs")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.subs: collections.deque[Submission] = collections.deque()
+        self.marks: collections.deque[int] = collections.deque()
+        self.appended = 0
+        self.completed = 0
+
+    def mark(self) -> bool:
+        """Record a signal covering everything appended; False if one already does."""
+        covered = self.marks[-1] if self.marks else self.completed
+        if covered == self.appended:
+            return False
+        self.marks.append(self.appended)
+        return True
+
+
 class Dispatcher:
-    """The one thread that turns native signals into completed submissions."""
+    """The one thread that turns native signals into completed submissions.
+
+    Awaited runs share signals: the first run a loop submits in one turn of
+    that loop enqueues its signal at once (a lone await waits for nothing
+    more) and schedules a flush for the end of the turn; runs that the same
+    loop submits before the flush enqueue no signal of their own, the flush
+    enqueues one per stream for all of them.  Sixty-four tasks woken together
+    thus cost a handful of host functions and dispatcher wake-ups, not 64.
+    """
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._lock = threading.Lock()
         # only streams with pending submissions: a finished stream is dropped
-        self._fifo: dict[Any, collections.deque[Submission]] = {}
-        self._devices: dict[Any, int] = {}
+        self._lanes: dict[Any, _Lane] = {}
         self._pending = 0
         self._closed = False
         self._armed = False  # the thread is on its watchdog timer, no wake needed
         self._thread: threading.Thread | None = None
+        # per thread: the loop whose flush is scheduled, and the lanes it will signal
+        self._local = threading.local()
 
-    def submit(self, raw_stream: Any, sub: Submission) -> None:
-        """Signal the end of ``sub``'s work on ``raw_stream``; complete it when reached."""
+    def submit(self, raw_stream: Any, sub: Submission, scheduler: Scheduler | None = None) -> None:
+        """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is done.
+
+        With ``scheduler`` (the running loop's own ``call_soon``, from its
+        thread), the signal may be left to the flush that loop runs at the end
+        of its turn; whoever submits that way must call :meth:`flush` if it
+        stops waiting for ``sub`` before the loop gets there.
+        """
+        local = self._local
         with self._lock:
-            q = self._fifo.get(raw_stream)
-            if q is None:
-                q = self._fifo[raw_stream] = collections.deque()
-                self._devices[raw_stream] = sub.device
-            q.append(sub)
+            lane = self._lanes.get(raw_stream)
+            if lane is None:
+                lane = self._lanes[raw_stream] = _Lane(sub.device)
+            lane.subs.append(sub)
+            lane.appended += 1
             self._pending += 1
             wake = not self._armed
             self._armed = True
@@ -181,18 +253,54 @@ class Dispatcher:
                     target=self._run, name="gpuflow-dispatcher", daemon=True
                 )
                 self._thread.start()
+            defer = scheduler is not None and getattr(local, "flushing", None) is scheduler[0]
+            if defer:
+                local.dirty[raw_stream] = lane
+            else:
+                lane.mark()
+        if wake:
+            self._backend.wake()
+        if defer:
+            return
+        self._signal(raw_stream, lane.device)
+        if scheduler is not None:
+            if getattr(local, "dirty", None):
+                self.flush()  # left by a loop that ended before its flush ran
+            try:
+                scheduler[1](self.flush)
+            except RuntimeError:  # the loop is finishing: every run signals alone
+                pass
+            else:
+                local.flushing = scheduler[0]
+                local.dirty = {}
+
+    def flush(self) -> None:
+        """Enqueue the signals this thread's loop left for the end of its turn.
+
+        Never raises: a failure to enqueue fails the device's pending runs."""
+        local = self._local
+        local.flushing = None
+        dirty: dict[Any, _Lane] = getattr(local, "dirty", {})
+        local.dirty = {}
+        for raw, lane in dirty.items():
+            with self._lock:
+                if self._lanes.get(raw) is not lane or not lane.mark():
+                    continue  # failed meanwhile, or another signal covers it
+            try:
+                self._signal(raw, lane.device)
+            except DeviceError:
+                pass  # a fault: the device's awaits fail with it
+            except BaseException as exc:
+                warnings.warn(f"gpuflow: could not signal a stream: {exc!r}", stacklevel=1)
+
+    def _signal(self, raw_stream: Any, device: int) -> None:
+        """Enqueue the signal of the mark just recorded; a failure fails the device
+        (whose runs can no longer be seen to finish) and is raised."""
         try:
             self._backend.enqueue_signal(raw_stream)
         except BaseException as exc:
-            with self._lock:
-                if sub in q:
-                    q.remove(sub)
-                    self._pending -= 1
-            if not sub.waiters:
-                sub._finish(exc)
+            self.fail_device(device, exc)
             raise
-        if wake:
-            self._backend.wake()
 
     @property
     def pending(self) -> int:
@@ -203,9 +311,8 @@ class Dispatcher:
         """Fail every pending submission of ``device`` (a fault, a reset)."""
         done: list[tuple[Submission, BaseException | None]] = []
         with self._lock:
-            for raw in [r for r, d in self._devices.items() if d == device]:
-                q = self._fifo.pop(raw)
-                del self._devices[raw]
+            for raw in [r for r, lane in self._lanes.items() if lane.device == device]:
+                q = self._lanes.pop(raw).subs
                 done.extend((s, error) for s in q)
                 self._pending -= len(q)
         self._deliver(done)
@@ -252,19 +359,24 @@ class Dispatcher:
             signalled: list[tuple[Any, int]] = []
             with self._lock:
                 idle = []
-                for raw, q in self._fifo.items():
+                for raw, lane in self._lanes.items():
                     n = backend.take_signals(raw)
                     if n:
-                        signalled.append((raw, self._devices[raw]))
-                    for _ in range(min(n, len(q))):
-                        done.append((q.popleft(), None))
-                    if not q:
+                        signalled.append((raw, lane.device))
+                        marks, upto = lane.marks, lane.completed
+                        for _ in range(min(n, len(marks))):
+                            upto = marks.popleft()
+                        q = lane.subs
+                        for _ in range(upto - lane.completed):
+                            done.append((q.popleft(), None))
+                        lane.completed = upto
+                    if not lane.subs and not lane.marks:
                         idle.append(raw)
                 for raw in idle:
-                    del self._fifo[raw], self._devices[raw]
+                    del self._lanes[raw]
                 self._pending -= len(done)
                 check = self._pending > 0 and time.monotonic() - last_check >= WATCHDOG_S
-                suspects = list(self._fifo) if check else []
+                suspects = [(r, lane.device) for r, lane in self._lanes.items()] if check else []
             if done:
                 done = self._confirm(done, signalled)
                 self._deliver(done)
@@ -295,11 +407,10 @@ class Dispatcher:
             self.fail_device(device, fault)
         return [(s, faulted.get(s.device, err)) for s, err in done]
 
-    def _watch(self, streams: list[Any]) -> None:
+    def _watch(self, streams: list[tuple[Any, int]]) -> None:
         faulted: dict[int, BaseException] = {}
-        for raw in streams:
-            device = self._devices.get(raw)
-            if device is None or device in faulted:
+        for raw, device in streams:
+            if device in faulted:
                 continue
             try:
                 self._backend.query(raw)

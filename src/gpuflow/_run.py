@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import anyio.lowlevel
 
 from . import _graph
-from ._bridge import Submission
+from ._bridge import Submission, current_scheduler
 from ._context import ExecutionContext
 from ._errors import UsageError
 from ._operation import DeviceOperation, PendingMap, is_pending, resolve
@@ -202,6 +202,13 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         except Exception:  # the original failure is the one to report
             pass
         raise
-    rt.dispatcher.submit(stream._raw, sub)
-    await sub.wait()
+    dispatcher = rt.dispatcher
+    dispatcher.submit(stream._raw, sub, current_scheduler())
+    try:
+        await sub.wait()
+    except BaseException:
+        # cancelled before the loop's flush: the signal must not wait for a
+        # loop turn that may never come
+        dispatcher.flush()
+        raise
     return resolve(out)

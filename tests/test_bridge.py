@@ -1,0 +1,146 @@
+"""The completion bridge: signals shared by the runs of one loop turn.
+
+The first run a loop submits in one turn enqueues its signal at once and
+schedules a flush for the end of the turn; the runs submitted after it in
+that turn are signalled by the flush, one signal per stream.  Whatever ends
+a turn early (a cancellation, a loop that closes before its flush runs), no
+run is left without a signal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import kernels as K
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow._bridge import Submission
+from gpuflow._runtime import get_runtime
+
+F32 = np.float32
+
+
+def count_signals(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Record every signal the backend is asked to enqueue (the stream it goes on)."""
+    backend = get_runtime().backend
+    calls: list[Any] = []
+    enqueue = backend.enqueue_signal
+
+    def counted(raw: Any) -> None:
+        calls.append(raw)
+        enqueue(raw)
+
+    monkeypatch.setattr(backend, "enqueue_signal", counted)
+    return calls
+
+
+@pytest.mark.anyio
+async def test_tasks_woken_together_share_signals(monkeypatch: pytest.MonkeyPatch) -> None:
+    tasks, rounds = 32, 4
+    counters = [await gf.zeros(1, np.int32) for _ in range(tasks)]
+    signals = count_signals(monkeypatch)
+
+    async def worker(c: gf.DeviceArray) -> None:
+        for _ in range(rounds):
+            await K.module().count(gf.LaunchConfig(1, 1), c)
+
+    async with anyio.create_task_group() as tg:
+        for c in counters:
+            tg.start_soon(worker, c)
+    for c in counters:
+        assert int((await gf.to_host(c))[0]) == rounds
+    awaits = tasks * rounds
+    # the 32 tasks start in one turn: one signal at once, one per stream at the flush
+    assert len(signals) <= awaits - (tasks - 1 - 4), (len(signals), awaits)
+
+
+@pytest.mark.anyio
+async def test_a_run_cancelled_in_the_turn_it_was_submitted_still_completes() -> None:
+    x = await gf.zeros(64, F32)
+    y = await gf.zeros(64, F32)
+    scopes: list[anyio.CancelScope] = []
+    ready = anyio.Event()
+
+    async def victim() -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            ready.set()
+            await K.slow_fill(y, 2.0, 0.05)
+        assert scope.cancelled_caught
+
+    async def canceller() -> None:  # often in the same turn as the victim's submit
+        await ready.wait()
+        scopes[0].cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_await, K.slow_fill(x, 1.0, 0.05))
+        tg.start_soon(victim)
+        tg.start_soon(canceller)
+    # the cancelled run's work still ran, and its signal came: nothing is left pending
+    np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+async def _await(op: gf.DeviceOperation[Any]) -> None:
+    await op
+
+
+class _DroppingLoop:
+    """A loop that ends before running what was scheduled on it."""
+
+    def __init__(self) -> None:
+        self.dropped: list[Any] = []
+
+    def call_soon(self, fn: Any) -> None:
+        self.dropped.append(fn)
+
+
+def _wait_done(sub: Submission, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not sub.done:
+        assert time.monotonic() < deadline, "the run never completed"
+        time.sleep(0.001)
+
+
+def test_runs_left_by_a_loop_that_never_flushed_are_signalled() -> None:
+    rt = get_runtime()
+    dispatcher = rt.dispatcher
+    stream = gf.new_stream()
+    x = gf.zeros(16, F32).sync()
+    dead = _DroppingLoop()
+    first, second, third = Submission(0), Submission(0), Submission(0)
+    K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)
+    dispatcher.submit(stream._raw, first, (dead, dead.call_soon))  # signals, schedules a flush
+    assert len(dead.dropped) == 1
+    K.slow_fill(x, 2.0, 0.01).enqueue_on(stream)
+    dispatcher.submit(stream._raw, second, (dead, dead.call_soon))  # left for the flush
+    _wait_done(first)
+    stream.synchronize()
+    time.sleep(0.05)
+    assert not second.done  # no signal covers it yet
+    # the next loop of this thread signals what the dead one left, then its own run
+    live = _DroppingLoop()
+    dispatcher.submit(stream._raw, third, (live, live.call_soon))
+    _wait_done(second)
+    _wait_done(third)
+    assert second.error is None and third.error is None
+    live.dropped[0]()  # the live loop's flush, with nothing left to signal
+    np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 2.0, F32))
+
+
+def test_an_explicit_flush_signals_a_deferred_run() -> None:
+    dispatcher = get_runtime().dispatcher
+    stream = gf.new_stream()
+    loop = _DroppingLoop()
+    a, b = Submission(0), Submission(0)
+    dispatcher.submit(stream._raw, a, (loop, loop.call_soon))
+    dispatcher.submit(stream._raw, b, (loop, loop.call_soon))
+    _wait_done(a)
+    time.sleep(0.05)
+    assert not b.done
+    dispatcher.flush()  # what a cancelled await does before it raises
+    _wait_done(b)
