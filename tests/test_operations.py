@@ -182,6 +182,19 @@ async def test_map_over_to_host_output_runs_after_completion() -> None:
     assert pair == 3.0
 
 
+async def test_a_then_chain_longer_than_the_recursion_limit_runs_in_order() -> None:
+    import sys
+
+    steps = sys.getrecursionlimit() + 500
+    c = await gf.zeros(1, np.int32)
+    bump = K.module().count(gf.LaunchConfig(1, 1), c)
+    op: gf.DeviceOperation[Any] = bump
+    for _ in range(steps - 1):
+        op = op.then(lambda _out: bump)
+    await op
+    assert int((await gf.to_host(c))[0]) == steps
+
+
 async def test_then_over_to_host_output_is_refused() -> None:
     x = await gf.ones(4, F32)
     called: list[object] = []

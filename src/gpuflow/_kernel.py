@@ -391,7 +391,8 @@ class _Launch(DeviceOperation[Any]):
     def execute(self, ctx: ExecutionContext) -> Any:
         cfg = self._config
         if self._plain:
-            ctx.backend.launch(
+            rt = ctx._runtime
+            rt.backend.launch(
                 self._raw_kernel(ctx), cfg.grid, cfg.block, cfg.shmem, self._args, ctx.stream._raw
             )
             return None

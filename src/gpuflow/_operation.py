@@ -17,7 +17,7 @@ from __future__ import annotations
 import builtins
 import threading
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import numpy as np
 
@@ -283,19 +283,28 @@ class _Then(DeviceOperation[U]):
         self._fn = fn
 
     def execute(self, ctx: ExecutionContext) -> U:
-        out = self._op.execute(ctx)
-        if out is not None and is_pending(out):
-            raise UsageError(
-                f"then({_fn_name(self._fn)}): the output holds host data that the GPU is "
-                "still copying (gf.to_host); await the operation first, or use .map()"
-            )
-        nxt = self._fn(out)
-        if not isinstance(nxt, DeviceOperation):
-            raise UsageError(
-                f"then: {_fn_name(self._fn)} must return a DeviceOperation, returned "
-                f"{type(nxt).__name__} (use .map() for a host-side transform)"
-            )
-        return nxt.execute(ctx)
+        # a long chain is nested to the left: walk it down, then run it forward,
+        # rather than recursing once per step
+        fns = [self._fn]
+        op = self._op
+        while type(op) is _Then:
+            fns.append(op._fn)
+            op = op._op
+        out: Any = op.execute(ctx)
+        for fn in reversed(fns):
+            if out is not None and is_pending(out):
+                raise UsageError(
+                    f"then({_fn_name(fn)}): the output holds host data that the GPU is "
+                    "still copying (gf.to_host); await the operation first, or use .map()"
+                )
+            nxt = fn(out)
+            if not isinstance(nxt, DeviceOperation):
+                raise UsageError(
+                    f"then: {_fn_name(fn)} must return a DeviceOperation, returned "
+                    f"{type(nxt).__name__} (use .map() for a host-side transform)"
+                )
+            out = nxt.execute(ctx)
+        return cast(U, out)
 
     def _label(self) -> str:
         return f"then {_fn_name(self._fn)}"
