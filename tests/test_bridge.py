@@ -9,7 +9,9 @@ run is left without a signal.
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from typing import Any
 
 import anyio
@@ -144,3 +146,66 @@ def test_an_explicit_flush_signals_a_deferred_run() -> None:
     assert not b.done
     dispatcher.flush()  # what a cancelled await does before it raises
     _wait_done(b)
+
+
+class _Sentinel:
+    """Something only a run's submission keeps alive."""
+
+
+def keep_until_done(sentinel: _Sentinel) -> gf.DeviceOperation[None]:
+    def enqueue(ctx: Any) -> gf.DeviceOperation[None]:
+        ctx.keep(sentinel)
+        return gf.value(None)
+
+    return gf.with_context(enqueue)
+
+
+def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None:
+    # the stream is destroyed (its finalizer) while the dispatcher's watchdog
+    # may be querying it: on the H200 that once read as a fault of the device
+    x = gf.zeros(64, F32).sync()
+    rounds = 10
+    for i in range(rounds):
+        sentinel = _Sentinel()
+        alive = weakref.ref(sentinel)
+        # the stream goes with the last reference to it, right after the enqueue
+        K.slow_fill(x, float(i), 0.1).then(lambda _x, s=sentinel: keep_until_done(s)).enqueue_on(
+            gf.new_stream()
+        )
+        del sentinel
+        time.sleep(0.03)  # a watchdog round or more; the work has 70 ms to go
+        assert alive() is not None, f"round {i}: released while its work was running"
+    deadline = time.monotonic() + 5
+    while get_runtime().dispatcher.pending:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(64, rounds - 1, F32))
+
+
+def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = get_runtime()
+    stream = gf.new_stream()
+    x = gf.zeros(16, F32).sync()
+    sentinel = _Sentinel()
+    alive = weakref.ref(sentinel)
+    query = rt.backend.query
+
+    def failing(raw: Any) -> bool:
+        if raw is stream._raw:
+            raise gf.DeviceError("cuStreamQuery failed (a transient error)")
+        return query(raw)
+
+    monkeypatch.setattr(rt.backend, "query", failing)
+    with pytest.warns(UserWarning, match="querying a stream failed"):
+        K.slow_fill(x, 5.0, 0.2).then(lambda _x, s=sentinel: keep_until_done(s)).enqueue_on(stream)
+        del sentinel
+        time.sleep(0.1)  # several watchdog rounds query the stream meanwhile
+        gc.collect()
+        assert alive() is not None
+        stream.synchronize()
+        deadline = time.monotonic() + 5
+        while rt.dispatcher.pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 5.0, F32))

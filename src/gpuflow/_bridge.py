@@ -31,7 +31,7 @@ import anyio
 import anyio.lowlevel
 
 from ._backends._base import Backend
-from ._errors import DeviceError
+from ._errors import DeviceError, DeviceFaultError
 
 WATCHDOG_S = 0.02
 #: After the last pending submission, keep the watchdog timer this long so
@@ -397,24 +397,36 @@ class Dispatcher:
         fault only afterwards, so that work is rightly a success."""
         faulted: dict[int, BaseException] = {}
         for raw, device in streams:
-            try:
-                self._backend.query(raw)
-            except Exception as exc:
-                faulted.setdefault(device, exc)
+            fault = self._query(raw)
+            if fault is not None:
+                faulted.setdefault(device, fault)
         if not faulted:
             return done
-        for device, fault in faulted.items():
-            self.fail_device(device, fault)
+        for device, error in faulted.items():
+            self.fail_device(device, error)
         return [(s, faulted.get(s.device, err)) for s, err in done]
+
+    def _query(self, raw: Any) -> DeviceFaultError | None:
+        """The sticky fault a query of ``raw`` reports, if any.
+
+        Any other failure is warned about and ignored: failing the device's
+        runs would release what their work may still be using (a leak is
+        better than a dangling pointer), and their signals still come."""
+        try:
+            self._backend.query(raw)
+        except DeviceFaultError as fault:
+            return fault
+        except Exception as exc:
+            warnings.warn(f"gpuflow: querying a stream failed: {exc!r}", stacklevel=1)
+        return None
 
     def _watch(self, streams: list[tuple[Any, int]]) -> None:
         faulted: dict[int, BaseException] = {}
         for raw, device in streams:
             if device in faulted:
                 continue
-            try:
-                self._backend.query(raw)
-            except Exception as exc:  # a fault, or an unknown failure: either ends the wait
-                faulted[device] = exc
+            fault = self._query(raw)
+            if fault is not None:
+                faulted[device] = fault
         for device, err in faulted.items():
             self.fail_device(device, err)

@@ -549,6 +549,7 @@ class CudaBackend(Backend):
         self._d2h_pending = 0  # staged device-to-host copies not yet delivered
         self._sems: list[Any] = []  # every semaphore ever made: host functions may still post
         self._gsem, self._gsem_addr = self._n.new_sem()
+        self._stream_lock = threading.Lock()
         self._devices: list[_Dev] = []
         for i in range(n):
             (cudev,) = self._check(cu.cuDeviceGet(i), "cuDeviceGet")
@@ -725,13 +726,17 @@ class CudaBackend(Backend):
     def destroy_stream(self, stream: Any) -> None:
         try:
             dev = stream.dev
-            if stream.destroyed:
-                return
-            stream.destroyed = True
-            if stream.token is not dev.token or dev.fault is not None:
-                return  # gone with the context, or a faulted one: leak
-            self._cur(dev)
-            (err,) = self._cu.cuStreamDestroy(stream.handle)
+            # a stream is dropped (its finalizer) while the dispatcher may be
+            # querying it: seen on the H200, the query of a handle destroyed
+            # under it failed, and that read as a fault of the whole device
+            with self._stream_lock:
+                if stream.destroyed:
+                    return
+                stream.destroyed = True
+                if stream.token is not dev.token or dev.fault is not None:
+                    return  # gone with the context, or a faulted one: leak
+                self._cur(dev)
+                (err,) = self._cu.cuStreamDestroy(stream.handle)
             if int(err) != _SUCCESS:
                 warnings.warn(
                     f"gpuflow: destroying {stream!r} failed: {_err_name(int(err))}", stacklevel=2
@@ -761,15 +766,16 @@ class CudaBackend(Backend):
         dev = stream.dev
         if dev.fault is not None:
             raise dev.fault
-        if stream.token is not dev.token or stream.destroyed:
-            return True
-        self._cur(dev)
-        if stream.capture is not None:
-            # querying a capturing stream would invalidate the capture: ask about
-            # the work enqueued before it began instead
-            rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else _SUCCESS
-        else:
-            rc = self._n.stream_query(stream.handle)
+        with self._stream_lock:  # not destroyed while we ask
+            if stream.token is not dev.token or stream.destroyed:
+                return True
+            self._cur(dev)
+            if stream.capture is not None:
+                # querying a capturing stream would invalidate the capture: ask about
+                # the work enqueued before it began instead
+                rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else _SUCCESS
+            else:
+                rc = self._n.stream_query(stream.handle)
         if rc == _SUCCESS:
             if self._d2h_pending:
                 self._sweep_all()
