@@ -9,7 +9,6 @@ run is left without a signal.
 
 from __future__ import annotations
 
-import gc
 import time
 import weakref
 from typing import Any
@@ -197,10 +196,9 @@ def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(rt.backend, "query", failing)
     with pytest.warns(UserWarning, match="querying a stream failed"):
-        K.slow_fill(x, 5.0, 0.2).then(lambda _x, s=sentinel: keep_until_done(s)).enqueue_on(stream)
-        del sentinel
+        K.slow_fill(x, 5.0, 0.5).then(lambda _x, s=sentinel: keep_until_done(s)).enqueue_on(stream)
+        del sentinel  # the run's submission holds the last reference
         time.sleep(0.1)  # several watchdog rounds query the stream meanwhile
-        gc.collect()
         assert alive() is not None
         stream.synchronize()
         deadline = time.monotonic() + 5
