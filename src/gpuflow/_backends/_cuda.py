@@ -203,7 +203,15 @@ class _Native:
         buf = ctypes.create_string_buffer(64)  # sizeof(sem_t) is 32 on x86-64 and aarch64
         if self.sem_init(buf, 0, 0) != 0:
             raise DeviceError(f"sem_init failed (errno {ctypes.get_errno()})")
+        # a host function may still post it after its stream and backend are
+        # gone (a backend replaced by init_device_contexts, say): the memory
+        # must never be reused for anything else, so it lives with the process
+        _SEMAPHORES.append(buf)
         return buf, ctypes.addressof(buf)
+
+
+#: Every semaphore a host function may post: 64 bytes a stream, never freed.
+_SEMAPHORES: list[Any] = []
 
 
 # -- handles ---------------------------------------------------------------------
@@ -547,7 +555,6 @@ class CudaBackend(Backend):
         self._module_lock = threading.Lock()
         self._stage_lock = threading.Lock()
         self._d2h_pending = 0  # staged device-to-host copies not yet delivered
-        self._sems: list[Any] = []  # every semaphore ever made: host functions may still post
         self._gsem, self._gsem_addr = self._n.new_sem()
         self._stream_lock = threading.Lock()
         self._devices: list[_Dev] = []
@@ -719,8 +726,7 @@ class CudaBackend(Backend):
         if dev.fault is not None:
             raise dev.fault
         (h,) = self._call(dev, "cuStreamCreate", self._cu.cuStreamCreate, _STREAM_NON_BLOCKING)
-        buf, addr = self._n.new_sem()
-        self._sems.append(buf)
+        _buf, addr = self._n.new_sem()
         return CudaStream(dev, h, addr)
 
     def destroy_stream(self, stream: Any) -> None:
