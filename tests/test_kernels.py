@@ -93,6 +93,36 @@ def test_syntax_error_raises_compile_error_with_the_log() -> None:
     assert err.log in str(err)
 
 
+HALF = r"""
+#include <cuda_fp16.h>
+extern "C" __global__ void twice_h(const __half* x, __half* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __hadd(x[i], x[i]);
+}
+"""
+
+
+def test_toolkit_headers_are_found_where_the_toolkit_is_installed() -> None:
+    from gpuflow._backends._nvrtc import include_dirs
+
+    if not include_dirs():
+        # no toolkit headers on this machine: a clear compile error, naming the header
+        with pytest.raises(gf.CompileError, match=r"cuda_fp16\.h"):
+            gf.compile(HALF)
+        return
+
+    def twice_h(x: np.ndarray, y: np.ndarray, n: int) -> None:
+        y[:n] = x[:n] + x[:n]
+
+    mod = gf.compile(HALF, references={"twice_h": twice_h})
+    assert mod.twice_h.signature == "twice_h(const __half* x, __half* y, int n)"
+    n = 300
+    x = gf.from_host(np.linspace(0, 2, n).astype(np.float16)).sync()
+    y = gf.zeros(n, np.float16).sync()
+    mod.twice_h(gf.LaunchConfig.for_num_elems(n), x, y, n).sync()
+    np.testing.assert_array_equal(gf.to_host(y).sync(), np.linspace(0, 2, n).astype(np.float16) * 2)
+
+
 def test_compile_checks_references() -> None:
     with pytest.raises(gf.UsageError, match="nope"):
         gf.compile(K.SOURCE, references={"nope": lambda: None})

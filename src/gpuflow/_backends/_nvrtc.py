@@ -7,6 +7,7 @@ or a demo that compiles the same module many times pays NVRTC once.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 from .._errors import CompileError, GpuflowError
@@ -16,6 +17,21 @@ from .._errors import CompileError, GpuflowError
 CHECK_ARCH = "compute_90"
 
 _lock = threading.Lock()
+
+
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
+    """The CUDA toolkit's header folders NVRTC is pointed at (as CuPy does), so
+    that ``#include <cuda_fp16.h>`` works: ``$CUDA_HOME``, ``$CUDA_PATH``, then
+    ``/usr/local/cuda``, those that exist.  NVRTC's own wheel has no headers."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    found: list[str] = []
+    for root in roots:
+        if root:
+            inc = os.path.join(root, "include")
+            if os.path.isfile(os.path.join(inc, "cuda_fp16.h")) and inc not in found:
+                found.append(inc)
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=256)
@@ -36,7 +52,8 @@ def compile_source(source: str, arch: str, options: tuple[str, ...]) -> bytes:
         prog = check(nvrtc.nvrtcCreateProgram(source.encode(), b"gpuflow.cu", 0, [], []), "create")
         try:
             opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
-            opts += [o.encode() for o in options]
+            opts += [o.encode() for o in options]  # the caller's -I come first
+            opts += [f"-I{d}".encode() for d in include_dirs()]
             (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
             size = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
             log = b" " * int(size)  # type: ignore[call-overload]
