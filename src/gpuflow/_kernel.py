@@ -391,8 +391,7 @@ class _Launch(DeviceOperation[Any]):
     def execute(self, ctx: ExecutionContext) -> Any:
         cfg = self._config
         if self._plain:
-            rt = ctx._runtime
-            rt.backend.launch(
+            ctx._runtime.backend.launch(
                 self._raw_kernel(ctx), cfg.grid, cfg.block, cfg.shmem, self._args, ctx.stream._raw
             )
             return None

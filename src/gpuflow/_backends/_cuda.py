@@ -732,9 +732,9 @@ class CudaBackend(Backend):
     def destroy_stream(self, stream: Any) -> None:
         try:
             dev = stream.dev
-            # a stream is dropped (its finalizer) while the dispatcher may be
-            # querying it: seen on the H200, the query of a handle destroyed
-            # under it failed, and that read as a fault of the whole device
+            # a stream is dropped (its finalizer, on any thread) while the
+            # dispatcher may be querying it: a query must never use a handle
+            # destroyed under it
             with self._stream_lock:
                 if stream.destroyed:
                     return
