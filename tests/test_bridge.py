@@ -161,7 +161,7 @@ def keep_until_done(sentinel: _Sentinel) -> gf.DeviceOperation[None]:
 
 def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None:
     # the stream is destroyed (its finalizer) while the dispatcher's watchdog
-    # may be querying it: on the H200 that once read as a fault of the device
+    # may be querying it
     x = gf.zeros(64, F32).sync()
     rounds = 10
     for i in range(rounds):
