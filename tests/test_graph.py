@@ -242,10 +242,10 @@ async def test_a_launch_in_flight_keeps_its_graph_until_the_gpu_is_done() -> Non
     out = await gf.zeros(N, F32)
     # long enough that the GPU is surely still at it after a full collection
     graph = await _slow_copy_graph(3.0, out, seconds=1.0)
-    # Collect what earlier tests left first.  Seen on the H200: a collection
-    # that finalizes an earlier runtime's objects (its modules, graphs) does
-    # not return until the GPU is idle, so the collection below would outlast
-    # the replay, and the graph would rightly be gone by the time we look.
+    # Collect what earlier work left first.  Seen on the H200: a collection
+    # that finalizes such garbage (an earlier runtime's, a finished capture's)
+    # can wait for the GPU, so the collection below would outlast the replay,
+    # and the graph would rightly be gone by the time we look.
     gc.collect()
     alive = weakref.ref(graph)
     graph.launch().enqueue_on(gf.new_stream())
