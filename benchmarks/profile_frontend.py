@@ -148,6 +148,15 @@ for lib in ("asyncio", "trio"):
 
     per_await, per_step = anyio.run(main, backend=lib)
     print(f"{lib} await us/op {per_await:.2f}, chain us/step {per_step:.2f}")
+# the chain's own Python: execute() alone, no run set-up, no await
+from gpuflow._bridge import Submission  # noqa: E402
+from gpuflow._context import ExecutionContext  # noqa: E402
+
+ctx = ExecutionContext(R._runtime, gf.new_stream(0), pol, Submission(0))
+t0 = time.perf_counter()
+for _ in range(300):
+    chain.execute(ctx)
+print("chain execute() us/step %.3f" % ((time.perf_counter() - t0) / 300 / 132 * 1e6))
 # sync path enqueue only
 s = gf.new_stream(0)
 t0 = time.perf_counter()
