@@ -77,9 +77,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     env = dict(os.environ, **{_CHILD: "1"})
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", pyfuncitem.nodeid],
         env=env, capture_output=True, text=True, timeout=100, cwd=pyfuncitem.config.rootpath,
     )
+    if proc.returncode == 0 and re.search(r"\b1 skipped", proc.stdout):
+        # the child's skip is the parent's (e.g. a test that needs two devices)
+        reason = re.search(r"SKIPPED \[\d+\] [^:]+:\d+: (.*)", proc.stdout)
+        pytest.skip(f"in a child process: {reason.group(1) if reason else 'skipped'}")
     if proc.returncode != 0 or not re.search(r"\b1 passed", proc.stdout):
         pytest.fail(f"in a child process:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
     return True
