@@ -24,28 +24,30 @@ from ._errors import GpuflowError as GpuflowError
 from ._errors import LaunchError as LaunchError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._errors import UsageError as UsageError
-from ._graph import Graph as Graph
 from ._kernel import Kernel as Kernel
 from ._kernel import LaunchConfig as LaunchConfig
 from ._kernel import Module as Module
 from ._kernel import compile as compile
 from ._operation import DeviceOperation as DeviceOperation
+from ._operation import Graph as Graph
 from ._operation import SharedOperation as SharedOperation
 from ._operation import value as value
 from ._operation import with_context as with_context
 from ._operation import zip as zip
+from ._policy import SchedulingPolicy as SchedulingPolicy
+from ._policy import SingleStream as SingleStream
+from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
 from ._runtime import current_backend as current_backend
 from ._runtime import current_device as current_device
+from ._runtime import device_count as device_count
 from ._runtime import init_device_contexts as init_device_contexts
+from ._runtime import new_stream as new_stream
 from ._runtime import reset_device as reset_device
+from ._runtime import use_device as use_device
 from ._scope import DeviceGroup as DeviceGroup
 from ._scope import StreamLease as StreamLease
 from ._scope import open_device_group as open_device_group
 from ._scope import open_stream_lease as open_stream_lease
-from ._stream import SchedulingPolicy as SchedulingPolicy
-from ._stream import SingleStream as SingleStream
 from ._stream import Stream as Stream
-from ._stream import StreamPoolRoundRobin as StreamPoolRoundRobin
-from ._stream import new_stream as new_stream
 
 __version__ = "0.1.0.dev0"

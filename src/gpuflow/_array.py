@@ -1,19 +1,15 @@
-"""Device arrays, the operations that make and move them, and their hazards.
+"""Device arrays and the operations that make and move them.
 
-A :class:`DeviceArray` is a typed, C-contiguous view of one allocation.  The
-allocation remembers which stream last wrote it and which streams read it
-since, so an operation on another stream orders itself after them
-automatically (read-after-write, write-after-read, write-after-write) with
-an event, and work on one stream pays nothing.  When the last array of an
-allocation goes, it is freed *in stream order*, after every use that was
-enqueued: nothing the GPU still reads is freed early.
+A :class:`DeviceArray` is a typed, C-contiguous view of one allocation
+(:class:`~gpuflow._hazards.Allocation`), which orders every use after the
+uses it depends on and frees the memory in stream order when the last view
+goes.  Allocation, fills, host transfers and device copies are operations
+like any other: they enqueue on the run's stream.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import threading
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
@@ -21,86 +17,15 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 import numpy as np
 
 from ._errors import UsageError
-from ._graph import capture_log
-from ._operation import DeviceOperation, PendingHost, _as_op
+from ._hazards import Allocation, hazard_lock
+from ._operation import DeviceOperation, _as_op
+from ._pending import PendingHost
 
 if TYPE_CHECKING:
-    from ._backends._base import Backend, RawBuffer
     from ._context import ExecutionContext
     from ._stream import Stream
 
 ShapeLike = SupportsIndex | Sequence[SupportsIndex]
-
-
-#: Ordering a use after an allocation's hazards and enqueueing that use must be
-#: one step: another thread recording the allocation's last write in between
-#: would not see this use, and its work would race with it.  Launches, copies
-#: and graph launches hold it from their first ``before_read``/``before_write``
-#: until their work is enqueued; one lock for every allocation, because a
-#: launch orders itself after several, in any order.
-hazard_lock = threading.RLock()
-
-
-class _Allocation:
-    """One device buffer and its hazard state.  Freed in stream order on GC.
-
-    ``before_read``/``before_write`` are called under :data:`hazard_lock`,
-    together with the enqueue of the use they order.
-    """
-
-    __slots__ = ("backend", "buffer", "generation", "readers", "synced", "writer")
-
-    def __init__(self, backend: Backend, buffer: RawBuffer, stream: Stream) -> None:
-        self.backend = backend
-        self.buffer = buffer
-        self.generation = stream._generation
-        self.writer: Stream = stream  # the allocation itself is ordered on it
-        self.synced: set[Stream] = {stream}  # streams already ordered after the last write
-        self.readers: set[Stream] = set()
-
-    def before_read(self, stream: Stream) -> None:
-        log = capture_log.get()
-        if log is not None:  # captured work runs at replay: the launch orders it
-            log.setdefault(id(self), (self, False))
-            return
-        with hazard_lock:
-            if stream not in self.synced:
-                be = self.backend
-                be.wait_event(stream._raw, be.record_event(self.writer._raw))
-                self.synced.add(stream)
-            self.readers.add(stream)
-
-    def before_write(self, stream: Stream) -> None:
-        log = capture_log.get()
-        if log is not None:
-            log[id(self)] = (self, True)
-            return
-        with hazard_lock:
-            be = self.backend
-            for s in {self.writer, *self.readers}:
-                if s != stream:
-                    be.wait_event(stream._raw, be.record_event(s._raw))
-            self.writer = stream
-            self.synced = {stream}
-            self.readers = set()
-
-    def __del__(self) -> None:
-        if sys.is_finalizing():
-            # the process is going away with its memory, and a daemon thread
-            # (a stream, the driver) may be frozen holding a lock: never hang
-            return
-        try:
-            be = self.backend
-            stream = self.writer
-            rt = stream._runtime
-            if not rt.live or stream._generation != rt.generation(stream.device):
-                return  # the context is gone with its memory: leak, never dangle
-            for s in self.readers:
-                if s != stream:
-                    be.wait_event(stream._raw, be.record_event(s._raw))
-            be.free(self.buffer, stream._raw)
-        except Exception as exc:  # a finalizer must not raise
-            warnings.warn(f"gpuflow: could not free {self.buffer!r}: {exc!r}", stacklevel=1)
 
 
 def _shape(shape: ShapeLike) -> tuple[int, ...]:
@@ -141,7 +66,7 @@ class DeviceArray:
 
     __slots__ = ("__weakref__", "_alloc", "dtype", "shape")
 
-    def __init__(self, alloc: _Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         self._alloc = alloc
         self.shape = shape
         self.dtype = dtype
@@ -205,7 +130,7 @@ def _allocate(
         )
     nbytes = math.prod(shape) * dtype.itemsize
     buf = ctx.backend.alloc(s.device, nbytes, s._raw)
-    return DeviceArray(_Allocation(ctx.backend, buf, s), shape, dtype)
+    return DeviceArray(Allocation(ctx.backend, buf, s), shape, dtype)
 
 
 def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:

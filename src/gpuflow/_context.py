@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._backends._base import Backend
     from ._bridge import Submission
+    from ._policy import SchedulingPolicy
     from ._runtime import Runtime
-    from ._stream import SchedulingPolicy, Stream
+    from ._stream import Stream
 
 
 class ExecutionContext:

@@ -194,7 +194,7 @@ def fan_out(tokens: int, hidden: int, devices: list[int]) -> float:
     mod = gf.compile(SOURCE, references=REFERENCES)
     launches = {}
     for d in devices:
-        with _on(d):
+        with gf.use_device(d):
             launches[d] = Model(mod, hidden, seed=3, device=d).token().capture().launch()
 
     async def worker(d: int) -> None:
@@ -211,23 +211,6 @@ def fan_out(tokens: int, hidden: int, devices: list[int]) -> float:
     return anyio.run(group)
 
 
-class _on:
-    """Make ``device`` current in this thread for a block (device groups do it per task)."""
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-
-    def __enter__(self) -> None:
-        from ._runtime import _current_device
-
-        self._token = _current_device.set(self.device)
-
-    def __exit__(self, *exc: object) -> None:
-        from ._runtime import _current_device
-
-        _current_device.reset(self._token)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpuflow demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
@@ -240,12 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "sim" and args.backend == "auto":
         # no GPU here: simulate two devices so that the fan-out has somewhere to go
         gf.init_device_contexts(backend="sim", num_devices=2)
-    from ._runtime import get_runtime
-
-    rt = get_runtime()
+    devices = list(range(gf.device_count()))
+    backend_object = gf.lowlevel.current_backend_object()
     tokens = args.tokens or (200 if backend == "cuda" else 5)
-    names = ", ".join(rt.backend.device_name(d) for d in rt.devices)
-    print(f"gpuflow demo on backend {backend!r}: {len(rt.devices)} device(s) ({names})")
+    names = ", ".join(backend_object.device_name(d) for d in devices)
+    print(f"gpuflow demo on backend {backend!r}: {len(devices)} device(s) ({names})")
     print(
         f"model: {LAYERS} layers x {KERNELS_PER_LAYER} kernels = "
         f"{LAYERS * KERNELS_PER_LAYER} launches a token, width {args.hidden}, "
@@ -258,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, per in results:
         print(f"{name:<34}{1 / per:>12.1f}{per * 1e6:>12.1f}{per / base:>9.2f}x")
     print(f"same numbers in every mode: {'yes' if same else 'NO'}")
-    one = fan_out(tokens, args.hidden, rt.devices[:1])
-    group = fan_out(tokens, args.hidden, rt.devices)
+    one = fan_out(tokens, args.hidden, devices[:1])
+    group = fan_out(tokens, args.hidden, devices)
     print()
-    print(f"device-group fan-out (graph replay) over {len(rt.devices)} device(s):")
+    print(f"device-group fan-out (graph replay) over {len(devices)} device(s):")
     print(f"  one device: {one:.1f} tokens/s; all devices: {group:.1f} tokens/s; "
           f"scaling {group / one:.2f}x")
     return 0 if same else 1

@@ -10,9 +10,10 @@ will build.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._operation import DeviceOperation
+if TYPE_CHECKING:
+    from ._operation import DeviceOperation
 
 _STYLE = {
     "kernel": 'shape=box style="rounded,filled" fillcolor="#cfe2ff"',

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._array import DeviceArray, _Allocation, hazard_lock
+from ._array import DeviceArray
 from ._backends._base import PointerArg
 from ._backends._nvrtc import CHECK_ARCH, compile_source
 from ._errors import CompileError, UsageError
+from ._hazards import Allocation, hazard_lock
 from ._operation import DeviceOperation
 
 if TYPE_CHECKING:
@@ -412,8 +413,8 @@ class _Launch(DeviceOperation[Any]):
             values.append(a)
         args: list[PointerArg | np.generic] = []
         written: list[DeviceArray] = []
-        reads: list[_Allocation] = []
-        writes: list[_Allocation] = []
+        reads: list[Allocation] = []
+        writes: list[Allocation] = []
         stream = ctx.stream
         for p, a in zip(k.params, values, strict=True):
             if p.pointer:

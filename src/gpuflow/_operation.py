@@ -8,8 +8,14 @@ whose contents the GPU may still be writing.  A recipe is reusable and runs
 its work again each time, except :meth:`DeviceOperation.shared`.
 
 Host data produced by the device (:func:`to_host`) is only readable when the
-run has completed, so inside a run it is a *pending* value: ``map`` over it is
-deferred to completion, and ``then`` over it is refused (await first).
+run has completed, so inside a run it is a *pending* value (:mod:`._pending`):
+``map`` over it is deferred to completion, and ``then`` over it is refused
+(await first).
+
+An operation captured into a CUDA graph becomes a :class:`Graph`, whose
+launch is itself an operation; the recording and replay machinery is
+:mod:`._capture`, the runners :mod:`._run`, the pictures :mod:`._dot`: this
+module depends on them, never they on it.
 """
 
 from __future__ import annotations
@@ -19,70 +25,17 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
-import numpy as np
-
+from . import _capture, _dot, _run
 from ._errors import UsageError
+from ._pending import PendingMap, is_pending
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext
-    from ._graph import Graph
-    from ._stream import SchedulingPolicy, Stream
+    from ._policy import SchedulingPolicy
+    from ._stream import Stream
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-
-class Pending:
-    """A host value that is valid only once the run's GPU work is done."""
-
-    __slots__ = ()
-
-    def resolve(self) -> Any:
-        raise NotImplementedError
-
-
-class PendingHost(Pending):
-    """A host array the device is copying into."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray[Any, Any]) -> None:
-        self.array = array
-
-    def resolve(self) -> Any:
-        return self.array
-
-
-class PendingMap(Pending):
-    """``fn`` applied to a pending value once it is ready."""
-
-    __slots__ = ("fn", "value")
-
-    def __init__(self, fn: Callable[[Any], Any], value: Any) -> None:
-        self.fn = fn
-        self.value = value
-
-    def resolve(self) -> Any:
-        return self.fn(resolve(self.value))
-
-
-def is_pending(value: Any) -> bool:
-    if isinstance(value, Pending):
-        return True
-    if isinstance(value, tuple | list):
-        return any(is_pending(v) for v in value)
-    return False
-
-
-def resolve(value: Any) -> Any:
-    """The output of a completed run: pending host values made concrete."""
-    if isinstance(value, Pending):
-        return value.resolve()
-    if isinstance(value, tuple) and any(is_pending(v) for v in value):
-        return tuple(resolve(v) for v in value)
-    if isinstance(value, list) and any(is_pending(v) for v in value):
-        return [resolve(v) for v in value]
-    return value
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -202,15 +155,11 @@ class DeviceOperation(Generic[T]):
     # -- graphs and pictures ---------------------------------------------------------
     def capture(self, stream: Stream | None = None) -> Graph[T]:
         """Capture this operation's work into a replayable :class:`gpuflow.Graph`."""
-        from ._graph import capture
-
-        return capture(self, stream)
+        return Graph(_capture.record(self, stream))
 
     def to_dot(self) -> str:
         """This operation's DAG as Graphviz DOT (kernels, copies, joins, shared points)."""
-        from ._dot import to_dot
-
-        return to_dot(self)
+        return _dot.to_dot(self)
 
     # -- for to_dot ----------------------------------------------------------------------
     def _label(self) -> str:
@@ -504,5 +453,67 @@ class _Pick(DeviceOperation[Any]):
         return (self._op,)
 
 
-# at the end: the runners build on the classes above
-from . import _run  # noqa: E402
+class Graph(Generic[T]):
+    """A captured operation, replayed by :meth:`launch`.  Thread-safe.
+
+    Made by :meth:`DeviceOperation.capture`.  The graph keeps alive
+    everything the captured work refers to (arrays, modules) for as long as
+    it or a replay in flight lives.
+    """
+
+    def __init__(self, recording: _capture.Recording[T]) -> None:
+        self._rec = recording
+        self._updates: list[DeviceOperation[Any]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> int:
+        """The device the graph was captured on (and replays on)."""
+        return self._rec.device
+
+    @property
+    def nodes(self) -> int:
+        """The number of nodes of the captured graph."""
+        return self._rec.nodes
+
+    def launch(self) -> DeviceOperation[T]:
+        """An operation that replays the graph (after any pending :meth:`update`).
+
+        It produces the captured operation's output handles: the same arrays
+        each time, holding the new results.
+        """
+        return _GraphLaunch(self)
+
+    def update(self, op: DeviceOperation[Any]) -> None:
+        """Run ``op`` (an input refresh such as ``gf.copy(new, out=graph_input)``)
+        in order before the next launch, on the launch's stream."""
+        _as_op(op, "Graph.update()")
+        with self._lock:
+            self._updates.append(op)
+
+    def __repr__(self) -> str:
+        return f"<gpuflow.Graph device={self.device} nodes={self.nodes}>"
+
+
+class _GraphLaunch(DeviceOperation[T]):
+    __slots__ = ("_graph",)
+
+    def __init__(self, graph: Graph[T]) -> None:
+        self._graph = graph
+
+    def execute(self, ctx: ExecutionContext) -> T:
+        g = self._graph
+        _capture.check_launch(g._rec, ctx)
+        with g._lock:
+            updates, g._updates = g._updates, []
+        for op in updates:
+            op.execute(ctx)
+        out = _capture.replay(g._rec, ctx)
+        ctx.keep(g)
+        return out
+
+    def _label(self) -> str:
+        return f"graph launch ({self._graph.nodes} nodes)"
+
+    def _kind(self) -> str:
+        return "kernel"

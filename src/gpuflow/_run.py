@@ -16,17 +16,21 @@ from __future__ import annotations
 import asyncio
 import sys
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.lowlevel
 
-from . import _graph
 from ._bridge import Submission, current_scheduler
+from ._capture import refuse_in_capture
 from ._context import ExecutionContext
 from ._errors import UsageError
-from ._operation import DeviceOperation, PendingMap, is_pending, resolve
+from ._pending import has_map, is_pending, resolve
+from ._policy import DEFAULT_POLICY, SchedulingPolicy
 from ._runtime import Runtime, current_device, get_runtime
-from ._stream import SchedulingPolicy, Stream
+from ._stream import Stream
+
+if TYPE_CHECKING:
+    from ._operation import DeviceOperation
 
 
 class Scope(Protocol):
@@ -102,7 +106,7 @@ def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, Sched
             # a lease of another device does not apply (a device group's child)
             if s is not None and s.device == device:
                 return s, _Pinned(s)
-        policy = rt.policy
+        policy = DEFAULT_POLICY
     elif not isinstance(policy, SchedulingPolicy):
         raise TypeError(
             f"policy must be a gf.SchedulingPolicy (with next_stream(device)), "
@@ -117,11 +121,9 @@ def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, Sched
 def _start(
     op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None
 ) -> tuple[Runtime, Submission, ExecutionContext]:
-    if not isinstance(op, DeviceOperation):
-        raise TypeError(f"expected a gpuflow DeviceOperation, got {type(op).__name__}")
     if not isinstance(stream, Stream):
         raise TypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
-    _graph.refuse_in_capture(_Running(op))
+    refuse_in_capture(_Running(op))
     rt = stream._runtime
     if not rt.live or stream._generation != rt.generation(stream.device):
         raise UsageError(
@@ -131,7 +133,7 @@ def _start(
     sub = Submission(stream.device)
     for scope in current_scopes.get():
         scope.track(sub)
-    return rt, sub, ExecutionContext(rt, stream, policy or rt.policy, sub)
+    return rt, sub, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, sub)
 
 
 def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
@@ -171,21 +173,13 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     finally:
         rt.dispatcher.submit(stream._raw, sub)
     if is_pending(out):
-        if _has_map(out):
+        if has_map(out):
             raise UsageError(
                 "enqueue_on() cannot apply map() to host data the GPU is still copying: "
                 "use sync_on() or await"
             )
         return resolve(out)
     return out
-
-
-def _has_map(value: Any) -> bool:
-    if isinstance(value, PendingMap):
-        return True
-    if isinstance(value, tuple | list):
-        return any(_has_map(v) for v in value)
-    return False
 
 
 async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = None) -> Any:

@@ -9,17 +9,17 @@ initialise lazily.  The current device is a context variable, so each task
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._backends import load_backend
 from ._backends._base import Backend
 from ._bridge import Dispatcher
 from ._errors import DeviceFaultError, UsageError
-from ._stream import SchedulingPolicy, Stream, StreamPoolRoundRobin
-
-if TYPE_CHECKING:
-    pass
+from ._stream import Stream
 
 _current_device: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
 
@@ -38,7 +38,6 @@ class Runtime:
         self.default_device = default_device
         self.devices = devices
         self.streams_per_device = streams_per_device
-        self.policy: SchedulingPolicy = StreamPoolRoundRobin()
         self.live = True
         self._lock = threading.Lock()
         self._generations = {d: 0 for d in devices}
@@ -59,7 +58,8 @@ class Runtime:
         return self._generations.get(device, 0)
 
     def check_device(self, device: int) -> int:
-        if device not in self._generations:
+        known = isinstance(device, int) and not isinstance(device, bool)
+        if not known or device not in self._generations:
             raise UsageError(
                 f"device {device} is not initialised (devices: {self.devices}); "
                 "see gf.init_device_contexts(num_devices=...)"
@@ -157,10 +157,50 @@ def get_runtime() -> Runtime:
     return rt
 
 
+def current_runtime() -> Runtime | None:
+    """The runtime in use, or None before the first use (never makes one)."""
+    return _runtime
+
+
 def current_device() -> int:
     """The device that operations started from this task or thread run on."""
     d = _current_device.get()
     return get_runtime().default_device if d is None else d
+
+
+def device_count() -> int:
+    """How many devices gpuflow runs on (those :func:`init_device_contexts` took)."""
+    return len(get_runtime().devices)
+
+
+@contextmanager
+def use_device(device: int) -> Iterator[int]:
+    """Make ``device`` current for operations started inside the ``with`` block.
+
+    The current device is a context variable: it applies to this task or
+    thread (and to tasks started from it), never to others, and is restored
+    on exit however the block is left.
+    """
+    get_runtime().check_device(device)
+    token = _current_device.set(device)
+    try:
+        yield device
+    finally:
+        _current_device.reset(token)
+
+
+def new_stream(device: int | None = None) -> Stream:
+    """A new stream of its own on ``device`` (default: the current device).
+
+    The stream is destroyed when the last reference to it goes; work already
+    enqueued on it still completes.
+    """
+    rt = get_runtime()
+    dev = rt.check_device(current_device() if device is None else device)
+    raw = rt.backend.create_stream(dev)
+    s = Stream(rt, dev, raw)
+    weakref.finalize(s, rt.backend.destroy_stream, raw)
+    return s
 
 
 def current_backend() -> str:

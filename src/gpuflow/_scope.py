@@ -18,11 +18,10 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from . import _runtime as _runtime_module
 from ._bridge import Submission, current_waker, post
 from ._errors import UsageError
 from ._run import current_scopes
-from ._runtime import Runtime, _current_device, current_device, get_runtime
+from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
 
 _PRUNE_AT = 64
@@ -127,7 +126,7 @@ def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
 
 def leases_held() -> int:
     """How many stream leases of the current runtime are held now, over every device."""
-    rt = _runtime_module._runtime
+    rt = current_runtime()
     if rt is None:
         return 0
     with _lease_pools_lock:

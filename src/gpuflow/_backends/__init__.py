@@ -6,6 +6,7 @@ import logging
 
 from .._errors import DeviceError, UsageError
 from ._base import Backend
+from ._sim import SimBackend
 
 log = logging.getLogger("gpuflow")
 
@@ -31,6 +32,4 @@ def load_backend(name: str, num_devices: int | None) -> Backend:
         if name == "cuda":
             raise DeviceError("backend 'cuda' was asked for, but no CUDA device is present")
         log.info("gpuflow: no CUDA device present; backend 'sim'")
-    from ._sim import SimBackend
-
     return SimBackend(num_devices)

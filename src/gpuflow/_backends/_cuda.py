@@ -65,6 +65,7 @@ import numpy as np
 
 from .._errors import DeviceError, DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
 from ._base import Backend, KernelArg, ModuleSource, PointerArg
+from ._nvrtc import compile_source
 
 __all__ = ["CudaBackend", "cuda_device_count"]
 
@@ -1046,8 +1047,6 @@ class CudaBackend(Backend):
     def _builtin(self, dev: _Dev, name: str) -> Any:
         fns = dev.builtins
         if fns is None:
-            from ._nvrtc import compile_source
-
             cubin = compile_source(_BUILTIN_SOURCE, dev.arch, ())
             (mod,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
             fns = {}

@@ -1,0 +1,101 @@
+"""Hazard tracking: which stream last wrote an allocation, which read it since.
+
+An :class:`Allocation` is one device buffer and its hazard state.  An
+operation that uses it on another stream orders itself after the last write
+(read-after-write) or after every use since (write-after-read,
+write-after-write) with an event, and work that stays on one stream pays
+nothing.  When the last array of an allocation goes, it is freed *in stream
+order*, after every use that was enqueued: nothing the GPU still reads is
+freed early.
+
+Inside a graph capture nothing runs, so uses are logged instead
+(:data:`capture_log`) and every replay is ordered after them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._backends._base import Backend, RawBuffer
+    from ._stream import Stream
+
+#: The hazard log of the capture running in this context, if any: allocation
+#: id -> (allocation, whether the captured work writes it).
+capture_log: ContextVar[dict[int, tuple[Allocation, bool]] | None] = ContextVar(
+    "gpuflow_capture_log", default=None
+)
+
+#: Ordering a use after an allocation's hazards and enqueueing that use must be
+#: one step: another thread recording the allocation's last write in between
+#: would not see this use, and its work would race with it.  Launches, copies
+#: and graph launches hold it from their first ``before_read``/``before_write``
+#: until their work is enqueued; one lock for every allocation, because a
+#: launch orders itself after several, in any order.
+hazard_lock = threading.RLock()
+
+
+class Allocation:
+    """One device buffer and its hazard state.  Freed in stream order on GC.
+
+    ``before_read``/``before_write`` are called under :data:`hazard_lock`,
+    together with the enqueue of the use they order.
+    """
+
+    __slots__ = ("backend", "buffer", "generation", "readers", "synced", "writer")
+
+    def __init__(self, backend: Backend, buffer: RawBuffer, stream: Stream) -> None:
+        self.backend = backend
+        self.buffer = buffer
+        self.generation = stream._generation
+        self.writer: Stream = stream  # the allocation itself is ordered on it
+        self.synced: set[Stream] = {stream}  # streams already ordered after the last write
+        self.readers: set[Stream] = set()
+
+    def before_read(self, stream: Stream) -> None:
+        log = capture_log.get()
+        if log is not None:  # captured work runs at replay: the launch orders it
+            log.setdefault(id(self), (self, False))
+            return
+        with hazard_lock:
+            if stream not in self.synced:
+                be = self.backend
+                be.wait_event(stream._raw, be.record_event(self.writer._raw))
+                self.synced.add(stream)
+            self.readers.add(stream)
+
+    def before_write(self, stream: Stream) -> None:
+        log = capture_log.get()
+        if log is not None:
+            log[id(self)] = (self, True)
+            return
+        with hazard_lock:
+            be = self.backend
+            for s in {self.writer, *self.readers}:
+                if s != stream:
+                    be.wait_event(stream._raw, be.record_event(s._raw))
+            self.writer = stream
+            self.synced = {stream}
+            self.readers = set()
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            # the process is going away with its memory, and a daemon thread
+            # (a stream, the driver) may be frozen holding a lock: never hang
+            return
+        try:
+            be = self.backend
+            stream = self.writer
+            rt = stream._runtime
+            if not rt.live or stream._generation != rt.generation(stream.device):
+                return  # the context is gone with its memory: leak, never dangle
+            for s in self.readers:
+                if s != stream:
+                    be.wait_event(stream._raw, be.record_event(s._raw))
+            be.free(self.buffer, stream._raw)
+        except Exception as exc:  # a finalizer must not raise
+            warnings.warn(f"gpuflow: could not free {self.buffer!r}: {exc!r}", stacklevel=1)

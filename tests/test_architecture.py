@@ -1,0 +1,210 @@
+"""The package's import structure: layers, not cycles.
+
+Every module of ``gpuflow`` imports what it builds on at its top, and nothing
+it builds on imports it back: the front end depends on the backends, never
+the reverse, and shared state lives in leaf modules.  These tests read the
+source (no import side effects) and fail on a cycle, on an import of a
+gpuflow module inside a function, and on an import below other code.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpuflow
+
+PACKAGE = Path(gpuflow.__file__).parent
+
+#: Imports of gpuflow modules inside functions, each with its reason.  An
+#: entry here is never a way around a cycle: the cycle test ignores none.
+LAZY = {
+    # cuda-bindings is loaded only when the cuda backend is asked for (sim
+    # programs and CI never pay for it)
+    ("gpuflow._backends", "gpuflow._backends._cuda"),
+    # `python -m gpuflow CMD` loads only the command it runs
+    ("gpuflow.__main__", "*"),
+}
+
+pytestmark = pytest.mark.sim_only  # a property of the source, the same on every backend
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = f
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+class _Imports(ast.NodeVisitor):
+    """The gpuflow modules a module imports: (target, inside a function, line)."""
+
+    def __init__(self, name: str, is_package: bool, mods: dict[str, Path]) -> None:
+        self.name, self.is_package, self.mods = name, is_package, mods
+        self.found: list[tuple[str, bool, int]] = []
+        self._depth = 0
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):  # annotations only: nothing runs
+            for n in node.orelse:
+                self.visit(n)
+            return
+        self.generic_visit(node)
+
+    def _function(self, node: ast.AST) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def _add(self, target: str, line: int) -> None:
+        while target not in self.mods and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in self.mods and target != self.name:
+            self.found.append((target, self._depth > 0, line))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name.startswith("gpuflow"):
+                self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            base = self.name.split(".")
+            if not self.is_package:
+                base.pop()
+            base = base[: len(base) - (node.level - 1)]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        if not module.startswith("gpuflow"):
+            return
+        for alias in node.names:
+            sub = f"{module}.{alias.name}"
+            self._add(sub if sub in self.mods else module, node.lineno)
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {}
+    lazy: list[str] = []
+    for name, path in mods.items():
+        v = _Imports(name, path.name == "__init__.py", mods)
+        v.visit(ast.parse(path.read_text(), str(path)))
+        edges[name] = {t for t, _, _ in v.found}
+        lazy += [
+            f"{path.name}:{line} imports {t} inside a function"
+            for t, inner, line in v.found
+            if inner and (name, t) not in LAZY and (name, "*") not in LAZY
+        ]
+    return edges, lazy
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                return [*path[path.index(t):], t]
+            if t not in state and (found := visit(t)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    edges, _ = _graph()
+    assert len(edges) > 20, "the package was not found"
+    cycle = _cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    # the checker itself: a planted cycle is reported, with its path
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(edges) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_imports_gpuflow_inside_a_function() -> None:
+    _, lazy = _graph()
+    assert lazy == []
+
+
+def test_every_import_is_at_the_top_of_its_module() -> None:
+    late = []
+    for name, path in _modules().items():
+        body = ast.parse(path.read_text()).body
+        seen_code = False
+        for node in body:
+            is_import = isinstance(node, ast.Import | ast.ImportFrom) or (
+                isinstance(node, ast.If) and _is_type_checking(node.test)
+            )
+            docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            if is_import and seen_code:
+                late.append(f"{name}:{node.lineno}")
+            elif not is_import and not docstring:
+                seen_code = True
+    assert late == []
+
+
+def test_import_gpuflow_runs_each_module_once_top_to_bottom() -> None:
+    # at run time: no import statement of any gpuflow module may reach a
+    # module that is still being executed (what a cycle does), and each
+    # module is executed once
+    code = r"""
+import builtins, importlib.util, sys
+problems, executed = [], []
+real_import = builtins.__import__
+def watch(name, globals=None, locals=None, fromlist=(), level=0):
+    package = (globals or {}).get("__package__") or ""
+    target = importlib.util.resolve_name("." * level + name, package) if level else name
+    if target.startswith("gpuflow"):
+        names = [target + "." + f for f in fromlist or ()] if fromlist else [target]
+        for n in names:
+            m = sys.modules.get(n)
+            spec = getattr(m, "__spec__", None)
+            if spec is not None and getattr(spec, "_initializing", False):
+                problems.append(f"{globals.get('__name__')} imports {n} before it finished")
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = watch
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("gpuflow"):
+            if name in executed:
+                problems.append("executed twice: " + name)
+            executed.append(name)
+        return None
+sys.meta_path.insert(0, Watch())
+import gpuflow, gpuflow.testing, gpuflow.lowlevel
+print(len(executed), problems)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    count, problems = out.stdout.split(" ", 1)
+    assert int(count) > 15, out.stdout  # the watch saw the package being imported
+    assert problems.strip() == "[]", problems
