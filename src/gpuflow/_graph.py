@@ -54,7 +54,11 @@ class _CapturePolicy:
 
 
 class Graph(Generic[T]):
-    """A captured operation, replayed by :meth:`launch`.  Thread-safe."""
+    """A captured operation, replayed by :meth:`launch`.  Thread-safe.
+
+    ``nodes`` is how many nodes the backend's graph has: one per kernel, copy
+    or fill captured (the events joining ``zip`` arms are edges, not nodes).
+    """
 
     def __init__(
         self,
@@ -165,8 +169,7 @@ def capture(op: DeviceOperation[T], stream: Stream | None = None) -> Graph[T]:
     raw = be.end_capture(cap_stream._raw)
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
-    nodes = len(getattr(raw, "items", ())) or getattr(raw, "nodes", 0)
-    return Graph(raw, out, device, log, [*sub.keep, policy, op], nodes)
+    return Graph(raw, out, device, log, [*sub.keep, policy, op], be.graph_node_count(raw))
 
 
 def refuse_in_capture(what: object) -> None:

@@ -206,6 +206,11 @@ class Backend(abc.ABC):
     def launch_graph(self, graph: Any, stream: Any) -> None:
         """Enqueue one replay of a captured graph."""
 
+    def graph_node_count(self, graph: Any) -> int:
+        """How many nodes a captured graph has: one per kernel, copy or fill
+        captured; cross-stream event records and waits are its edges, not nodes."""
+        raise NotImplementedError(f"backend {self.name!r} does not count graph nodes")
+
     # -- a record of what the device ran (for tests) --------------------------
     def start_activity_record(self) -> list[Activity]:
         """Start a record of every item the streams run; return the list it fills.

@@ -19,7 +19,9 @@ CI, with the real concurrency of the real thing:
   is poisoned and any later access by the device is a fault that names the
   buffer, so a use after free is detected, never silently read;
 * capture records the work enqueued on a stream (and on the streams that
-  join it through events) and replays it as one item;
+  join it through events) and replays it as one item; as in a CUDA graph,
+  its nodes are the kernels, copies and fills, and the cross-stream event
+  records and waits are its edges;
 * on request, each stream keeps a record of the items it runs, with their
   times (:meth:`SimBackend.start_activity_record`).
 """
@@ -46,6 +48,10 @@ _MAX_BLOCK = 1024
 _ADDRESS_ALIGN = 256
 
 Item = Callable[[], None]
+
+# what a graph holds as edges between its nodes, not as nodes (as CUDA's
+# stream capture turns cross-stream event records and waits into edges)
+_EDGE_ITEMS = frozenset({"event record", "event wait", "host signal"})
 
 
 @dataclass(eq=False)
@@ -88,6 +94,7 @@ class SimEvent:
 class SimGraph:
     device: int
     items: list[tuple[str, Item]]
+    node_count: int
 
 
 @dataclass(eq=False)
@@ -531,14 +538,18 @@ class SimBackend(Backend):
                 raise UsageError("the stream is not being captured")
             for s in cap.streams:
                 s.capture = None
-        return SimGraph(stream.device.index, list(cap.items))
+        nodes = sum(1 for what, _item in cap.items if what not in _EDGE_ITEMS)
+        return SimGraph(stream.device.index, list(cap.items), nodes)
 
     def launch_graph(self, graph: Any, stream: Any) -> None:
         def replay() -> None:
             for _what, item in graph.items:
                 item()
 
-        self._enqueue(stream, f"graph of {len(graph.items)} nodes", replay)
+        self._enqueue(stream, f"graph of {graph.node_count} nodes", replay)
+
+    def graph_node_count(self, graph: Any) -> int:
+        return int(graph.node_count)
 
     # -- the activity record ----------------------------------------------------
     def start_activity_record(self) -> list[Activity]:
