@@ -8,7 +8,10 @@ use are small integers (also in the float kernels), so results are exact on
 both, fused multiply-add or not.
 
 The "slow" kernel takes a wall-clock time: the GPU spins on ``%globaltimer``
-(nanoseconds) for ``ns``, the reference sleeps as long.  The faulting kernel
+(nanoseconds) for ``ns``, the reference sleeps as long.  ``stamped_wait``
+waits the same way and writes when it started and ended on the device's own
+clock (``%globaltimer`` on a GPU; on ``sim``, ``time.monotonic_ns`` read by
+the stream that runs it), so tests can see which kernels ran at once.  The faulting kernel
 writes through a null pointer (an illegal address on a GPU); its reference
 raises ``IndexError``, which ``sim`` turns into the same sticky fault.
 """
@@ -69,6 +72,19 @@ extern "C" __global__ void slow_fill(float* x, float v, int n, long long ns) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
 }
+
+// waits ns nanoseconds of wall-clock time; t[0], t[1]: %globaltimer at its start and end
+extern "C" __global__ void stamped_wait(long long* t, long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)ns);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        t[0] = (long long)start;
+        t[1] = (long long)now;
+    }
+}
 """
 
 # volatile: a plain store through a null pointer is undefined behaviour that
@@ -113,6 +129,15 @@ def slow_fill_ref(x: np.ndarray, v: float, n: int, ns: int) -> None:
     x[:n] = np.float32(v)
 
 
+def stamped_wait_ref(t: np.ndarray, ns: int) -> None:
+    start = now = time.monotonic_ns()
+    while now - start < ns:
+        time.sleep((ns - (now - start)) / 1e9)
+        now = time.monotonic_ns()
+    t[0] = start
+    t[1] = now
+
+
 def null_write_ref(n: int) -> None:
     raise IndexError("null_write: write through a null pointer")
 
@@ -126,6 +151,7 @@ REFERENCES: dict[str, Any] = {
     "mul_i32": mul_i32_ref,
     "count": count_ref,
     "slow_fill": slow_fill_ref,
+    "stamped_wait": stamped_wait_ref,
 }
 
 
@@ -150,6 +176,12 @@ def slow_fill(x: Any, v: float, seconds: float, n: int | None = None) -> gf.Devi
             raise TypeError("slow_fill needs n when x is an operation")
         n = x.size
     return module().slow_fill(cfg(n), x, v, n, int(seconds * 1e9))
+
+
+def stamped_wait(t: Any, seconds: float) -> gf.DeviceOperation[Any]:
+    """Wait ``seconds`` on the device, then write its start and end times (ns, the
+    device's clock) into ``t[0]``, ``t[1]`` (``t``: int64, two elements)."""
+    return module().stamped_wait(gf.LaunchConfig(1, 1), t, int(seconds * 1e9))
 
 
 def counter() -> gf.DeviceArray:

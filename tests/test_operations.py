@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
+from gpuflow import testing
 
 pytestmark = pytest.mark.anyio
 
@@ -240,6 +241,47 @@ async def test_zip_arms_overlap_and_the_join_waits_for_all() -> None:
     assert elapsed < 0.33, f"zipped 0.2 s kernels took {elapsed:.3f} s: the arms did not overlap"
     assert elapsed >= 0.19
     np.testing.assert_array_equal(await gf.to_host(out), np.full(n, 3, F32))
+
+
+@pytest.mark.sim_only
+async def test_sim_record_shows_zip_arms_running_at_once_on_two_streams() -> None:
+    # the arms wait behind a gate kernel, so both are enqueued before either
+    # may start, and the check does not depend on how fast the host enqueues
+    m = K.module()
+    n = 256
+    gate, a, b, out = await gf.zip(*(gf.zeros(n, F32) for _ in range(4)))
+    op = K.slow_fill(gate, 0.0, 0.1).then(
+        lambda _: gf.zip(K.slow_fill(a, 1.0, 0.1), K.slow_fill(b, 2.0, 0.1))
+    ).then(lambda ab: m.vadd(K.cfg(n), ab[0], ab[1], out, n))
+    with testing.record_activity() as record:
+        await op
+    slow = sorted((r for r in record if r.what == "kernel 'slow_fill'"), key=lambda r: r.start)
+    (vadd,) = (r for r in record if r.what == "kernel 'vadd'")
+    assert len(slow) == 3, record
+    first, arms = slow[0], slow[1:]
+    assert first.stream == vadd.stream  # the gate and the join are on the run's stream
+    assert arms[0].stream != arms[1].stream, f"the zip arms ran on one stream: {arms}"
+    assert testing.overlapped(*arms), f"the zip arms ran one after the other: {arms}"
+    # the fork waited for the gate, and the join for both arms
+    assert all(first.end <= arm.start for arm in arms)
+    assert all(arm.end <= vadd.start for arm in arms)
+    np.testing.assert_array_equal(await gf.to_host(out), np.full(n, 3, F32))
+
+
+async def test_zip_arms_overlap_on_the_device_clock() -> None:
+    # each arm's kernel stamps its start and end on the device's own clock
+    wait = 0.1
+    t0, t1 = await gf.zip(gf.zeros(2, np.int64), gf.zeros(2, np.int64))
+    gate = await gf.zeros(256, F32)
+    await K.slow_fill(gate, 0.0, wait).then(
+        lambda _: gf.zip(K.stamped_wait(t0, wait), K.stamped_wait(t1, wait))
+    )
+    a, b = await gf.zip(gf.to_host(t0), gf.to_host(t1))
+    for t in (a, b):
+        assert t[1] - t[0] >= int(wait * 1e9), t
+    assert a[0] < b[1] and b[0] < a[1], (
+        f"the zip arms ran one after the other on the device: {a.tolist()} then {b.tolist()}"
+    )
 
 
 def test_zip_arms_overlap_sync() -> None:

@@ -14,6 +14,7 @@ import pytest
 from conftest import CUDA_DEVICES
 
 import gpuflow as gf
+from gpuflow import testing
 
 F32 = np.float32
 
@@ -329,3 +330,33 @@ def test_streams_of_a_replaced_runtime_are_refused() -> None:
     gf.init_device_contexts(backend=gf.current_backend(), num_devices=1)
     with pytest.raises(gf.UsageError, match="replaced or reset"):
         gf.value(1).sync_on(s)
+
+
+# -- the device's activity record (gpuflow.testing) -----------------------------------------------
+
+
+@pytest.mark.sim_only
+def test_sim_activity_record_holds_what_each_stream_ran_in_order() -> None:
+    s0, s1 = gf.new_stream(0), gf.new_stream(1)
+    c0 = gf.zeros(1, np.int32).sync_on(s0)
+    c1 = gf.zeros(1, np.int32).sync_on(s1)
+    with testing.record_activity() as record:
+        K.bump(c0).then(lambda _: K.bump(c0)).sync_on(s0)
+        K.bump(c1).sync_on(s1)
+    kernels = [r for r in record if r.what == "kernel 'count'"]
+    assert [r.device for r in kernels] == [0, 0, 1]
+    first, second, other = kernels
+    assert first.stream == second.stream != other.stream
+    assert first.start <= first.end <= second.start <= second.end
+    assert not testing.overlapped(first, second)
+    assert all(r.start <= r.end for r in record)
+    closed = list(record)
+    K.bump(c0).sync_on(s0)
+    assert record == closed  # nothing is recorded once the block has exited
+    assert K.read_count(c0) == 3
+
+
+@pytest.mark.cuda_only
+def test_the_activity_record_is_refused_where_there_is_none() -> None:
+    with pytest.raises(gf.UsageError, match="sim"), testing.record_activity():
+        pass

@@ -98,10 +98,9 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     raw = be.end_capture(cap_stream._raw)
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
-    nodes = len(getattr(raw, "items", ())) or getattr(raw, "nodes", 0)
     return Recording(
-        raw, out, device, list(log.values()), [*sub.keep, policy, op], nodes, rt,
-        rt.generation(device),
+        raw, out, device, list(log.values()), [*sub.keep, policy, op],
+        be.graph_node_count(raw), rt, rt.generation(device),
     )
 
 

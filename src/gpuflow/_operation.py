@@ -473,7 +473,8 @@ class Graph(Generic[T]):
 
     @property
     def nodes(self) -> int:
-        """The number of nodes of the captured graph."""
+        """How many nodes the backend's graph has: one per kernel, copy or fill
+        captured (the events joining ``zip`` arms are edges, not nodes)."""
         return self._rec.nodes
 
     def launch(self) -> DeviceOperation[T]:

@@ -1,12 +1,16 @@
 """Helpers for testing programs that use gpuflow (and gpuflow itself).
 
-They read the runtime's state; they never change it.  Safe from any thread.
+They read the runtime's state; they never change it (the activity record
+only watches).  Safe from any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
+from ._backends._base import Activity as Activity
 from ._runtime import get_runtime
 from ._scope import leases_held as leases_held
 
@@ -37,3 +41,36 @@ def assert_quiescent(timeout: float = 5.0) -> None:
         problems.append(f"{use_after_free_count()} use(s) after free detected")
     if problems:
         raise AssertionError("gpuflow is not quiescent: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def record_activity() -> Iterator[list[Activity]]:
+    """Record what the device's streams run while the block is open.
+
+    Yields a list that fills with one :class:`Activity` ``(device, stream,
+    what, start, end)`` per item a stream runs: a kernel (``"kernel 'name'"``),
+    a copy, a fill, an event record or wait, a host signal, a graph replay
+    (one item, ``"graph of N nodes"``, however many nodes it has).  The record
+    is the simulated device's own: each stream's worker thread appends the
+    item it ran, with :func:`time.perf_counter` times it took right before and
+    right after running it, so two items whose intervals overlap really ran at
+    the same time, and the order of a stream's items is the order it ran them.
+    Once a run has completed (``sync``, ``await``) every item it enqueued
+    before its completion signal is in the list.  Items that straddle the
+    opening or closing of the block may be missing; nothing is appended once
+    the block has exited.
+
+    Only the ``sim`` backend keeps such a record; on any other backend this
+    raises :class:`gpuflow.UsageError`.
+    """
+    backend = get_runtime().backend
+    record = backend.start_activity_record()
+    try:
+        yield record
+    finally:
+        backend.stop_activity_record(record)
+
+
+def overlapped(a: Activity, b: Activity) -> bool:
+    """True when ``a`` and ``b`` were running at the same moment."""
+    return a.start < b.end and b.start < a.end

@@ -23,11 +23,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
-from .._errors import DeviceFaultError
+from .._errors import DeviceFaultError, UsageError
 
 
 class RawBuffer(Protocol):
@@ -66,6 +66,23 @@ class PointerArg:
 
 
 KernelArg = PointerArg | np.generic
+
+
+class Activity(NamedTuple):
+    """One item of work a stream ran, as a backend with a record saw it.
+
+    ``stream`` is an opaque id, the same for every item of one stream and
+    never shared by two streams of the backend; ``what`` names the item
+    (``"kernel 'saxpy'"``, ``"graph of 3 nodes"``, ``"event wait"``...);
+    ``start`` and ``end`` are :func:`time.perf_counter` seconds taken by the
+    stream itself, right before and right after the item ran.
+    """
+
+    device: int
+    stream: int
+    what: str
+    start: float
+    end: float
 
 
 class Backend(abc.ABC):
@@ -188,6 +205,26 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def launch_graph(self, graph: Any, stream: Any) -> None:
         """Enqueue one replay of a captured graph."""
+
+    @abc.abstractmethod
+    def graph_node_count(self, graph: Any) -> int:
+        """How many nodes a captured graph has: one per kernel, copy or fill
+        captured; cross-stream event records and waits are its edges, not nodes."""
+
+    # -- a record of what the device ran (for tests) --------------------------
+    def start_activity_record(self) -> list[Activity]:
+        """Start a record of every item the streams run; return the list it fills.
+
+        Backends that keep no such record raise :class:`UsageError`.
+        """
+        raise UsageError(
+            f"backend {self.name!r} keeps no record of device activity: "
+            "the record is the sim backend's (init_device_contexts(backend='sim'))"
+        )
+
+    def stop_activity_record(self, record: list[Activity]) -> None:
+        """Stop filling ``record``; nothing is appended to it once this returns."""
+        raise UsageError(f"backend {self.name!r} keeps no record of device activity")
 
     # -- faults ---------------------------------------------------------------
     @abc.abstractmethod

@@ -369,13 +369,16 @@ class CudaKernel:
 class CudaGraph:
     """An instantiated graph (CUgraphExec) and the CUgraph it came from."""
 
-    __slots__ = ("backend", "dev", "exec", "graph", "token")
+    __slots__ = ("backend", "dev", "exec", "graph", "nodes", "token")
 
-    def __init__(self, backend: CudaBackend, dev: _Dev, graph: int, exec_: int) -> None:
+    def __init__(
+        self, backend: CudaBackend, dev: _Dev, graph: int, exec_: int, nodes: int
+    ) -> None:
         self.backend = backend
         self.dev = dev
         self.graph = graph
         self.exec = exec_
+        self.nodes = nodes
         self.token = dev.token
 
     def __del__(self) -> None:
@@ -1365,11 +1368,16 @@ class CudaBackend(Backend):
         if int(err) != _SUCCESS:
             self._fail(int(err), "cuStreamEndCapture", dev)
         try:
+            # with no array to fill, the driver only counts the nodes
+            _, nodes = self._call(dev, "cuGraphGetNodes", cu.cuGraphGetNodes, graph, 0)
             (exec_,) = self._call(dev, "cuGraphInstantiate", cu.cuGraphInstantiate, graph, 0)
         except BaseException:
             cu.cuGraphDestroy(graph)
             raise
-        return CudaGraph(self, dev, int(graph), int(exec_))
+        return CudaGraph(self, dev, int(graph), int(exec_), int(nodes))
+
+    def graph_node_count(self, graph: Any) -> int:
+        return int(graph.nodes)
 
     def launch_graph(self, graph: Any, stream: Any) -> None:
         dev = self._live(stream)

@@ -19,12 +19,17 @@ CI, with the real concurrency of the real thing:
   is poisoned and any later access by the device is a fault that names the
   buffer, so a use after free is detected, never silently read;
 * capture records the work enqueued on a stream (and on the streams that
-  join it through events) and replays it as one item.
+  join it through events) and replays it as one item; as in a CUDA graph,
+  its nodes are the kernels, copies and fills, and the cross-stream event
+  records and waits are its edges;
+* on request, each stream keeps a record of the items it runs, with their
+  times (:meth:`SimBackend.start_activity_record`).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import warnings
@@ -35,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import DeviceFaultError, GpuflowError, LaunchError, OutOfMemoryError, UsageError
-from ._base import Backend, KernelArg, ModuleSource, PointerArg
+from ._base import Activity, Backend, KernelArg, ModuleSource, PointerArg
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
@@ -43,6 +48,10 @@ _MAX_BLOCK = 1024
 _ADDRESS_ALIGN = 256
 
 Item = Callable[[], None]
+
+# what a graph holds as edges between its nodes, not as nodes (as CUDA's
+# stream capture turns cross-stream event records and waits into edges)
+_EDGE_ITEMS = frozenset({"event record", "event wait", "host signal"})
 
 
 @dataclass(eq=False)
@@ -85,6 +94,7 @@ class SimEvent:
 class SimGraph:
     device: int
     items: list[tuple[str, Item]]
+    node_count: int
 
 
 @dataclass(eq=False)
@@ -106,6 +116,7 @@ class SimStream:
         self.closed = False
         self.capture: _Capture | None = None
         self.running = False
+        self.serial = next(backend._stream_serials)
         self.thread = threading.Thread(
             target=self._work, name=f"gpuflow-sim-stream-d{device.index}", daemon=True
         )
@@ -127,14 +138,35 @@ class SimStream:
                 generation = self.device.generation
                 self.running = live
             if live:
-                try:
-                    item()
-                except BaseException as exc:
-                    self.backend._set_fault(self.device, what, exc, generation)
+                records = self.backend._records
+                if records:
+                    self._run_recorded(what, item, generation, records)
+                else:
+                    self._run(what, item, generation)
             with cond:
                 self.queue.popleft()
                 self.running = False
                 cond.notify_all()
+
+    def _run(self, what: str, item: Item, generation: int) -> None:
+        try:
+            item()
+        except BaseException as exc:
+            self.backend._set_fault(self.device, what, exc, generation)
+
+    def _run_recorded(
+        self, what: str, item: Item, generation: int, records: tuple[list[Activity], ...]
+    ) -> None:
+        start = time.perf_counter()
+        self._run(what, item, generation)
+        end = time.perf_counter()
+        activity = Activity(self.device.index, self.serial, what, start, end)
+        with self.backend.cond:
+            # appended before the item leaves the queue: once the stream is
+            # seen idle, the record holds everything it ran
+            for record in records:
+                if any(record is r for r in self.backend._records):
+                    record.append(activity)
 
 
 class SimBackend(Backend):
@@ -153,6 +185,9 @@ class SimBackend(Backend):
         self._driver_queue: collections.deque[SimStream] = collections.deque()
         self._closed = False
         self.use_after_free = 0
+        self._stream_serials = itertools.count()
+        # the open activity records; empty (and free to check) when none is
+        self._records: tuple[list[Activity], ...] = ()
         self._driver = threading.Thread(target=self._drive, name="gpuflow-sim-driver", daemon=True)
         self._driver.start()
 
@@ -503,14 +538,40 @@ class SimBackend(Backend):
                 raise UsageError("the stream is not being captured")
             for s in cap.streams:
                 s.capture = None
-        return SimGraph(stream.device.index, list(cap.items))
+        nodes = sum(1 for what, _item in cap.items if what not in _EDGE_ITEMS)
+        return SimGraph(stream.device.index, list(cap.items), nodes)
 
     def launch_graph(self, graph: Any, stream: Any) -> None:
         def replay() -> None:
             for _what, item in graph.items:
                 item()
 
-        self._enqueue(stream, f"graph of {len(graph.items)} nodes", replay)
+        self._enqueue(stream, f"graph of {graph.node_count} nodes", replay)
+
+    def graph_node_count(self, graph: Any) -> int:
+        return int(graph.node_count)
+
+    # -- the activity record ----------------------------------------------------
+    def start_activity_record(self) -> list[Activity]:
+        """Start recording every item the streams run; return the list that fills.
+
+        Each stream's own worker thread appends one :class:`Activity` per item
+        it runs (a graph replay is one item), with times taken on that thread
+        right around the item, and before the item leaves the stream's queue:
+        once a stream is idle (synchronized, or a run on it awaited), every item
+        it ran while the record was open is in the list, except possibly the
+        host signal that reported the run complete.  An item is recorded when
+        the record was open both when it started and when it ended.  Items a
+        faulted device skips are not recorded.  Several records may be open.
+        """
+        record: list[Activity] = []
+        with self.cond:
+            self._records = (*self._records, record)
+        return record
+
+    def stop_activity_record(self, record: list[Activity]) -> None:
+        with self.cond:
+            self._records = tuple(r for r in self._records if r is not record)
 
 
 class _UseAfterFree(Exception):
