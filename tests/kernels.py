@@ -204,11 +204,5 @@ def stream_of(a: gf.DeviceArray) -> gf.Stream:
 
 
 def num_devices() -> int:
-    """How many devices the runtime has, through the public API only."""
-    n = 0
-    while True:
-        try:
-            gf.new_stream(n)
-        except gf.UsageError:
-            return n
-        n += 1
+    """How many devices the runtime has."""
+    return gf.device_count()

@@ -24,6 +24,7 @@ from ._errors import GpuflowError as GpuflowError
 from ._errors import LaunchError as LaunchError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._errors import UsageError as UsageError
+from ._errors import UsageTypeError as UsageTypeError
 from ._kernel import Kernel as Kernel
 from ._kernel import LaunchConfig as LaunchConfig
 from ._kernel import Module as Module

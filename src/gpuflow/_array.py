@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import numpy as np
 
-from ._errors import UsageError
+from ._errors import UsageError, UsageTypeError
 from ._hazards import Allocation, hazard_lock
 from ._operation import DeviceOperation, _as_op
 from ._pending import PendingHost
@@ -101,7 +101,7 @@ class DeviceArray:
 
     def __len__(self) -> int:
         if not self.shape:
-            raise TypeError("len() of a 0-d DeviceArray")
+            raise UsageTypeError("len() of a 0-d DeviceArray")
         return self.shape[0]
 
     def __repr__(self) -> str:
@@ -137,7 +137,7 @@ def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
     if isinstance(x, DeviceOperation):
         x = x.execute(ctx)
     if not isinstance(x, DeviceArray):
-        raise UsageError(
+        raise UsageTypeError(
             f"{what} needs a DeviceArray (or an operation producing one), "
             f"got {type(x).__name__}"
         )

@@ -13,12 +13,19 @@ class GpuflowError(Exception):
     """Base class of every error gpuflow raises on purpose."""
 
 
-class UsageError(GpuflowError):
+class UsageError(GpuflowError, ValueError):
     """The program asked for something gpuflow cannot do as asked.
 
     Raised before anything is enqueued: a wrong argument, a blocking call
-    from inside an event loop, an operation that cannot be captured.
+    from inside an event loop, an operation that cannot be captured.  A
+    :class:`ValueError`, as Python's own errors for bad values are; an
+    argument of the wrong type raises :class:`UsageTypeError`, which is also
+    a :class:`TypeError`.
     """
+
+
+class UsageTypeError(UsageError, TypeError):
+    """An argument of the wrong type (``except TypeError`` catches it too)."""
 
 
 class DeviceError(GpuflowError):

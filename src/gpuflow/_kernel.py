@@ -28,7 +28,7 @@ import numpy as np
 from ._array import DeviceArray
 from ._backends._base import PointerArg
 from ._backends._nvrtc import CHECK_ARCH, compile_source
-from ._errors import CompileError, UsageError
+from ._errors import CompileError, UsageError, UsageTypeError
 from ._hazards import Allocation, hazard_lock
 from ._operation import DeviceOperation
 
@@ -261,7 +261,9 @@ def compile(
     ``.log``) when NVRTC rejects the source, on any machine.
     """
     if not isinstance(source, str):
-        raise TypeError(f"compile() expected CUDA C++ source text, got {type(source).__name__}")
+        raise UsageTypeError(
+            f"compile() expected CUDA C++ source text, got {type(source).__name__}"
+        )
     refs = dict(references or {})
     opts = tuple(options)
     compile_source(source, CHECK_ARCH, opts)
@@ -295,7 +297,7 @@ def _scalar(kernel: str, p: Param, v: Any) -> np.generic:
     else:
         ok = False
     if not ok:
-        raise UsageError(
+        raise UsageTypeError(
             f"kernel {kernel!r}, parameter {p.describe()!r}: expected a {p.ctype} scalar, "
             f"got {type(v).__name__} {v!r:.60}"
         )
@@ -337,12 +339,12 @@ class Kernel:
         tuple of them, or None.
         """
         if not isinstance(config, LaunchConfig):
-            raise UsageError(
+            raise UsageTypeError(
                 f"kernel {self.name!r}: the first argument must be a gf.LaunchConfig, "
                 f"got {type(config).__name__}"
             )
         if len(args) != len(self.params):
-            raise UsageError(
+            raise UsageTypeError(
                 f"kernel {self.signature} takes {len(self.params)} arguments, got {len(args)}"
             )
         checked: list[Any] = []
@@ -351,7 +353,7 @@ class Kernel:
                 checked.append(a)
             elif p.pointer:
                 if not isinstance(a, DeviceArray):
-                    raise UsageError(
+                    raise UsageTypeError(
                         f"kernel {self.name!r}, parameter {p.describe()!r}: needs a DeviceArray "
                         f"(or an operation producing one), got {type(a).__name__}"
                     )

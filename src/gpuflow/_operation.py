@@ -26,7 +26,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from . import _capture, _dot, _run
-from ._errors import UsageError
+from ._errors import UsageError, UsageTypeError
 from ._pending import PendingMap, is_pending
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _fn_name(fn: Callable[..., Any]) -> str:
 
 def _as_op(x: object, what: str) -> DeviceOperation[Any]:
     if not isinstance(x, DeviceOperation):
-        raise TypeError(
+        raise UsageTypeError(
             f"{what} expected a gpuflow DeviceOperation, got {type(x).__name__}: {x!r:.80} "
             "(wrap plain values with gf.value(x))"
         )
@@ -78,7 +78,7 @@ class DeviceOperation(Generic[T]):
         must return a DeviceOperation.
         """
         if not callable(fn):
-            raise TypeError(f"then() expected a callable, got {type(fn).__name__}")
+            raise UsageTypeError(f"then() expected a callable, got {type(fn).__name__}")
         return _Then(self, fn)
 
     def map(self, fn: Callable[[T], U]) -> DeviceOperation[U]:
@@ -88,7 +88,7 @@ class DeviceOperation(Generic[T]):
         done when the output holds host data from :func:`to_host`.
         """
         if not callable(fn):
-            raise TypeError(f"map() expected a callable, got {type(fn).__name__}")
+            raise UsageTypeError(f"map() expected a callable, got {type(fn).__name__}")
         return _Map(self, fn)
 
     def shared(self) -> SharedOperation[T]:
@@ -202,7 +202,7 @@ class _WithContext(DeviceOperation[T]):
     def execute(self, ctx: ExecutionContext) -> T:
         op = self._fn(ctx)
         if not isinstance(op, DeviceOperation):
-            raise UsageError(
+            raise UsageTypeError(
                 f"with_context: {_fn_name(self._fn)} must return a DeviceOperation, "
                 f"returned {type(op).__name__}"
             )
@@ -220,7 +220,7 @@ def with_context(fn: Callable[[ExecutionContext], DeviceOperation[T]]) -> Device
     and returns an operation, ``gf.value(...)`` for work it did itself.
     """
     if not callable(fn):
-        raise TypeError(f"with_context() expected a callable, got {type(fn).__name__}")
+        raise UsageTypeError(f"with_context() expected a callable, got {type(fn).__name__}")
     return _WithContext(fn)
 
 
@@ -438,7 +438,7 @@ class _Pick(DeviceOperation[Any]):
 
     def _pick(self, out: Any) -> Any:
         if not isinstance(out, tuple) or not out:
-            raise UsageError(
+            raise UsageTypeError(
                 f"{self._what}() needs an operation producing a non-empty tuple, "
                 f"got {type(out).__name__}"
             )

@@ -23,7 +23,7 @@ import anyio.lowlevel
 from ._bridge import Submission, current_scheduler
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
-from ._errors import UsageError
+from ._errors import UsageError, UsageTypeError
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy
 from ._runtime import Runtime, current_device, get_runtime
@@ -108,13 +108,15 @@ def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, Sched
                 return s, _Pinned(s)
         policy = DEFAULT_POLICY
     elif not isinstance(policy, SchedulingPolicy):
-        raise TypeError(
+        raise UsageTypeError(
             f"policy must be a gf.SchedulingPolicy (with next_stream(device)), "
             f"got {type(policy).__name__}"
         )
     stream = policy.next_stream(device)
     if not isinstance(stream, Stream):
-        raise UsageError(f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream")
+        raise UsageTypeError(
+            f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream"
+        )
     return stream, policy
 
 
@@ -122,7 +124,7 @@ def _start(
     op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None
 ) -> tuple[Runtime, Submission, ExecutionContext]:
     if not isinstance(stream, Stream):
-        raise TypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
+        raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
     refuse_in_capture(_Running(op))
     rt = stream._runtime
     if not rt.live or stream._generation != rt.generation(stream.device):

@@ -10,7 +10,7 @@ import functools
 import os
 import threading
 
-from .._errors import CompileError, GpuflowError
+from .._errors import CompileError
 
 #: Architecture used to check a source where no device says which: PTX for
 #: Hopper, so that syntax and type errors surface on every machine.
@@ -40,12 +40,14 @@ def compile_source(source: str, arch: str, options: tuple[str, ...]) -> bytes:
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - a dependency of the package
-        raise GpuflowError(f"NVRTC is not available ({exc}): install nvidia-cuda-nvrtc") from exc
+        raise CompileError(
+            f"NVRTC is not available ({exc}): install nvidia-cuda-nvrtc", ""
+        ) from exc
 
     def check(res: tuple[object, ...], what: str) -> object:
         err = res[0]
         if int(err) != 0:  # type: ignore[call-overload]
-            raise GpuflowError(f"NVRTC {what} failed: {err}")
+            raise CompileError(f"NVRTC {what} failed: {err}", "")
         return res[1] if len(res) > 1 else None
 
     with _lock:  # NVRTC programs are not shared, but keep compile order deterministic

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DeviceFaultError, GpuflowError, LaunchError, OutOfMemoryError, UsageError
+from .._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
 from ._base import Activity, Backend, KernelArg, ModuleSource, PointerArg
 
 DEFAULT_MEMORY_BYTES = 2 << 30
@@ -447,7 +447,7 @@ class SimBackend(Backend):
     def load_kernel(self, device: int, module: ModuleSource, name: str) -> SimKernel:
         ref = module.references.get(name)
         if ref is None:
-            raise GpuflowError(
+            raise UsageError(
                 f"kernel {name!r} has no NumPy reference: the sim backend runs "
                 f"gf.compile(..., references={{{name!r}: fn}})"
             )

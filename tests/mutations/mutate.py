@@ -1,0 +1,258 @@
+"""Plant known lifetime and ordering bugs in a copy of ``src/`` and check
+that the test suite catches every one.
+
+Each mutation below is a bug that once slipped past a green suite, or one
+worth guarding in the same places: the run, bridge, hazard, scope and
+simulator code.  For each, this script copies ``src/`` to a temporary
+directory, applies the mutation (an exact, unique text replacement: if the
+code moved, the script says so rather than testing nothing), runs the tests
+that should catch it on ``sim`` against the copy, and reports whether they
+failed.  A control run first checks that the same tests pass unmutated.
+
+Run it before changing the run, bridge, hazard or scope code, and after:
+
+    python tests/mutations/mutate.py              # every mutation
+    python tests/mutations/mutate.py M3 M5        # some of them
+    python tests/mutations/mutate.py --list
+
+It needs nothing but the standard library and pytest; it takes a few
+minutes (it is not part of the default test run).  Exit status 0 means
+every mutation was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str  # relative to src/gpuflow
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments (files or node ids), run on sim
+
+
+MUTATIONS = [
+    Mutation(
+        "M3",
+        "a cancelled await releases what its enqueued work uses",
+        "_run.py",
+        "        dispatcher.flush()\n        raise\n",
+        "        dispatcher.flush()\n        sub.keep = []\n        raise\n",
+        ("tests/test_lifetimes.py",),
+    ),
+    Mutation(
+        "M3b",
+        "a cancelled await marks its run finished at once",
+        "_run.py",
+        "        dispatcher.flush()\n        raise\n",
+        "        dispatcher.flush()\n        sub._finish(None)\n        raise\n",
+        ("tests/test_lifetimes.py",),
+    ),
+    Mutation(
+        "M10",
+        "a sync() that fails half-way releases without synchronising the stream",
+        "_run.py",
+        "    except BaseException:\n"
+        "        # what was enqueued finishes before what it uses is released\n"
+        "        try:\n"
+        "            stream.synchronize()\n"
+        "        finally:\n"
+        "            sub._finish(None)\n",
+        "    except BaseException:\n        sub._finish(None)\n",
+        ("tests/test_lifetimes.py",),
+    ),
+    Mutation(
+        "M2b",
+        "a shared() clone consumed on another stream does not wait for the producer",
+        "_operation.py",
+        "            be.wait_event(ctx.stream._raw, st.event)\n",
+        "            pass\n",
+        ("tests/test_lifetimes.py", "tests/test_operations.py"),
+    ),
+    Mutation(
+        "M5",
+        "zip arms on separate streams run one after another",
+        "_operation.py",
+        "            for op, arm in builtins.zip(self._ops, arms, strict=True):\n"
+        "                outs.append(op.execute(arm))\n",
+        "            prev = None\n"
+        "            for op, arm in builtins.zip(self._ops, arms, strict=True):\n"
+        "                if prev is not None and arm.stream != prev:\n"
+        "                    be = ctx.backend\n"
+        "                    be.wait_event(arm.stream._raw, be.record_event(prev._raw))\n"
+        "                outs.append(op.execute(arm))\n"
+        "                prev = arm.stream\n",
+        ("tests/test_operations.py",),
+    ),
+    Mutation(
+        "M6",
+        "sim no longer poisons freed memory",
+        "_backends/_sim.py",
+        "            buffer.data.fill(_POISON)\n",
+        "            pass\n",
+        ("tests/test_arrays.py", "tests/test_running.py", "tests/test_faults.py"),
+    ),
+    Mutation(
+        "M7",
+        "a read on another stream does not wait for the last write (read after write)",
+        "_hazards.py",
+        "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n"
+        "                self.synced.add(stream)\n",
+        "                self.synced.add(stream)\n",
+        ("tests/test_hazards.py", "tests/test_arrays.py"),
+    ),
+    Mutation(
+        "M8",
+        "a write on another stream does not wait for earlier reads (write after read)",
+        "_hazards.py",
+        "            for s in {self.writer, *self.readers}:\n",
+        "            for s in {self.writer}:\n",
+        ("tests/test_hazards.py",),
+    ),
+    Mutation(
+        "M9",
+        "an allocation is freed without waiting for its readers on other streams",
+        "_hazards.py",
+        "            for s in self.readers:\n"
+        "                if s != stream:\n"
+        "                    be.wait_event(stream._raw, be.record_event(s._raw))\n"
+        "            be.free(self.buffer, stream._raw)\n",
+        "            be.free(self.buffer, stream._raw)\n",
+        ("tests/test_hazards.py", "tests/test_cancellation.py"),
+    ),
+    Mutation(
+        "M11",
+        "the zip join does not wait for the arms on other streams",
+        "_operation.py",
+        "            for s in forked:\n                ctx.wait_for(s)\n",
+        "            pass\n",
+        ("tests/test_operations.py",),
+    ),
+    Mutation(
+        "M12",
+        "leaving a scope does not wait for the GPU work it started",
+        "_scope.py",
+        "                        await sub.wait()\n",
+        "                        await anyio.lowlevel.checkpoint()\n",
+        ("tests/test_scopes.py", "tests/test_lifetimes.py"),
+    ),
+    Mutation(
+        "M13",
+        "a completed run keeps what it kept (a leak)",
+        "_bridge.py",
+        "        self.error = error\n        self.keep = []\n",
+        "        self.error = error\n",
+        ("tests/test_lifetimes.py",),
+    ),
+    Mutation(
+        "M14",
+        "the watchdog never fails the runs of a faulted device",
+        "_bridge.py",
+        "        for device, err in faulted.items():\n"
+        "            self.fail_device(device, err)\n\n\n",
+        "        pass\n\n\n",
+        ("tests/test_faults.py",),
+    ),
+]
+
+
+def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
+    """Run ``tests`` on sim against ``src``; (passed, summary line)."""
+    env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [
+        sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+        "-k", "sim", *tests,
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:.0f} s (a hang counts as caught)"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    failed = [ln.split(" ")[1] for ln in lines if ln.startswith("FAILED ")]
+    if failed:
+        summary = f"{summary}; first: {failed[0]}"
+    return proc.returncode == 0, summary
+
+
+def _copy_src(dest: Path) -> Path:
+    src = dest / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    # the copy, not the installed checkout, must be what the tests import
+    probe = subprocess.run(
+        [sys.executable, "-c", "import gpuflow; print(gpuflow.__file__)"],
+        env=dict(os.environ, PYTHONPATH=str(src)), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    if not probe.stdout.strip().startswith(str(src)):
+        raise SystemExit(f"the tests would import {probe.stdout.strip()}, not the copy in {src}")
+    return src
+
+
+def _apply(src: Path, m: Mutation) -> None:
+    path = src / "gpuflow" / m.path
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise LookupError(f"{m.name}: the code to mutate occurs {n} times in {m.path}, not once")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    if args.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name:5} {m.path:18} {m.what}")
+        return 0 if chosen else 2
+    rows: list[tuple[str, str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="gpuflow-mutate-") as tmp:
+        controls = sorted({t for m in chosen for t in m.tests})
+        src = _copy_src(Path(tmp) / "control")
+        ok, summary = _pytest(src, tuple(controls), args.timeout)
+        print(f"control (no mutation): {summary}", flush=True)
+        if not ok:
+            print("the tests fail without a mutation: fix that first", file=sys.stderr)
+            return 2
+        for m in chosen:
+            src = _copy_src(Path(tmp) / m.name)
+            try:
+                _apply(src, m)
+            except LookupError as exc:
+                rows.append((m.name, m.what, "NOT APPLIED", str(exc)))
+                print(f"{m.name}: {exc}", flush=True)
+                continue
+            t0 = time.monotonic()
+            passed, summary = _pytest(src, m.tests, args.timeout)
+            verdict = "SURVIVED" if passed else "caught"
+            rows.append((m.name, m.what, verdict, f"{summary} ({time.monotonic() - t0:.0f} s)"))
+            print(f"{m.name}: {verdict}: {summary}", flush=True)
+    print()
+    print("| mutation | bug planted | result | tests (sim) |")
+    print("|---|---|---|---|")
+    for name, what, verdict, summary in rows:
+        print(f"| {name} | {what} | {verdict} | {summary} |")
+    return 0 if all(r[2] == "caught" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
