@@ -25,6 +25,14 @@ from gpuflow import testing
 from gpuflow._runtime import get_runtime
 
 F32 = np.float32
+
+# The illegal address of null_write, as reported on device 0 (sim names the
+# kernel, the CUDA driver only the call that saw it: both name the device and code).
+FAULTED_0 = r"device 0\b.*ILLEGAL_ADDRESS"
+# What a later call on the faulted device says: the fault is sticky, and how to recover.
+STICKY_0 = r"sticky fault; call gf\.reset_device\(0\)"
+
+
 def fault_deadline() -> float:
     """100 ms after the device reports the fault.  On sim it reports at once; on
     the H200 the driver's own first failing cuStreamQuery came 141 ms after the
@@ -96,7 +104,7 @@ async def test_a_fault_fails_the_await_within_100_ms() -> None:
         fault = fault_op()  # built (and compiled) before the clock starts
         op = K.slow_fill(x, 1.0, 0.05).then(lambda _: fault)
         t0 = time.perf_counter()
-        with pytest.raises(gf.DeviceFaultError) as info:
+        with pytest.raises(gf.DeviceFaultError, match=FAULTED_0) as info:
             await op
         elapsed = time.perf_counter() - t0 - 0.05
         assert elapsed < fault_deadline(), (
@@ -111,7 +119,7 @@ async def test_a_fault_fails_the_await_within_100_ms() -> None:
             await gf.zeros(4, F32)
         assert time.perf_counter() - t0 < 0.05
         assert_fault(later.value)
-        with pytest.raises(gf.DeviceFaultError):
+        with pytest.raises(gf.DeviceFaultError, match=STICKY_0):
             await gf.value(1)  # even a run without GPU work: the context is gone
     if gf.current_backend() == "sim":  # recovered (the CUDA driver refuses to)
         x = await gf.arange(5, dtype=np.int32)
@@ -122,13 +130,13 @@ def test_a_fault_fails_sync_and_stream_synchronize() -> None:
     s = gf.new_stream()
     x = gf.ones(8, F32).sync_on(s)
     with resetting(0):
-        with pytest.raises(gf.DeviceFaultError):
+        with pytest.raises(gf.DeviceFaultError, match=FAULTED_0):
             fault_op().sync_on(s)
-        with pytest.raises(gf.DeviceFaultError):
+        with pytest.raises(gf.DeviceFaultError, match=FAULTED_0):
             s.synchronize()
-        with pytest.raises(gf.DeviceFaultError):
+        with pytest.raises(gf.DeviceFaultError, match=STICKY_0):
             gf.to_host(x).sync()
-        with pytest.raises(gf.DeviceFaultError):
+        with pytest.raises(gf.DeviceFaultError, match=STICKY_0):
             gf.value(1).sync()
     if gf.current_backend() != "sim":
         return  # the CUDA driver keeps the fault for the life of the process
@@ -239,11 +247,11 @@ async def test_a_fault_reaches_every_device() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow_on_1)  # pending on device 1 while device 0 faults
             await anyio.sleep(0.02)
-            with pytest.raises(gf.DeviceFaultError):
+            with pytest.raises(gf.DeviceFaultError, match=FAULTED_0):
                 await fault
         assert len(failed) == 1
         assert_fault(failed[0], device=1)
-        with pytest.raises(gf.DeviceFaultError):
+        with pytest.raises(gf.DeviceFaultError, match=r"device 1\b.*sticky fault"):
             await gf.full(n, 1.0, F32).run(on1)
 
 
@@ -253,12 +261,12 @@ async def test_cuda_reset_after_a_sticky_fault_says_to_restart() -> None:
     """Measured on the H200 (driver 580): after an illegal address every
     context retain returns 700 until the process ends, so gf.reset_device
     must fail loudly, keep the fault, and leave later work failing at once."""
-    with anyio.fail_after(2), pytest.raises(gf.DeviceFaultError):
+    with anyio.fail_after(2), pytest.raises(gf.DeviceFaultError, match=FAULTED_0):
         await fault_op()
     with pytest.raises(gf.DeviceFaultError, match="restart") as info:
         gf.reset_device(0)
     assert info.value.device == 0
-    with pytest.raises(gf.DeviceFaultError):
+    with pytest.raises(gf.DeviceFaultError, match=FAULTED_0):
         await gf.ones(2, F32)
 
 
@@ -269,7 +277,8 @@ async def test_cuda_reset_after_a_sticky_fault_says_to_restart() -> None:
 async def test_reset_recovers_repeatedly() -> None:
     m = K.module()
     for _ in range(2):
-        with resetting(0), anyio.fail_after(2), pytest.raises(gf.DeviceFaultError):
+        faulted = "sim device 0 faulted in kernel 'null_write'"
+        with resetting(0), anyio.fail_after(2), pytest.raises(gf.DeviceFaultError, match=faulted):
             await fault_op()
         x = await m.scale(K.cfg(4), gf.ones(4, F32), 5.0, 4)
         np.testing.assert_array_equal(await gf.to_host(x), np.full(4, 5, F32))

@@ -497,7 +497,7 @@ async def test_then_function_must_return_an_operation() -> None:
         return v + 1
 
     op = gf.value(1).then(not_an_op)  # type: ignore[arg-type]
-    with pytest.raises(gf.UsageError) as info:
+    with pytest.raises(gf.UsageError, match=r"not_an_op must return a DeviceOperation") as info:
         await op
     msg = str(info.value)
     assert "not_an_op" in msg and "must return a DeviceOperation" in msg and "int" in msg
