@@ -142,9 +142,9 @@ def test_a_fault_fails_sync_and_stream_synchronize() -> None:
         return  # the CUDA driver keeps the fault for the life of the process
     np.testing.assert_array_equal(gf.to_host(gf.ones(8, F32)).sync(), np.ones(8, F32))
     # arrays and streams made before the reset belong to the old context
-    with pytest.raises(gf.UsageError, match="reset"):
+    with pytest.raises(gf.UsageError, match=r"DeviceArray .* context that was reset"):
         gf.to_host(x).sync()
-    with pytest.raises(gf.UsageError, match="reset"):
+    with pytest.raises(gf.UsageError, match=r"Stream .* context that was replaced or reset"):
         gf.value(1).sync_on(s)
 
 
