@@ -173,10 +173,15 @@ async def test_copy_into_a_new_array_and_into_out() -> None:
 
 
 async def test_copy_waits_for_the_write_it_reads() -> None:
+    # the write and the copy on different streams: queue order alone cannot
+    # put the copy after the write, only the array's cross-stream wait does
     n = 256
-    x = await gf.zeros(n, np.float32)
-    dup = await gf.copy(K.slow_fill(x, 6.0, 0.1))
-    np.testing.assert_array_equal(await gf.to_host(dup), np.full(n, 6, np.float32))
+    writer, reader = gf.SingleStream(), gf.SingleStream()
+    assert writer.stream != reader.stream
+    x = await gf.zeros(n, np.float32).run(writer)
+    K.slow_fill(x, 6.0, 0.1).enqueue_on(writer.stream)  # still running when the copy is enqueued
+    dup = await gf.copy(x).run(reader)
+    np.testing.assert_array_equal(await gf.to_host(dup).run(reader), np.full(n, 6, np.float32))
 
 
 async def test_copy_to_another_device() -> None:
