@@ -9,6 +9,8 @@ until ``gf.reset_device``.  Awaits must learn of it within 100 ms.
 from __future__ import annotations
 
 import collections
+import gc
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -334,7 +336,9 @@ def test_sim_poisons_freed_memory_and_detects_use_after_free() -> None:
     assert (buf.data == 0xFF).all()
     assert np.isnan(buf.data[: x.nbytes].view(F32)).all()
     try:
-        with pytest.raises(gf.DeviceFaultError, match="use after free") as info:
+        # the fault names the kernel and the buffer it touched
+        freed = rf"kernel 'scale'.*use after free of {re.escape(repr(buf))}"
+        with pytest.raises(gf.DeviceFaultError, match=freed) as info:
             K.module().scale(K.cfg(16), x, 2.0, 16).sync_on(s)
         assert info.value.code == 700
         assert testing.use_after_free_count() == 1
@@ -349,9 +353,11 @@ def test_sim_detects_a_read_after_free() -> None:
     be: Any = get_runtime().backend
     s = gf.new_stream()
     x = gf.arange(8, dtype=np.int64).sync_on(s)
-    be.free(x._alloc.buffer, s._raw)
+    buf = x._alloc.buffer
+    be.free(buf, s._raw)
     try:
-        with pytest.raises(gf.DeviceFaultError, match="use after free"):
+        freed = rf"copy from {re.escape(repr(buf))}.*use after free"
+        with pytest.raises(gf.DeviceFaultError, match=freed):
             gf.to_host(x).sync_on(s)
         assert testing.use_after_free_count() == 1
     finally:
@@ -368,3 +374,40 @@ def test_sim_fresh_memory_is_garbage_not_zeros() -> None:
     finally:
         be.free(buf, s._raw)
         s.synchronize()
+
+
+@pytest.mark.sim_only
+def test_sim_a_free_poisons_the_buffer_once_its_stream_reaches_it() -> None:
+    """Through the backend alone: what was enqueued before the free reads the
+    data; once the stream has run the free, every byte is poison."""
+    be: Any = gf.lowlevel.current_backend_object()
+    raw = be.create_stream(0)
+    try:
+        data = np.arange(1, 17, dtype=np.int32)
+        seen = np.zeros_like(data)
+        buf = be.alloc(0, data.nbytes, raw)
+        be.copy_from_host(buf, data, raw)
+        be.copy_to_host(seen, buf, raw)
+        be.free(buf, raw)
+        be.synchronize(raw)
+        np.testing.assert_array_equal(seen, data)
+        assert (buf.data == 0xFF).all()
+        # what a missed use after free would read: -1 as ints, NaN as floats
+        assert (buf.data.view(np.int32) == -1).all()
+        assert np.isnan(buf.data.view(F32)).all()
+    finally:
+        be.destroy_stream(raw)
+
+
+@pytest.mark.sim_only
+def test_sim_a_dropped_array_leaves_poison_not_its_values() -> None:
+    s = gf.new_stream()
+    x = gf.zeros(16, F32).sync_on(s)
+    buf = x._alloc.buffer
+    assert (buf.data[: x.nbytes].view(F32) == 0).all()
+    del x  # the last reference: gpuflow frees the memory in stream order
+    gc.collect()
+    s.synchronize()
+    assert buf.freed
+    # stale zeros could pass for a result read too late; NaN cannot
+    assert np.isnan(buf.data.view(F32)).all()
