@@ -457,8 +457,9 @@ async def test_a_lease_in_an_async_generator_closed_by_another_task_is_released(
 
 
 async def test_lease_of_a_bad_device_is_refused() -> None:
-    with pytest.raises(gf.UsageError):
-        async with gf.open_stream_lease(device=max(all_devices()) + 1):
+    bad = max(all_devices()) + 1
+    with pytest.raises(gf.UsageError, match=rf"device {bad} is not initialised"):
+        async with gf.open_stream_lease(device=bad):
             pass
     assert testing.leases_held() == 0
 
@@ -490,7 +491,7 @@ async def test_device_group_without_devices_means_every_device() -> None:
     assert devices == sorted(set(devices)) and devices[0] == 0
     if gf.current_backend() == "sim":
         assert devices == [0, 1]  # conftest initialises two sim devices
-    with pytest.raises(gf.UsageError):
+    with pytest.raises(gf.UsageError, match=rf"device {devices[-1] + 1} is not initialised"):
         gf.open_device_group([devices[-1] + 1])
     # start_soon without a device takes the group's devices in turn
     got: list[int] = []
@@ -506,16 +507,21 @@ async def _append_current(out: list[int]) -> None:
 
 async def test_device_group_refuses_bad_devices() -> None:
     devices = all_devices()
-    for bad in ([devices[-1] + 1], [-1], []):
-        with pytest.raises(gf.UsageError):
+    cases: list[tuple[list[int], str]] = [
+        ([devices[-1] + 1], rf"device {devices[-1] + 1} is not initialised"),
+        ([-1], r"device -1 is not initialised"),
+        ([], r"needs at least one device"),
+    ]
+    for bad, pattern in cases:
+        with pytest.raises(gf.UsageError, match=pattern):
             gf.open_device_group(bad)
     async with gf.open_device_group([0]) as group:
-        with pytest.raises(gf.UsageError):
+        with pytest.raises(gf.UsageError, match=rf"device {devices[-1] + 1} is not in this group"):
             group.start_soon(_append_current, [], device=devices[-1] + 1)
         if len(devices) > 1:
             with pytest.raises(gf.UsageError, match="not in this group"):
                 group.start_soon(_append_current, [], device=1)
-    with pytest.raises(gf.UsageError):
+    with pytest.raises(gf.UsageError, match="outside the device group"):
         group.start_soon(_append_current, [])
 
 
@@ -670,7 +676,7 @@ async def test_copy_into_an_existing_array() -> None:
     assert far.device == other
     assert await gf.copy(src, out=far) is far
     np.testing.assert_array_equal(await read(far), np.arange(N, dtype=F32))
-    with pytest.raises(gf.UsageError):
+    with pytest.raises(gf.UsageError, match=rf"out is \({N + 1},\) float32, the source \({N},\)"):
         await gf.copy(src, out=await gf.zeros(N + 1, F32))
-    with pytest.raises(gf.UsageError):
+    with pytest.raises(gf.UsageError, match=rf"out is \({N},\) float64, the source \({N},\)"):
         await gf.copy(src, out=await gf.zeros(N, np.float64))
