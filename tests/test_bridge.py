@@ -9,6 +9,7 @@ run is left without a signal.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import Any
@@ -91,13 +92,23 @@ async def _await(op: gf.DeviceOperation[Any]) -> None:
 
 
 class _DroppingLoop:
-    """A loop that ends before running what was scheduled on it."""
+    """A loop (as gpuflow's loop adapters present one) that ends before
+    running what was scheduled on it."""
 
     def __init__(self) -> None:
         self.dropped: list[Any] = []
 
+    @property
+    def target(self) -> Any:
+        return self
+
     def call_soon(self, fn: Any) -> None:
         self.dropped.append(fn)
+
+    post = call_soon
+
+    def parker(self) -> Any:
+        raise AssertionError("nothing parks on this loop")
 
 
 def _wait_done(sub: Submission, timeout: float = 5.0) -> None:
@@ -115,17 +126,17 @@ def test_runs_left_by_a_loop_that_never_flushed_are_signalled() -> None:
     dead = _DroppingLoop()
     first, second, third = Submission(0), Submission(0), Submission(0)
     K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)
-    dispatcher.submit(stream._raw, first, (dead, dead.call_soon))  # signals, schedules a flush
+    dispatcher.submit(stream._raw, first, dead)  # signals, schedules a flush
     assert len(dead.dropped) == 1
     K.slow_fill(x, 2.0, 0.01).enqueue_on(stream)
-    dispatcher.submit(stream._raw, second, (dead, dead.call_soon))  # left for the flush
+    dispatcher.submit(stream._raw, second, dead)  # left for the flush
     _wait_done(first)
     stream.synchronize()
     time.sleep(0.05)
     assert not second.done  # no signal covers it yet
     # the next loop of this thread signals what the dead one left, then its own run
     live = _DroppingLoop()
-    dispatcher.submit(stream._raw, third, (live, live.call_soon))
+    dispatcher.submit(stream._raw, third, live)
     _wait_done(second)
     _wait_done(third)
     assert second.error is None and third.error is None
@@ -138,8 +149,8 @@ def test_an_explicit_flush_signals_a_deferred_run() -> None:
     stream = gf.new_stream()
     loop = _DroppingLoop()
     a, b = Submission(0), Submission(0)
-    dispatcher.submit(stream._raw, a, (loop, loop.call_soon))
-    dispatcher.submit(stream._raw, b, (loop, loop.call_soon))
+    dispatcher.submit(stream._raw, a, loop)
+    dispatcher.submit(stream._raw, b, loop)
     _wait_done(a)
     time.sleep(0.05)
     assert not b.done
@@ -207,3 +218,35 @@ def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.Monke
             time.sleep(0.01)
     monkeypatch.undo()
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 5.0, F32))
+
+
+def test_no_loop_is_running_here() -> None:
+    from gpuflow._loops import current_loop, running_loop_name  # the machinery itself
+
+    assert running_loop_name() is None
+    with pytest.raises(gf.UsageError, match="needs a running asyncio or Trio event loop"):
+        current_loop()
+
+
+@pytest.mark.anyio
+async def test_the_loop_adapter_is_the_running_loops(anyio_backend: str) -> None:
+    from gpuflow._loops import current_loop, running_loop_name  # the machinery itself
+
+    assert running_loop_name() == anyio_backend
+    loop = current_loop()
+    assert current_loop() is loop  # chosen once for the loop, not per call
+    assert loop.target is anyio.lowlevel.current_token().native_token
+    woken: list[str] = []
+    wake, park = loop.parker()
+
+    def from_another_thread() -> None:
+        loop.post(lambda: woken.append("posted"))
+        loop.post(wake)
+
+    t = threading.Thread(target=from_another_thread)
+    t.start()
+    with anyio.fail_after(5):
+        await park()
+    t.join()
+    assert woken == ["posted"]
+    wake()  # a second wake-up is harmless

@@ -19,7 +19,6 @@ submission of that device with :class:`DeviceFaultError`.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
 import time
@@ -32,6 +31,7 @@ import anyio.lowlevel
 
 from ._backends._base import Backend
 from ._errors import DeviceError, DeviceFaultError
+from ._loops import Loop, current_loop
 
 WATCHDOG_S = 0.02
 #: After the last pending submission, keep the watchdog timer this long so
@@ -41,17 +41,7 @@ _IDLE_GRACE_S = 1.0
 #: How a completion reaches a waiting task: the loop (or Trio token) to post
 #: to, its non-blocking post, and the idempotent wake-up to run there.
 Poster = Callable[[Callable[[], object]], object]
-#: A loop (or Trio token) and its own same-thread ``call_soon``.
-Scheduler = tuple[Any, Poster]
 Waiter = tuple[Any, Poster, Callable[[], object]]
-
-
-def _wake_future(fut: asyncio.Future[None]) -> Callable[[], object]:
-    def wake() -> None:
-        if not fut.done():  # cancelled, or woken twice
-            fut.set_result(None)
-
-    return wake
 
 
 class Submission:
@@ -94,47 +84,27 @@ class Submission:
                 warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
         return self.waiters
 
-    async def wait(self) -> None:
+    async def wait(self, loop: Loop | None = None) -> None:
         """Wait (cancellably) until the work is done; raise its device error.
 
-        Uses the running loop's own primitives (an asyncio future, a Trio
-        event), so on cancellation the loop's own exception propagates at
-        once; the submission still retains its resources until the GPU is done.
+        Parks the task with the running loop's own primitives (``loop``, or
+        the current one), so on cancellation the loop's own exception
+        propagates at once; the submission still retains its resources until
+        the GPU is done.
         """
         if self.done:
             await anyio.lowlevel.checkpoint()
         else:
-            loop = asyncio._get_running_loop()
-            if loop is not None:
-                fut: asyncio.Future[None] = loop.create_future()
-                self.waiters.append((loop, loop.call_soon_threadsafe, _wake_future(fut)))
-                # the dispatcher may have finished us between the check and the
-                # append; then nobody posts, and we must not wait
-                if self.done:
-                    await anyio.lowlevel.checkpoint()
-                else:
-                    await fut
+            if loop is None:
+                loop = current_loop()
+            wake, park = loop.parker()
+            self.waiters.append((loop.target, loop.post, wake))
+            # the dispatcher may have finished us between the check and the
+            # append; then nobody posts, and we must not wait
+            if self.done:
+                await anyio.lowlevel.checkpoint()
             else:
-                import trio
-
-                token = trio.lowlevel.current_trio_token()
-                task = trio.lowlevel.current_task()
-                parked = [True]
-
-                def wake() -> None:  # runs in Trio's thread, through run_sync_soon
-                    if parked[0]:
-                        parked[0] = False
-                        trio.lowlevel.reschedule(task)
-
-                def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
-                    parked[0] = False  # cancelled: a later wake-up must not reschedule
-                    return trio.lowlevel.Abort.SUCCEEDED
-
-                self.waiters.append((token, token.run_sync_soon, wake))
-                if self.done:
-                    await trio.lowlevel.checkpoint()
-                else:
-                    await trio.lowlevel.wait_task_rescheduled(abort)
+                await park()
         if self.error is not None:
             raise self.error
 
@@ -152,28 +122,6 @@ def post(target: Any, poster: Poster, fns: list[Callable[[], object]]) -> None:
         pass  # the loop is closed (trio.RunFinishedError is one too): nobody waits
     except Exception as exc:
         warnings.warn(f"gpuflow: could not wake the event loop {target!r}: {exc!r}", stacklevel=1)
-
-
-def current_scheduler() -> Scheduler:
-    """The running loop (or Trio token) and its same-thread ``call_soon``."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        return loop, loop.call_soon
-    import trio
-
-    token = trio.lowlevel.current_trio_token()
-    return token, token.run_sync_soon
-
-
-def current_waker() -> tuple[Any, Poster]:
-    """The running loop (or Trio token) and its non-blocking, thread-safe post."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        return loop, loop.call_soon_threadsafe
-    import trio
-
-    token = trio.lowlevel.current_trio_token()
-    return token, token.run_sync_soon
 
 
 class _Lane:
@@ -230,13 +178,13 @@ class Dispatcher:
         # per thread: the loop whose flush is scheduled, and the lanes it will signal
         self._local = threading.local()
 
-    def submit(self, raw_stream: Any, sub: Submission, scheduler: Scheduler | None = None) -> None:
+    def submit(self, raw_stream: Any, sub: Submission, loop: Loop | None = None) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is done.
 
-        With ``scheduler`` (the running loop's own ``call_soon``, from its
-        thread), the signal may be left to the flush that loop runs at the end
-        of its turn; whoever submits that way must call :meth:`flush` if it
-        stops waiting for ``sub`` before the loop gets there.
+        With ``loop`` (the loop running in this thread), the signal may be
+        left to the flush that loop runs at the end of its turn; whoever
+        submits that way must call :meth:`flush` if it stops waiting for
+        ``sub`` before the loop gets there.
         """
         local = self._local
         with self._lock:
@@ -253,7 +201,7 @@ class Dispatcher:
                     target=self._run, name="gpuflow-dispatcher", daemon=True
                 )
                 self._thread.start()
-            defer = scheduler is not None and getattr(local, "flushing", None) is scheduler[0]
+            defer = loop is not None and getattr(local, "flushing", None) is loop.target
             if defer:
                 local.dirty[raw_stream] = lane
             else:
@@ -263,15 +211,15 @@ class Dispatcher:
         if defer:
             return
         self._signal(raw_stream, lane.device)
-        if scheduler is not None:
+        if loop is not None:
             if getattr(local, "dirty", None):
                 self.flush()  # left by a loop that ended before its flush ran
             try:
-                scheduler[1](self.flush)
+                loop.call_soon(self.flush)
             except RuntimeError:  # the loop is finishing: every run signals alone
                 pass
             else:
-                local.flushing = scheduler[0]
+                local.flushing = loop.target
                 local.dirty = {}
 
     def flush(self) -> None:

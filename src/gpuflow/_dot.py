@@ -37,8 +37,7 @@ def to_dot(op: DeviceOperation[Any]) -> str:
     lines = ["digraph gpuflow {", "  rankdir=TB;", '  node [fontname="Helvetica"];']
 
     def visit(node: DeviceOperation[Any]) -> str:
-        key_fn = getattr(node, "_dot_key", None)
-        key = key_fn() if key_fn is not None else id(node)
+        key = node._dot_key()
         if key in ids:
             return ids[key]
         name = f"n{len(ids)}"

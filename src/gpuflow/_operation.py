@@ -171,6 +171,10 @@ class DeviceOperation(Generic[T]):
     def _kind(self) -> str:
         return "op"
 
+    def _dot_key(self) -> int:
+        """Operations with one key are one node of the picture."""
+        return id(self)
+
     def __repr__(self) -> str:
         return f"<gpuflow.DeviceOperation {self._label()}>"
 

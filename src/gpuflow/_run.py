@@ -13,17 +13,16 @@ inside them through a context variable, so that they can wait for it.
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.lowlevel
 
-from ._bridge import Submission, current_scheduler
+from ._bridge import Submission
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
+from ._loops import current_loop, running_loop_name
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy
 from ._runtime import Runtime, current_device, get_runtime
@@ -46,24 +45,8 @@ class Scope(Protocol):
 current_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("gpuflow_scopes", default=())
 
 
-def _event_loop_running() -> str | None:
-    try:
-        asyncio.get_running_loop()
-        return "asyncio"
-    except RuntimeError:
-        pass
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-            return "trio"
-        except RuntimeError:
-            pass
-    return None
-
-
 def _refuse_blocking(what: str) -> None:
-    lib = _event_loop_running()
+    lib = running_loop_name()
     if lib is not None:
         raise UsageError(
             f"{what} would block the running {lib} event loop: use `await op` "
@@ -187,6 +170,7 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
 async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = None) -> Any:
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     await anyio.lowlevel.checkpoint_if_cancelled()
+    loop = current_loop()
     rt = get_runtime()
     stream, policy = _choose(rt, policy)
     rt, sub, ctx = _start(op, stream, policy)
@@ -199,9 +183,9 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
             pass
         raise
     dispatcher = rt.dispatcher
-    dispatcher.submit(stream._raw, sub, current_scheduler())
+    dispatcher.submit(stream._raw, sub, loop)
     try:
-        await sub.wait()
+        await sub.wait(loop)
     except BaseException:
         # cancelled before the loop's flush: the signal must not wait for a
         # loop turn that may never come

@@ -18,8 +18,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ._bridge import Submission, current_waker, post
+from ._bridge import Submission, post
 from ._errors import UsageError
+from ._loops import current_loop
 from ._run import current_scopes
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
@@ -86,7 +87,8 @@ class _LeasePool:
                 return self.free.pop(0)
             event = anyio.Event()
             slot: list[Stream] = []
-            entry = (*current_waker(), event, slot)
+            loop = current_loop()
+            entry = (loop.target, loop.post, event, slot)
             self.waiters.append(entry)
         try:
             await event.wait()

@@ -163,8 +163,8 @@ MUTATIONS = [
         "the watchdog never fails the runs of a faulted device",
         "_bridge.py",
         "        for device, err in faulted.items():\n"
-        "            self.fail_device(device, err)\n\n\n",
-        "        pass\n\n\n",
+        "            self.fail_device(device, err)\n",
+        "        pass\n",
         ("tests/test_faults.py",),
     ),
 ]

@@ -1,0 +1,158 @@
+"""Everything that depends on which event loop runs: one adapter per loop.
+
+gpuflow speaks to a running loop in three ways only: schedule a call at the
+end of the loop's current turn, from the loop's own thread (``call_soon``);
+post a call from any thread without blocking (``post``); and park the
+current task until such a call wakes it (``parker``).  :func:`current_loop`
+picks the adapter once per run, and nothing else in gpuflow asks which loop
+it is on.
+
+* asyncio (and loops built on it, such as uvloop): ``loop.call_soon``,
+  ``loop.call_soon_threadsafe`` and a future.
+* Trio: ``TrioToken.run_sync_soon`` for both kinds of call (it is safe from
+  any thread and never blocks), and ``wait_task_rescheduled`` /
+  ``reschedule`` to park and wake the task directly.
+
+A post to a loop that has finished raises :class:`RuntimeError` (Trio's
+``RunFinishedError`` is one): the caller drops it, since nobody waits there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from ._errors import UsageError
+
+#: A call a loop runs for gpuflow: a wake-up, a flush.
+Call = Callable[[], object]
+
+
+class Loop(Protocol):
+    """The running event loop, as gpuflow uses it."""
+
+    @property
+    def target(self) -> Any:
+        """The loop (or Trio token): the identity completions are grouped by."""
+
+    def call_soon(self, fn: Call) -> object:
+        """Run ``fn`` at the end of this turn of the loop (from its own thread only)."""
+
+    def post(self, fn: Call) -> object:
+        """Run ``fn`` in the loop soon; callable from any thread, never blocks."""
+
+    def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
+        """``(wake, park)``: ``await park()`` suspends the current task until
+        ``wake()`` runs in the loop (through :meth:`post`) or the task is
+        cancelled, which raises the loop's own cancellation.  ``wake`` is
+        idempotent and harmless after a cancellation."""
+
+
+def _wake_future(fut: asyncio.Future[None]) -> Call:
+    def wake() -> None:
+        if not fut.done():  # cancelled, or woken twice
+            fut.set_result(None)
+
+    return wake
+
+
+class _Asyncio:
+    __slots__ = ("_loop", "call_soon", "post")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.call_soon: Callable[[Call], object] = loop.call_soon
+        self.post: Callable[[Call], object] = loop.call_soon_threadsafe
+
+    @property
+    def target(self) -> Any:
+        return self._loop
+
+    def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        return _wake_future(fut), lambda: fut
+
+
+class _Trio:
+    __slots__ = ("_token", "_trio", "call_soon", "post")
+
+    def __init__(self, trio: Any) -> None:
+        self._trio = trio
+        self._token = trio.lowlevel.current_trio_token()
+        # run_sync_soon is both: safe from any thread, and from the loop's
+        # own thread it runs at the end of the current batch of tasks
+        self.call_soon: Callable[[Call], object] = self._token.run_sync_soon
+        self.post: Callable[[Call], object] = self._token.run_sync_soon
+
+    @property
+    def target(self) -> Any:
+        return self._token
+
+    def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
+        lowlevel = self._trio.lowlevel
+        task = lowlevel.current_task()
+        parked = [True]
+
+        def wake() -> None:  # in Trio's thread, through run_sync_soon
+            if parked[0]:
+                parked[0] = False
+                lowlevel.reschedule(task)
+
+        def abort(_raise_cancel: Any) -> Any:
+            parked[0] = False  # cancelled: a later wake-up must not reschedule
+            return lowlevel.Abort.SUCCEEDED
+
+        async def park() -> None:
+            await lowlevel.wait_task_rescheduled(abort)
+
+        return wake, park
+
+
+class _Cache(threading.local):
+    target: Any = None
+    loop: Loop | None = None
+
+
+_cache = _Cache()
+
+
+def _in_trio() -> Any:
+    """The trio module when this thread runs inside ``trio.run``, else None."""
+    trio = sys.modules.get("trio")  # a program that never imported Trio is not in it
+    if trio is not None and trio.lowlevel.in_trio_run():
+        return trio
+    return None
+
+
+def running_loop_name() -> str | None:
+    """``"asyncio"`` or ``"trio"`` when this thread runs an event loop, else None."""
+    if _in_trio() is not None:
+        return "trio"
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return "asyncio"
+
+
+def current_loop() -> Loop:
+    """The adapter of the loop running in this thread (UsageError if none)."""
+    trio = _in_trio()
+    if trio is not None:
+        target: Any = trio.lowlevel.current_trio_token()
+    else:
+        try:
+            target = asyncio.get_running_loop()
+        except RuntimeError:
+            raise UsageError(
+                "awaiting a gpuflow operation needs a running asyncio or Trio event loop"
+            ) from None
+    cache = _cache
+    if cache.target is not target:  # a loop runs many runs: make its adapter once
+        cache.loop = _Trio(trio) if trio is not None else _Asyncio(target)
+        cache.target = target
+    assert cache.loop is not None
+    return cache.loop
