@@ -23,7 +23,9 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
     )
     work = tmp_path / "work"
     work.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(site), OUT=str(work))
+    # the copy first; what else is on the path (its dependencies) stays
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OUT=str(work))
     where = subprocess.run(
         [sys.executable, "-c", "import gpuflow; print(gpuflow.__file__)"],
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=True,
