@@ -1,15 +1,23 @@
 """Front-end overhead with a backend that does nothing: signals complete at once.
 
-Run: python benchmarks/profile_frontend.py [profile]
+No device is used.  Run: python benchmarks/profile_frontend.py [profile]
+(``profile``: also cProfile 5,000 awaits and print the top functions).
 """
 
+from __future__ import annotations
+
+import argparse
 import cProfile
+import os
 import pstats
-import sys
+import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import anyio
+import numpy as np
 
 import gpuflow as gf
 import gpuflow._runtime as R
@@ -17,157 +25,195 @@ from gpuflow._backends import _base
 
 
 class NullStream:
-    def __init__(s, d):
-        s.device = d
-        s.signals = 0
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.signals = 0
+
+
+class NullBuffer:
+    def __init__(self, device: int, nbytes: int) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.ptr = 0
 
 
 class NullBackend(_base.Backend):
+    """Every call returns at once; a signal is delivered as it is enqueued."""
+
     name = "null"
 
-    def __init__(s):
-        s._sem = threading.Semaphore(0)
-        s.lock = threading.Lock()
+    def __init__(self) -> None:
+        self._sem = threading.Semaphore(0)
+        self.lock = threading.Lock()
 
-    device_count = property(lambda s: 1)
+    @property
+    def device_count(self) -> int:
+        return 1
 
-    def device_name(s, d):
+    def device_name(self, device: int) -> str:
         return "null"
 
-    def create_stream(s, d):
-        return NullStream(d)
+    def create_stream(self, device: int) -> NullStream:
+        return NullStream(device)
 
-    def destroy_stream(s, x):
+    def destroy_stream(self, stream: Any) -> None:
         pass
 
-    def stream_handle(s, x):
+    def stream_handle(self, stream: Any) -> int:
         return 0
 
-    def synchronize(s, x):
+    def synchronize(self, stream: Any) -> None:
         pass
 
-    def query(s, x):
+    def query(self, stream: Any) -> bool:
         return True
 
-    def record_event(s, x):
+    def record_event(self, stream: Any) -> None:
         return None
 
-    def wait_event(s, x, e):
+    def wait_event(self, stream: Any, event: Any) -> None:
         pass
 
-    def alloc(s, d, n, st):
-        class B:
-            pass
+    def alloc(self, device: int, nbytes: int, stream: Any) -> NullBuffer:
+        return NullBuffer(device, nbytes)
 
-        b = B()
-        b.device = d
-        b.nbytes = n
-        b.ptr = 0
-        return b
-
-    def free(s, b, st):
+    def free(self, buffer: Any, stream: Any) -> None:
         pass
 
-    def copy_from_host(s, *a):
+    def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
         pass
 
-    def copy_to_host(s, *a):
+    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
         pass
 
-    def copy_device(s, *a):
+    def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
         pass
 
-    def fill(s, *a):
+    def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
         pass
 
-    def arange(s, *a):
+    def arange(
+        self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
+    ) -> None:
         pass
 
-    def load_kernel(s, d, m, n):
-        return n
+    def load_kernel(self, device: int, module: Any, name: str) -> str:
+        return name
 
-    def launch(s, *a):
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shmem: int,
+        args: Sequence[Any],
+        stream: Any,
+    ) -> None:
         pass
 
-    def enqueue_signal(s, st):
-        with s.lock:
-            st.signals += 1
-        s._sem.release()
+    def enqueue_signal(self, stream: Any) -> None:
+        with self.lock:
+            stream.signals += 1
+        self._sem.release()
 
-    def wait_signals(s, t):
-        s._sem.acquire(timeout=t if t else -1)
+    def wait_signals(self, timeout: float | None) -> None:
+        # as the interface says: None blocks, 0 polls (an idle dispatcher must not spin)
+        if timeout is None:
+            self._sem.acquire()
+        elif timeout <= 0:
+            self._sem.acquire(blocking=False)
+        else:
+            self._sem.acquire(timeout=timeout)
 
-    def take_signals(s, st):
-        with s.lock:
-            n = st.signals
-            st.signals = 0
+    def take_signals(self, stream: Any) -> int:
+        with self.lock:
+            n: int = stream.signals
+            stream.signals = 0
             return n
 
-    def wake(s):
-        s._sem.release()
+    def wake(self) -> None:
+        self._sem.release()
 
-    def begin_capture(s, x):
+    def begin_capture(self, stream: Any) -> None:
         pass
 
-    def end_capture(s, x):
+    def end_capture(self, stream: Any) -> None:
         return None
 
-    def launch_graph(s, *a):
+    def launch_graph(self, graph: Any, stream: Any) -> None:
         pass
 
-    def device_fault(s, d):
+    def device_fault(self, device: int) -> None:
         return None
 
-    def reset_device(s, d):
+    def reset_device(self, device: int) -> None:
         pass
 
 
-be = NullBackend()
-R._runtime = R.Runtime(be, 0, [0], 4)
-mod = gf.compile('extern "C" __global__ void empty() {}', references={"empty": lambda: None})
-op = mod.empty(gf.LaunchConfig(1, 1))
-k = op
-chain = k
-for _ in range(131):
-    chain = chain.then(lambda _o: k)
-pol = gf.SingleStream(0)
-for lib in ("asyncio", "trio"):
+async def awaits_and_chain(
+    op: gf.DeviceOperation[Any], chain: gf.DeviceOperation[Any], pol: gf.SchedulingPolicy
+) -> tuple[float, float]:
+    for _ in range(200):
+        await op
+    n = 5000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await op
+    t1 = time.perf_counter()
+    for _ in range(50):
+        await chain.run(pol)
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t1) / 50 / 132 * 1e6
 
-    async def main():
-        for _ in range(200):
-            await op
-        n = 5000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            await op
-        t1 = time.perf_counter()
-        for _ in range(50):
-            await chain.run(pol)
-        t2 = time.perf_counter()
-        return (t1 - t0) / n * 1e6, (t2 - t1) / 50 / 132 * 1e6
 
-    per_await, per_step = anyio.run(main, backend=lib)
-    print(f"{lib} await us/op {per_await:.2f}, chain us/step {per_step:.2f}")
-# the chain's own Python: execute() alone, no run set-up, no await
-from gpuflow._bridge import Submission  # noqa: E402
-from gpuflow._context import ExecutionContext  # noqa: E402
+async def awaits(op: gf.DeviceOperation[Any], n: int) -> None:
+    for _ in range(n):
+        await op
 
-ctx = ExecutionContext(R._runtime, gf.new_stream(0), pol, Submission(0))
-t0 = time.perf_counter()
-for _ in range(300):
-    chain.execute(ctx)
-print("chain execute() us/step %.3f" % ((time.perf_counter() - t0) / 300 / 132 * 1e6))
-# sync path enqueue only
-s = gf.new_stream(0)
-t0 = time.perf_counter()
-for _ in range(20000):
-    op.enqueue_on(s)
-print("enqueue_on us/op %.2f" % ((time.perf_counter() - t0) / 20000 * 1e6))
-if len(sys.argv) > 1:
 
-    async def main():
-        for _ in range(5000):
-            await op
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("profile", nargs="?", choices=["profile"], help="also run cProfile")
+    args = p.parse_args(argv)
 
-    cProfile.run("anyio.run(main)", "/tmp/prof/p.out")
-    pstats.Stats("/tmp/prof/p.out").sort_stats("tottime").print_stats(18)
+    be = NullBackend()
+    rt = R.Runtime(be, 0, [0], 4)
+    R._runtime = rt  # TODO(contract)
+    mod = gf.compile('extern "C" __global__ void empty() {}', references={"empty": lambda: None})
+    op = mod.empty(gf.LaunchConfig(1, 1))
+    k = op
+    chain = k
+    for _ in range(131):
+        chain = chain.then(lambda _o: k)
+    pol = gf.SingleStream(0)
+    for lib in ("asyncio", "trio"):
+        per_await, per_step = anyio.run(awaits_and_chain, op, chain, pol, backend=lib)
+        print(f"{lib} await us/op {per_await:.2f}, chain us/step {per_step:.2f}")
+
+    # the chain's own Python: execute() alone, no run set-up, no await
+    from gpuflow._bridge import Submission
+    from gpuflow._context import ExecutionContext
+
+    ctx = ExecutionContext(rt, gf.new_stream(0), pol, Submission(0))
+    t0 = time.perf_counter()
+    for _ in range(300):
+        chain.execute(ctx)
+    print(f"chain execute() us/step {(time.perf_counter() - t0) / 300 / 132 * 1e6:.3f}")
+
+    # sync path enqueue only
+    s = gf.new_stream(0)
+    t0 = time.perf_counter()
+    for _ in range(20000):
+        op.enqueue_on(s)
+    print(f"enqueue_on us/op {(time.perf_counter() - t0) / 20000 * 1e6:.2f}")
+
+    if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "frontend.prof")
+            cProfile.runctx("anyio.run(awaits, op, 5000)", globals(), {"op": op}, out)
+            pstats.Stats(out).sort_stats("tottime").print_stats(18)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

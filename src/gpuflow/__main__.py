@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
 
         return demo(rest)
     if cmd == "bench":
-        from ._benchrunner import main as bench
+        from ._bench import main as bench
 
         return bench(rest)
     print(f"unknown command {cmd!r}: expected 'demo' or 'bench'", file=sys.stderr)

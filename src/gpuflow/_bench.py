@@ -1,6 +1,10 @@
 """gpuflow's benchmarks: medians and ratios against baselines measured in the
 same process, side by side.  ``python -m gpuflow bench [--quick] [--only NAME]``.
 
+Shipped inside the package, so that ``python -m gpuflow bench`` works
+wherever gpuflow is installed.  With ``$OUT`` set, the rows are also written
+to ``$OUT/bench.json``.
+
 Absolute times only mean something on a GPU (backend ``cuda``); on ``sim``
 the gpuflow side runs and the raw-driver baselines are left out.  Each row:
 what was measured, gpuflow's median, the baseline and its median, their
@@ -20,6 +24,8 @@ import anyio
 import numpy as np
 
 import gpuflow as gf
+
+from ._runtime import get_runtime
 
 EMPTY = r"""
 extern "C" __global__ void empty() {}
@@ -80,7 +86,7 @@ class Raw:
     def __init__(self, stream: gf.Stream) -> None:
         from cuda.bindings import driver as cu
 
-        from gpuflow._backends._nvrtc import compile_source
+        from ._backends._nvrtc import compile_source
 
         self.cu = cu
         dev = stream.device
@@ -125,7 +131,7 @@ def bench_launch_await(mod: gf.Module, quick: bool, cuda: bool) -> None:
         stream = gf.new_stream()
         raw = Raw(stream)
 
-        async def thread_loop() -> list[float]:
+        async def thread_loop(raw: Raw) -> list[float]:
             out = []
             for _ in range(n // 10):
                 raw.launch()
@@ -137,7 +143,7 @@ def bench_launch_await(mod: gf.Module, quick: bool, cuda: bool) -> None:
                 out.append(time.perf_counter() - t0)
             return out
 
-        base = median_us(anyio.run(thread_loop, backend=lib))
+        base = median_us(anyio.run(thread_loop, raw, backend=lib))
         target = "<= 30 us" if lib == "asyncio" else "<= 40 us"
         row(f"gpuflow await ({lib})", ours, "us", f"to_thread(sync) {lib}", base, target)
         blocking = []
@@ -291,15 +297,18 @@ def bench_lease_exit(mod: gf.Module, quick: bool) -> None:
         late: list[float] = []
         remaining: list[float] = []
 
-        async def sample() -> None:
+        async def sample(late: list[float], remaining: list[float]) -> None:
             seen: list[float] = []
             marks: dict[str, float] = {}
 
             async def job(*, task_status: Any) -> None:
                 try:
                     async with gf.open_stream_lease() as lease:
-                        helper = threading.Thread(target=lambda: (
-                            lease.stream.synchronize(), seen.append(time.perf_counter())))
+                        def finished() -> None:
+                            lease.stream.synchronize()
+                            seen.append(time.perf_counter())
+
+                        helper = threading.Thread(target=finished)
                         try:
                             task_status.started()
                             await op
@@ -317,11 +326,11 @@ def bench_lease_exit(mod: gf.Module, quick: bool) -> None:
             late.append(marks["exit"] - seen[0])
             remaining.append(seen[0] - marks["cancel"])
 
-        async def main() -> None:
+        async def main(late: list[float], remaining: list[float]) -> None:
             for _ in range(5 if quick else 25):
-                await sample()
+                await sample(late, remaining)
 
-        anyio.run(main, backend=lib)
+        anyio.run(main, late, remaining, backend=lib)
         row(f"lease exit beyond the GPU work's end ({lib})", statistics.median(late) * 1e3,
             "ms", "work remaining at cancel", statistics.median(remaining) * 1e3,
             "<= 1 ms beyond")
@@ -335,7 +344,7 @@ def bench_fault(mod: gf.Module, cuda: bool) -> None:
         arr = gf.zeros(1, np.int32).sync()
         op = mod.crash(gf.LaunchConfig(1, 32), arr, 8)
 
-        async def main() -> float:
+        async def main(op: gf.DeviceOperation[Any]) -> float:
             t0 = time.perf_counter()
             try:
                 await op
@@ -343,7 +352,7 @@ def bench_fault(mod: gf.Module, cuda: bool) -> None:
                 return time.perf_counter() - t0
             raise AssertionError("the faulting kernel did not fail")
 
-        times.append(anyio.run(main))
+        times.append(anyio.run(main, op))
         del arr
         if not cuda:
             gf.reset_device(gf.current_device())
@@ -351,11 +360,9 @@ def bench_fault(mod: gf.Module, cuda: bool) -> None:
 
 
 def bench_fan_out(mod: gf.Module, quick: bool, cuda: bool) -> None:
-    from gpuflow._runtime import get_runtime
-
-    devices = get_runtime().devices
+    devices = get_runtime().devices  # TODO(contract)
     if len(devices) < 2:
-        print("fan-out: one device only; needs two (the nvidia-h200-x2 machine)")
+        print("fan-out: one device only; needs two")
         return
     iters = 2_000 if not cuda else (20_000 if quick else 200_000)
     n = 8 if quick else 32
@@ -404,10 +411,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     backend = gf.init_device_contexts(backend=args.backend)
     cuda = backend == "cuda"
-    from gpuflow._runtime import get_runtime
-
     rt = get_runtime()
-    print(f"gpuflow bench on backend {backend!r}: "
+    print(f"gpuflow bench on backend {backend!r}: "  # TODO(contract): the runtime's devices
           + ", ".join(rt.backend.device_name(d) for d in rt.devices))
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")

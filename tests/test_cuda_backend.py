@@ -1,0 +1,695 @@
+"""The ``cuda`` backend method by method, below the front end (a CUDA device only).
+
+Each test drives a :class:`CudaBackend` of its own (not the runtime's) through
+the backend interface: streams, copies (direct and through pinned staging),
+fill and arange for every dtype, kernel arguments, events, the native
+completion signals (``signals="hostfunc"`` and ``"event"``), out-of-memory and
+bad launches that must not be sticky, graph capture, launch cost against the
+raw driver, how long a signal holds its stream, and a sticky fault.
+
+Raw-driver baselines load the same CUBIN through cuda.bindings themselves, in
+the same primary context.  Measurements are printed (``pytest -rP`` shows them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
+from gpuflow._backends._cuda import CudaBackend
+from gpuflow.lowlevel import PointerArg
+
+pytestmark = pytest.mark.cuda_only
+
+SRC = r"""
+extern "C" __global__ void empty() {}
+extern "C" __global__ void spin(long long ns) {  // busy for ns of wall-clock time
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < (unsigned long long)ns);
+}
+extern "C" __global__ void saxpy(const float* x, float* y, float a, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + y[i];
+}
+extern "C" __global__ void add1(float* p, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) p[i] += 1.0f;
+}
+extern "C" __global__ void mix(double* out, long long a, double b, unsigned char c, short d,
+                               unsigned long long e, float f, bool g, signed char h) {
+  out[0] = (double)a; out[1] = b; out[2] = c; out[3] = d; out[4] = (double)e;
+  out[5] = f; out[6] = g ? 1.0 : 0.0; out[7] = h;
+}
+extern "C" __global__ void four(const float* a, float* b, int n, float s) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) b[0] = s + (float)n;
+}
+extern "C" __global__ void bad(int* p) { p[threadIdx.x] = 1; }
+"""
+KERNELS = ("empty", "spin", "saxpy", "add1", "mix", "four", "bad")
+MS = 1_000_000  # ns: the spin kernel's unit
+SIGNALS = ("hostfunc", "event")
+Arg = PointerArg | np.generic
+
+#: a gpuflow module is what ``load_kernel`` needs (a ModuleSource): source and binary_for
+MOD = gf.compile(SRC)
+
+
+@dataclass
+class Cuda:
+    be: CudaBackend
+    k: dict[str, Any]  # the kernels of SRC on device 0
+
+
+def _open(signals: str) -> Cuda:
+    be = CudaBackend(None, signals=signals)
+    return Cuda(be, {name: be.load_kernel(0, MOD, name) for name in KERNELS})
+
+
+@pytest.fixture(scope="module")
+def _opened() -> Iterator[dict[str, Cuda]]:
+    # filled on first use, inside a test: on a machine without a device the
+    # tests are skipped before any backend is made
+    opened: dict[str, Cuda] = {}
+    yield opened
+    for c in opened.values():
+        c.be.close()
+
+
+@pytest.fixture
+def cuda_for(device_backend: str, _opened: dict[str, Cuda]) -> Callable[[str], Cuda]:
+    """A backend of the given signal kind, shared by this module's tests."""
+
+    def get(signals: str) -> Cuda:
+        if signals not in _opened:
+            _opened[signals] = _open(signals)
+        return _opened[signals]
+
+    return get
+
+
+@pytest.fixture
+def cuda(cuda_for: Callable[[str], Cuda]) -> Cuda:
+    return cuda_for("hostfunc")
+
+
+def measure(name: str, value: float, unit: str) -> None:
+    print(f"  measured {name}: {value:.3f} {unit}", flush=True)
+
+
+def ptr(buf: Any, dtype: Any, count: int, writes: bool = True) -> PointerArg:
+    return PointerArg(buf, np.dtype(dtype), count, writes)
+
+
+def blocks(n: int, t: int = 256) -> tuple[int, int, int]:
+    return ((n + t - 1) // t, 1, 1)
+
+
+def to_host(be: CudaBackend, buf: Any, dtype: Any, count: int, stream: Any) -> np.ndarray:
+    out = np.empty(count, dtype=dtype)
+    be.copy_to_host(out, buf, stream)
+    be.synchronize(stream)
+    return out
+
+
+def from_host(be: CudaBackend, arr: np.ndarray, stream: Any) -> Any:
+    buf = be.alloc(0, arr.nbytes, stream)
+    be.copy_from_host(buf, np.ascontiguousarray(arr), stream)
+    return buf
+
+
+def _ok(res: tuple[Any, ...]) -> Any:
+    assert int(res[0]) == 0, f"driver call failed: {res[0]}"
+    return res[1] if len(res) == 2 else res[1:]
+
+
+class RawDriver:
+    """Device 0's primary context (the backend's own), current on this thread,
+    with SRC's CUBIN loaded straight through cuda.bindings."""
+
+    def __init__(self, be: CudaBackend) -> None:
+        from cuda.bindings import driver as cu
+
+        self.cu = cu
+        self.cudev = _ok(cu.cuDeviceGet(0))
+        self.ctx = _ok(cu.cuDevicePrimaryCtxRetain(self.cudev))
+        _ok(cu.cuCtxSetCurrent(self.ctx))
+        self.module = _ok(cu.cuModuleLoadData(MOD.binary_for(be.device_arch(0))))
+
+    def function(self, name: str) -> Any:
+        return _ok(self.cu.cuModuleGetFunction(self.module, name.encode()))
+
+    def close(self) -> None:
+        self.cu.cuModuleUnload(self.module)
+        self.cu.cuDevicePrimaryCtxRelease(self.cudev)
+
+
+# -- checks -----------------------------------------------------------------------------
+def test_devices_streams_and_kernel_loading(cuda: Cuda) -> None:
+    be = cuda.be
+    assert be.device_count >= 1
+    name = be.device_name(0)
+    assert isinstance(name, str) and name
+    assert be.device_arch(0).startswith("sm_")
+    s = be.create_stream(0)
+    h = be.stream_handle(s)
+    assert isinstance(h, int) and h != 0
+    assert be.query(s) is True  # a fresh stream is idle
+    for k in KERNELS:
+        be.load_kernel(0, MOD, k)
+    with pytest.raises(gf.DeviceError):
+        be.load_kernel(0, MOD, "nope")
+    be.destroy_stream(s)
+    be.destroy_stream(s)  # twice: no error
+
+
+def test_copies_direct_and_staged(cuda: Cuda) -> None:
+    be = cuda.be
+    s = be.create_stream(0)
+    for n in (1000, 4 << 20):  # direct (4 KB) and staged (16 MB) host-to-device paths
+        a = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        buf = from_host(be, a, s)
+        np.testing.assert_array_equal(to_host(be, buf, np.float32, n, s), a)
+        buf2 = be.alloc(0, a.nbytes, s)
+        be.copy_device(buf2, buf, a.nbytes, s)
+        np.testing.assert_array_equal(to_host(be, buf2, np.float32, n, s), a)
+        be.free(buf, s)
+        be.free(buf2, s)
+        be.free(buf2, s)  # twice: ignored
+    # a staged device-to-host copy is delivered by take_signals (the dispatcher's
+    # path), not only by synchronize
+    n = 1 << 20
+    a = np.arange(n, dtype=np.int32)
+    buf = from_host(be, a, s)
+    be.synchronize(s)
+    out = np.zeros(n, dtype=np.int32)
+    be.launch(cuda.k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(20 * MS)], s)
+    be.copy_to_host(out, buf, s)
+    be.enqueue_signal(s)
+    got = 0
+    deadline = time.monotonic() + 5
+    while got == 0 and time.monotonic() < deadline:
+        be.wait_signals(1.0)
+        got += be.take_signals(s)
+    assert got == 1
+    np.testing.assert_array_equal(out, a)
+    # and by another stream's synchronize (a completion seen across streams)
+    s2 = be.create_stream(0)
+    out2 = np.zeros(n, dtype=np.int32)
+    be.copy_to_host(out2, buf, s)
+    ev = be.record_event(s)
+    be.wait_event(s2, ev)
+    be.synchronize(s2)
+    np.testing.assert_array_equal(out2, a)
+    be.free(buf, s)
+    be.synchronize(s)
+    be.destroy_stream(s)
+    be.destroy_stream(s2)
+
+
+def test_fill_and_arange_are_bit_exact_for_every_dtype(cuda: Cuda) -> None:
+    be = cuda.be
+    s = be.create_stream(0)
+    count = 3000
+    fills: list[np.generic] = [
+        np.float16(1.5), np.float32(-2.25), np.float64(3.5), np.float64(0.0),
+        np.int8(-3), np.int16(-300), np.int32(123456), np.int64(-5), np.int64(-1),
+        np.uint8(200), np.uint16(60000), np.uint32(4_000_000_000), np.uint64(2**63 + 5),
+        np.bool_(True), np.complex64(1 + 2j),
+    ]  # fmt: skip
+    wrong = []
+    for v in fills:
+        buf = be.alloc(0, (count + 1) * v.itemsize, s)
+        be.fill(buf, v.dtype.type(0), count + 1, s)
+        be.fill(buf, v, count, s)  # the last element keeps its zero
+        got = to_host(be, buf, v.dtype, count + 1, s)
+        exp = np.full(count + 1, v, dtype=v.dtype)
+        exp[-1] = 0
+        if not np.array_equal(got.view(np.uint8), exp.view(np.uint8)):
+            wrong.append(str(v.dtype))
+        be.free(buf, s)
+    assert not wrong, f"fill wrong for {wrong}"
+    cases: list[tuple[np.generic, np.generic]] = [
+        (np.float16(-3.0), np.float16(0.1)), (np.float32(0.5), np.float32(0.1)),
+        (np.float64(-1.0), np.float64(1e-3)), (np.int8(-100), np.int8(3)),
+        (np.int16(7), np.int16(-11)), (np.int32(-5), np.int32(1000)),
+        (np.int64(2**40), np.int64(-3)), (np.uint8(250), np.uint8(1)),
+        (np.uint16(1), np.uint16(31)), (np.uint32(5), np.uint32(7)),
+        (np.uint64(2**63), np.uint64(2**40 + 1)), (np.bool_(False), np.bool_(True)),
+        (np.bool_(True), np.bool_(False)),
+    ]  # fmt: skip
+    wrong = []
+    for start, step in cases:
+        dt = start.dtype
+        buf = be.alloc(0, count * dt.itemsize, s)
+        be.arange(buf, start, step, count, s)
+        got = to_host(be, buf, dt, count, s)
+        with np.errstate(all="ignore"):
+            exp = start + np.arange(count).astype(dt) * step
+        diff = int(np.count_nonzero(got.view(np.uint8) != exp.view(np.uint8)))
+        if diff:
+            wrong.append(f"{dt}: {diff} bytes differ")
+        be.free(buf, s)
+    assert not wrong, "arange not bit-exact against NumPy: " + "; ".join(wrong)
+    be.destroy_stream(s)
+
+
+def test_kernel_arguments_and_a_launch_from_a_new_thread(cuda: Cuda) -> None:
+    be, k = cuda.be, cuda.k
+    s = be.create_stream(0)
+    n = 10000
+    x = np.arange(n, dtype=np.float32)
+    bx = from_host(be, x, s)
+    by = from_host(be, np.ones(n, np.float32), s)
+    args: list[Arg] = [
+        ptr(bx, np.float32, n, False), ptr(by, np.float32, n), np.float32(2.5), np.int32(n),
+    ]  # fmt: skip
+    be.launch(k["saxpy"], blocks(n), (256, 1, 1), 0, args, s)
+    y = to_host(be, by, np.float32, n, s)
+    np.testing.assert_allclose(y, 2.5 * x + 1, rtol=1e-6)
+    bo = be.alloc(0, 8 * 8, s)
+    mixed: list[Arg] = [
+        ptr(bo, np.float64, 8), np.int64(-(2**40) - 7), np.float64(0.125), np.uint8(250),
+        np.int16(-1234), np.uint64(2**52 + 3), np.float32(-1.5), np.bool_(True), np.int8(-7),
+    ]  # fmt: skip
+    be.launch(k["mix"], (1, 1, 1), (1, 1, 1), 0, mixed, s)
+    o = to_host(be, bo, np.float64, 8, s)
+    assert list(o) == [-(2**40) - 7, 0.125, 250, -1234, 2**52 + 3, -1.5, 1.0, -7]
+    # a thread that never used the device: the backend makes the context current there
+    err: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            args: list[Arg] = [ptr(by, np.float32, n), np.int32(n)]
+            be.launch(k["add1"], blocks(n), (256, 1, 1), 0, args, s)
+            be.synchronize(s)
+        except BaseException as exc:
+            err.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert not err
+    np.testing.assert_allclose(to_host(be, by, np.float32, n, s), y + 1)
+    for b in (bx, by, bo):
+        be.free(b, s)
+    be.destroy_stream(s)
+
+
+def test_events_order_work_across_streams(cuda: Cuda) -> None:
+    be, k = cuda.be, cuda.k
+    a, b = be.create_stream(0), be.create_stream(0)
+    n = 4096
+    buf = from_host(be, np.zeros(n, np.float32), a)
+    dst = be.alloc(0, 4 * n, b)
+    be.synchronize(a)
+    be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(30 * MS)], a)
+    busy = be.query(a)
+    be.launch(k["add1"], blocks(n), (256, 1, 1), 0, [ptr(buf, np.float32, n), np.int32(n)], a)
+    ev = be.record_event(a)
+    be.wait_event(b, ev)
+    be.copy_device(dst, buf, 4 * n, b)
+    got = to_host(be, dst, np.float32, n, b)
+    assert busy is False  # queried while the 30 ms kernel ran
+    assert np.all(got == 1.0)  # the copy on b waited for the kernel on a
+    be.synchronize(a)
+    assert be.query(a) is True
+    del ev  # its CUevent goes back to the pool, to be recorded again
+    ev2 = be.record_event(a)
+    be.wait_event(b, ev2)
+    be.synchronize(b)
+    be.free(buf, a)
+    be.free(dst, b)
+    be.destroy_stream(a)
+    be.destroy_stream(b)
+
+
+@pytest.mark.parametrize("signals", SIGNALS)
+def test_signals_counted_per_stream_timed_out_and_woken(
+    signals: str, cuda_for: Callable[[str], Cuda]
+) -> None:
+    cuda = cuda_for(signals)
+    be, k = cuda.be, cuda.k
+    s1, s2 = be.create_stream(0), be.create_stream(0)
+    for _ in range(3):
+        be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(2 * MS)], s1)
+        be.enqueue_signal(s1)
+    for _ in range(2):
+        be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(3 * MS)], s2)
+        be.enqueue_signal(s2)
+    c1 = c2 = wakeups = 0
+    deadline = time.monotonic() + 5
+    while (c1 < 3 or c2 < 2) and time.monotonic() < deadline:
+        be.wait_signals(1.0)
+        wakeups += 1
+        c1 += be.take_signals(s1)
+        c2 += be.take_signals(s2)
+    be.wait_signals(0.05)
+    c1 += be.take_signals(s1)
+    c2 += be.take_signals(s2)
+    assert (c1, c2) == (3, 2), f"{wakeups=}"
+    t0 = time.perf_counter()
+    be.wait_signals(0.1)
+    dt = time.perf_counter() - t0
+    assert 0.08 <= dt < 0.5, f"wait_signals(0.1) returned after {dt * 1e3:.1f} ms"
+    timer = threading.Timer(0.05, be.wake)
+    timer.start()
+    t0 = time.perf_counter()
+    be.wait_signals(5.0)
+    dt = time.perf_counter() - t0
+    timer.join()
+    assert dt < 1.0, f"wait_signals(5.0) returned {dt * 1e3:.1f} ms after wake()"
+    assert be.take_signals(s1) == 0 and be.take_signals(s2) == 0  # wake() is no signal
+    lat = []
+    for _ in range(500):
+        t0 = time.perf_counter()
+        be.enqueue_signal(s1)
+        got = 0
+        while not got:
+            be.wait_signals(1.0)
+            got = be.take_signals(s1)
+        lat.append(time.perf_counter() - t0)
+    measure(f"[{signals}] signal round trip (idle stream), median", statistics.median(lat) * 1e6,
+            "us")
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        be.enqueue_signal(s1)
+    measure(f"[{signals}] enqueue_signal", (time.perf_counter() - t0) / 2000 * 1e6, "us/call")
+    be.synchronize(s1)
+    be.wait_signals(0)
+    assert be.take_signals(s1) == 2000
+    be.destroy_stream(s1)
+    be.destroy_stream(s2)
+
+
+def test_out_of_memory_is_raised_and_not_sticky(cuda: Cuda) -> None:
+    be = cuda.be
+    s = be.create_stream(0)
+    with pytest.raises(OutOfMemoryError) as info:
+        be.alloc(0, 10 * 2**40, s)
+    assert info.value.code == 2
+    buf = be.alloc(0, 1 << 20, s)
+    be.fill(buf, np.uint8(7), 1 << 20, s)
+    assert np.all(to_host(be, buf, np.uint8, 1 << 20, s) == 7)
+    assert be.device_fault(0) is None
+    be.free(buf, s)
+    be.destroy_stream(s)
+
+
+def test_bad_launch_configuration_is_raised_and_not_sticky(cuda: Cuda) -> None:
+    be, k = cuda.be, cuda.k
+    s = be.create_stream(0)
+    with pytest.raises(LaunchError):
+        be.launch(k["empty"], (1, 1, 1), (2048, 1, 1), 0, [], s)
+    be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, [], s)
+    be.synchronize(s)
+    assert be.device_fault(0) is None
+    be.destroy_stream(s)
+
+
+@pytest.mark.parametrize("signals", SIGNALS)
+def test_graph_capture_of_two_streams_replays_with_its_signal(
+    signals: str, cuda_for: Callable[[str], Cuda]
+) -> None:
+    cuda = cuda_for(signals)
+    be, k = cuda.be, cuda.k
+    s1, s2 = be.create_stream(0), be.create_stream(0)
+    n = 1024
+    p = be.alloc(0, 4 * n, s1)
+    q = be.alloc(0, 4 * n, s1)
+    be.fill(p, np.float32(0), n, s1)
+    be.fill(q, np.float32(0), n, s1)
+    be.synchronize(s1)
+    pa: list[Arg] = [ptr(p, np.float32, n), np.int32(n)]
+    qa: list[Arg] = [ptr(q, np.float32, n), np.int32(n)]
+    be.begin_capture(s1)
+    with pytest.raises(UsageError):
+        be.begin_capture(s1)
+    for _ in range(3):
+        be.launch(k["add1"], blocks(n), (256, 1, 1), 0, pa, s1)
+    fork = be.record_event(s1)
+    be.wait_event(s2, fork)  # s2 joins the capture
+    be.launch(k["add1"], blocks(n), (256, 1, 1), 0, qa, s2)
+    tmp = be.alloc(0, 4096, s2)  # taken outside the graph
+    be.free(tmp, s2)  # deferred to the end of the capture
+    assert not tmp.freed
+    join = be.record_event(s2)
+    be.wait_event(s1, join)
+    be.enqueue_signal(s1)  # a host node: one signal per replay
+    captured_query = be.query(s1)
+    graph = be.end_capture(s1)
+    assert isinstance(captured_query, bool)  # a query during a capture answers
+    assert tmp.freed  # the deferred free was done at end_capture
+    be.synchronize(s1)
+    assert np.all(to_host(be, p, np.float32, n, s1) == 0)  # capturing ran nothing
+    be.launch_graph(graph, s1)
+    be.launch_graph(graph, s1)
+    be.synchronize(s1)
+    gp = to_host(be, p, np.float32, n, s1)
+    gq = to_host(be, q, np.float32, n, s1)
+    assert np.all(gp == 6) and np.all(gq == 2)  # both streams' work, twice
+    time.sleep(0.01)
+    be.wait_signals(0.5)
+    assert be.take_signals(s1) == 2  # the captured signal fired once per replay
+    # replay cost of 100 empty kernels
+    be.begin_capture(s1)
+    for _ in range(100):
+        be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, (), s1)
+    g100 = be.end_capture(s1)
+    be.launch_graph(g100, s1)
+    be.synchronize(s1)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        be.launch_graph(g100, s1)
+    be.synchronize(s1)
+    measure("graph of 100 empty kernels, per replay", (time.perf_counter() - t0) / 50 * 1e6, "us")
+    del graph, g100
+    be.free(p, s1)
+    be.free(q, s1)
+    be.synchronize(s1)
+    be.destroy_stream(s1)
+    be.destroy_stream(s2)
+
+
+def test_launch_costs_within_a_microsecond_of_the_raw_driver(cuda: Cuda) -> None:
+    be, k = cuda.be, cuda.k
+    raw = RawDriver(be)
+    cu = raw.cu
+    s = be.create_stream(0)
+    hs = cu.CUstream(be.stream_handle(s))
+    per, batches = 2000, 15
+
+    def timed(*fns: Callable[[], object]) -> list[float]:
+        """Median µs per call of each, their batches interleaved (drift hits all alike)."""
+        vals: list[list[float]] = [[] for _ in fns]
+        for _ in range(batches):
+            for fn, v in zip(fns, vals, strict=True):
+                be.synchronize(s)
+                t0 = time.perf_counter()
+                for _ in range(per):
+                    fn()
+                v.append((time.perf_counter() - t0) / per * 1e6)
+        be.synchronize(s)
+        return [statistics.median(v) for v in vals]
+
+    f0 = raw.function("empty")
+    f4 = raw.function("four")
+    empty, k4 = k["empty"], k["four"]
+    no_args: tuple[Any, ...] = ()
+    a = be.alloc(0, 64, s)
+    b = be.alloc(0, 64, s)
+    raw_types = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float)
+    raw_args = ((a.ptr, b.ptr, 5, 1.5), raw_types)
+    our_args: list[Arg] = [
+        ptr(a, np.float32, 16, False), ptr(b, np.float32, 16), np.int32(5), np.float32(1.5),
+    ]  # fmt: skip
+
+    def raw_empty() -> None:
+        cu.cuLaunchKernel(f0, 1, 1, 1, 1, 1, 1, 0, hs, 0, 0)
+
+    def ours_empty() -> None:
+        be.launch(empty, (1, 1, 1), (1, 1, 1), 0, no_args, s)
+
+    def raw_four() -> None:
+        cu.cuLaunchKernel(f4, 1, 1, 1, 32, 1, 1, 0, hs, raw_args, 0)
+
+    def ours_four() -> None:
+        be.launch(k4, (1, 1, 1), (32, 1, 1), 0, our_args, s)
+
+    for fn in (raw_empty, ours_empty, raw_four, ours_four):
+        fn()
+    be.synchronize(s)
+    r0, o0 = timed(raw_empty, ours_empty)
+    r4, o4 = timed(raw_four, ours_four)
+    measure("raw cuda.bindings cuLaunchKernel, empty kernel", r0, "us/launch")
+    measure("gpuflow launch, empty kernel", o0, "us/launch")
+    measure("raw cuda.bindings cuLaunchKernel, 4 args", r4, "us/launch")
+    measure("gpuflow launch, 4 args (2 pointers, int, float)", o4, "us/launch")
+    assert o0 <= r0 + 1.0, f"empty-kernel launch {o0:.2f} us vs raw {r0:.2f} us"
+    assert o4 <= r4 + 1.0, f"4-argument launch {o4:.2f} us vs raw {r4:.2f} us"
+    got = to_host(be, b, np.float32, 1, s)
+    assert float(got[0]) == 6.5  # the 4-argument launch wrote s + n
+    (ev_cost,) = timed(lambda: be.record_event(s))
+    measure("record_event (pooled)", ev_cost, "us/call")
+    (sig_cost,) = timed(lambda: be.enqueue_signal(s))
+    measure("enqueue_signal (2 host functions)", sig_cost, "us/call")
+    be.synchronize(s)
+    be.take_signals(s)
+    be.wait_signals(0)
+    be.free(a, s)
+    be.free(b, s)
+    be.destroy_stream(s)
+    raw.close()
+
+
+@pytest.mark.parametrize("signals", SIGNALS)
+def test_a_signal_holds_its_stream_no_longer_than_a_raw_host_function(
+    signals: str, cuda_for: Callable[[str], Cuda]
+) -> None:
+    """How long the GPU's stream is held by a signal while Python holds the GIL:
+    the host functions are libc's, so they must not wait for the GIL."""
+    cuda = cuda_for(signals)
+    be, k = cuda.be, cuda.k
+    raw = RawDriver(be)
+    cu = raw.cu
+    s = be.create_stream(0)
+    e0 = _ok(cu.cuEventCreate(0))
+    e1 = _ok(cu.cuEventCreate(0))
+    hs = cu.CUstream(be.stream_handle(s))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    launch_host_func = libcuda.cuLaunchHostFunc
+    launch_host_func.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    sem_post = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+    scratch = ctypes.create_string_buffer(64)  # a semaphore nobody waits on
+    assert libc.sem_init(scratch, 0, 0) == 0
+
+    def one_host_function() -> None:  # the reference: one raw sem_post host function
+        assert launch_host_func(be.stream_handle(s), sem_post, ctypes.addressof(scratch)) == 0
+
+    def hold(enqueue: Callable[[], None]) -> list[float]:
+        held = []
+        for _ in range(25):
+            be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(MS // 2)], s)
+            cu.cuEventRecord(e0, hs)
+            enqueue()
+            cu.cuEventRecord(e1, hs)
+            t0 = time.perf_counter()
+            x = 0
+            while time.perf_counter() - t0 < 0.02:  # pure Python, holding the GIL
+                x += 1
+            be.synchronize(s)
+            held.append(_ok(cu.cuEventElapsedTime(e0, e1)))
+            be.wait_signals(0.05)
+            be.take_signals(s)
+        return held
+
+    floor = statistics.median(hold(one_host_function))
+    measure("stream held by ONE raw sem_post host function, median", floor, "ms")
+    held = hold(lambda: be.enqueue_signal(s))
+    med = statistics.median(held)
+    measure(f"[{signals}] stream held by enqueue_signal while the GIL is busy, median", med, "ms")
+    assert med <= 0.2, f"held {med:.3f} ms, at most {max(held):.3f}"
+    assert med <= 1.25 * floor, f"held {med:.3f} ms vs one raw host function's {floor:.3f}"
+    cu.cuEventDestroy(e0)
+    cu.cuEventDestroy(e1)
+    be.destroy_stream(s)
+    raw.close()
+
+
+@pytest.mark.faults_device
+def test_a_sticky_fault_then_a_reset() -> None:
+    """An illegal address: no signal after it, every call raises the fault
+    (code 700) while free and destroy_stream stay silent; then
+    ``reset_device`` either recovers the device (old handles stale, new work
+    correct) or, where the driver refuses (driver 580 on the H200), raises
+    the fault with the driver's code and leaves the device faulted."""
+    be = CudaBackend(None)  # its own: the fault ends it
+    k = {name: be.load_kernel(0, MOD, name) for name in ("empty", "bad")}
+    s = be.create_stream(0)
+    keep = be.alloc(0, 4096, s)
+    be.synchronize(s)
+    be.launch(k["bad"], (1, 1, 1), (32, 1, 1), 0, [np.uint64(0)], s)
+    try:
+        be.enqueue_signal(s)
+    except DeviceFaultError:
+        pass  # the fault was already seen: fine too
+    be.wait_signals(0.2)
+    assert be.take_signals(s) == 0  # no signal after an illegal address
+    fault = None
+    deadline = time.monotonic() + 3
+    while fault is None and time.monotonic() < deadline:
+        try:
+            be.query(s)
+            time.sleep(0.01)
+        except DeviceFaultError as exc:
+            fault = exc
+    assert fault is not None, "query never reported the fault"
+    assert (fault.code, fault.name) == (700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    assert be.device_fault(0) is fault
+    with pytest.raises(DeviceFaultError) as info:
+        be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, (), s)
+    assert info.value.code == 700
+    with pytest.raises(DeviceFaultError):
+        be.synchronize(s)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        be.free(keep, s)  # leaks, never raises
+        be.destroy_stream(s)
+    assert not w, [str(x.message) for x in w]
+
+    t0 = time.perf_counter()
+    refused: DeviceFaultError | None = None
+    for _attempt in range(2):
+        try:
+            be.reset_device(0)
+            refused = None
+            break
+        except DeviceFaultError as exc:
+            refused = refused or exc
+            print(f"  reset_device raised: {exc}; trace: {be.last_reset_trace}", flush=True)
+        time.sleep(1.0)  # does the driver clear it after a while?
+    measure("reset_device", (time.perf_counter() - t0) * 1e3, "ms")
+    if refused is not None:
+        # the driver keeps the fault: the first refusal carries its code, and
+        # the device stays faulted, loudly for new work and silently for cleanup
+        assert refused.code == 700, refused.name
+        assert be.device_fault(0) is not None
+        with pytest.raises(DeviceFaultError):
+            be.create_stream(0)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            be.free(keep, s)
+            be.take_signals(s)
+        assert not w, [str(x.message) for x in w]
+        return
+    assert be.device_fault(0) is None  # the reset cleared the fault
+    with pytest.raises(UsageError):  # the old stream and kernel belong to the old context
+        be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, (), s)
+    s2 = be.create_stream(0)
+    add1 = be.load_kernel(0, MOD, "add1")
+    n = 1000
+    buf = from_host(be, np.full(n, 41, np.float32), s2)
+    be.launch(add1, blocks(n), (256, 1, 1), 0, [ptr(buf, np.float32, n), np.int32(n)], s2)
+    be.enqueue_signal(s2)
+    got = to_host(be, buf, np.float32, n, s2)
+    be.wait_signals(1.0)
+    assert np.all(got == 42) and be.take_signals(s2) == 1  # kernel, copies and signals work
+    be.fill(buf, np.float64(2.5), n // 2, s2)  # the built-in kernels were reloaded too
+    be.arange(buf, np.int32(0), np.int32(2), n, s2)
+    np.testing.assert_array_equal(to_host(be, buf, np.int32, n, s2), np.arange(0, 2 * n, 2))
+    be.free(buf, s2)
+    be.destroy_stream(s2)
