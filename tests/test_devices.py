@@ -77,3 +77,44 @@ async def test_use_device_applies_to_its_task_only() -> None:
         tg.start_soon(inside)
         tg.start_soon(outside)
     assert seen == {"inside": last, "outside": 0}
+
+
+@pytest.mark.sim_only  # builds a sim backend of its own
+def test_init_takes_a_backend_instance() -> None:
+    from gpuflow._backends._sim import SimBackend  # the instance under test
+
+    be = SimBackend(3)
+    assert gf.init_device_contexts(backend=be) == "sim"
+    assert gf.lowlevel.current_backend_object() is be
+    assert gf.device_count() == 3
+    assert gf.full(4, 2.0).sync(gf.SingleStream(device=2)).device == 2
+    # a runtime that goes on with the same instance does not close it
+    gf.init_device_contexts(backend=be, num_devices=2)
+    assert gf.device_count() == 2
+    np.testing.assert_array_equal(gf.to_host(gf.full(3, 5)).sync(), np.full(3, 5))
+    with pytest.raises(gf.UsageError, match="num_devices=4, but backend 'sim' has 3"):
+        gf.init_device_contexts(backend=be, num_devices=4)
+
+
+@pytest.mark.sim_only
+def test_backends_are_found_by_name_in_a_registry() -> None:
+    import uuid
+
+    from gpuflow._backends._sim import SimBackend
+
+    made: list[int | None] = []
+
+    def factory(num_devices: int | None) -> gf.lowlevel.Backend:
+        made.append(num_devices)
+        return SimBackend(num_devices)
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    gf.lowlevel.register_backend(name, factory)
+    assert gf.init_device_contexts(backend=name, num_devices=2) == "sim"
+    assert made == [2] and gf.device_count() == 2
+    with pytest.raises(gf.UsageError, match=f"{name!r} is registered already"):
+        gf.lowlevel.register_backend(name, factory)
+    with pytest.raises(gf.UsageError, match="other than 'auto'"):
+        gf.lowlevel.register_backend("auto", factory)
+    with pytest.raises(gf.UsageError, match=r"one of 'auto', 'cuda', 'sim'.*not 'nope'"):
+        gf.init_device_contexts(backend="nope")

@@ -99,10 +99,13 @@ class Runtime:
         for s in old:
             self.backend.destroy_stream(s._raw)
 
-    def close(self) -> None:
+    def close(self, backend: bool = True) -> None:
+        """Retire this runtime (its arrays and streams become invalid); close
+        its backend too unless the runtime replacing it goes on with it."""
         self.live = False
         self.dispatcher.close()
-        self.backend.close()
+        if backend:
+            self.backend.close()
 
 
 _runtime: Runtime | None = None
@@ -113,12 +116,15 @@ def init_device_contexts(
     default_device: int = 0,
     num_devices: int | None = None,
     streams_per_device: int = 4,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> str:
     """Initialise gpuflow: choose the backend, the devices and their stream pools.
 
     ``backend`` is ``"auto"`` (``cuda`` when a CUDA device is present, else
-    ``sim``), ``"cuda"`` or ``"sim"``.  ``num_devices=None`` takes every
+    ``sim``), ``"cuda"``, ``"sim"``, the name of a backend registered with
+    :func:`gpuflow.lowlevel.register_backend`, or a
+    :class:`gpuflow.lowlevel.Backend` instance (tests and benchmarks give
+    one of their own).  ``num_devices=None`` takes every
     device.  Calling it again replaces the runtime; arrays and streams made
     before belong to the old one.  Returns the name of the backend chosen
     (also logged on the ``gpuflow`` logger).
@@ -129,19 +135,22 @@ def init_device_contexts(
     if num_devices is not None and (not isinstance(num_devices, int) or num_devices < 1):
         raise UsageError(f"num_devices must be a positive int or None, not {num_devices!r}")
     be = load_backend(backend, num_devices)
+    given = be is backend  # the caller's instance: closed by its runtime, not on an error here
     count = be.device_count
     if num_devices is not None and num_devices > count:
-        be.close()
+        if not given:
+            be.close()
         raise UsageError(f"num_devices={num_devices}, but backend {be.name!r} has {count}")
     n = count if num_devices is None else num_devices
     if not 0 <= default_device < n:
-        be.close()
+        if not given:
+            be.close()
         raise UsageError(f"default_device={default_device} is not one of the {n} devices")
     rt = Runtime(be, default_device, list(range(n)), streams_per_device)
     with _runtime_lock:
         old, _runtime = _runtime, rt
     if old is not None:
-        old.close()
+        old.close(backend=old.backend is not be)
     return be.name
 
 

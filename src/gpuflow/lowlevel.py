@@ -7,6 +7,7 @@ still uses must be handed to ``ctx.keep``.
 
 from __future__ import annotations
 
+from ._backends import register_backend as register_backend
 from ._backends._base import Backend as Backend
 from ._backends._base import PointerArg as PointerArg
 from ._bridge import Submission as Submission
