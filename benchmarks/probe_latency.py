@@ -203,7 +203,6 @@ def f(n: int) -> float:
 
 
 def g(n: int) -> None:
-    from gpuflow import _runtime as R
     from gpuflow._backends import _cuda
 
     async def main(op: gf.DeviceOperation[Any]) -> float:
@@ -218,7 +217,7 @@ def g(n: int) -> None:
 
     for signals in ("hostfunc", "event"):
         be = _cuda.CudaBackend(1, signals=signals)
-        R._runtime = R.Runtime(be, 0, [0], 4)  # TODO(contract)
+        gf.init_device_contexts(backend=be)
         m = gf.compile(EMPTY)
         op = m.empty(gf.LaunchConfig(1, 1))
         for lib in ("asyncio", "trio"):

@@ -25,7 +25,7 @@ import numpy as np
 
 import gpuflow as gf
 
-from ._runtime import get_runtime
+from ._backends._nvrtc import compile_source
 
 EMPTY = r"""
 extern "C" __global__ void empty() {}
@@ -85,8 +85,6 @@ class Raw:
 
     def __init__(self, stream: gf.Stream) -> None:
         from cuda.bindings import driver as cu
-
-        from ._backends._nvrtc import compile_source
 
         self.cu = cu
         dev = stream.device
@@ -360,7 +358,7 @@ def bench_fault(mod: gf.Module, cuda: bool) -> None:
 
 
 def bench_fan_out(mod: gf.Module, quick: bool, cuda: bool) -> None:
-    devices = get_runtime().devices  # TODO(contract)
+    devices = list(range(gf.device_count()))
     if len(devices) < 2:
         print("fan-out: one device only; needs two")
         return
@@ -411,9 +409,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     backend = gf.init_device_contexts(backend=args.backend)
     cuda = backend == "cuda"
-    rt = get_runtime()
-    print(f"gpuflow bench on backend {backend!r}: "  # TODO(contract): the runtime's devices
-          + ", ".join(rt.backend.device_name(d) for d in rt.devices))
+    be = gf.lowlevel.current_backend_object()
+    print(f"gpuflow bench on backend {backend!r}: "
+          + ", ".join(be.device_name(d) for d in range(gf.device_count())))
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
     mod = gf.compile(EMPTY, references=_refs())
