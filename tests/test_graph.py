@@ -276,6 +276,24 @@ async def test_a_graph_has_one_node_per_captured_kernel() -> None:
     np.testing.assert_array_equal(await gf.to_host(z), np.full(N, 2, F32))
 
 
+def test_a_free_during_a_capture_is_no_part_of_the_graph() -> None:
+    # an array last written on the capturing stream is dropped mid-capture:
+    # its stream-ordered free waits for the capture's end, as on CUDA
+    s = gf.new_stream()
+    x, y, z = (gf.full(N, v, dtype=F32).sync_on(s) for v in (1.0, 0.0, 0.0))
+    doomed = [gf.full(N, 9.0, dtype=F32).sync_on(s)]
+
+    def drop(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+        doomed.clear()
+        gc.collect()  # the allocation's finalizer frees it on the captured stream
+        return chain(x, y, z)
+
+    graph = gf.with_context(drop).capture(stream=s)
+    assert graph.nodes == 3
+    graph.launch().sync_on(s)
+    np.testing.assert_array_equal(host(z), np.full(N, 4, F32))
+
+
 # what a stream runs besides work: the edges between work, and the completion signal
 _NOT_WORK = ("event record", "event wait", "host signal")
 

@@ -81,6 +81,9 @@ class SimBuffer:
 class _Capture:
     items: list[tuple[str, Item]] = field(default_factory=list)
     streams: list[SimStream] = field(default_factory=list)
+    #: frees asked for on a captured stream: done when the capture ends, as
+    #: the cuda backend does (a free is no part of the graph)
+    deferred_frees: list[tuple[Any, SimStream]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -385,6 +388,11 @@ class SimBackend(Backend):
                 buffer.freed = True
             buffer.data.fill(_POISON)
 
+        with self.cond:
+            cap = stream.capture
+            if cap is not None:
+                cap.deferred_frees.append((buffer, stream))
+                return
         try:
             self._enqueue(stream, f"free of {buffer!r}", release)
         except DeviceFaultError:
@@ -538,6 +546,8 @@ class SimBackend(Backend):
                 raise UsageError("the stream is not being captured")
             for s in cap.streams:
                 s.capture = None
+        for buffer, s in cap.deferred_frees:
+            self.free(buffer, s)
         nodes = sum(1 for what, _item in cap.items if what not in _EDGE_ITEMS)
         return SimGraph(stream.device.index, list(cap.items), nodes)
 
