@@ -63,44 +63,25 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .._errors import DeviceError, DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
+from .._errors import DeviceError, DeviceFaultError, OutOfMemoryError, UsageError
 from ._base import Backend, KernelArg, ModuleSource, PointerArg
+from ._codes import (
+    CONTEXT_ERRORS,
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_NOT_READY,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+    CUDA_SUCCESS,
+    STICKY_ERRORS,
+    error_class,
+)
 
 __all__ = ["CudaBackend", "cuda_device_count"]
 
-# -- driver constants -----------------------------------------------------------
-_SUCCESS = 0
-_ERR_INVALID_VALUE = 1
-_ERR_OOM = 2
-_ERR_INVALID_CONTEXT = 201
-_ERR_NOT_READY = 600
-_ERR_PEER_ALREADY_ENABLED = 704
-_ERR_CONTEXT_DESTROYED = 709
+# -- driver constants (result codes: .._codes) ------------------------------------
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
 _MEMHOSTALLOC_PORTABLE = 1
-_CTX_ERRORS = frozenset({_ERR_INVALID_CONTEXT, _ERR_CONTEXT_DESTROYED})
-
-#: Errors after which the context is unusable until a reset.
-STICKY_ERRORS = frozenset(
-    {
-        214,  # ECC_UNCORRECTABLE
-        220,  # NVLINK_UNCORRECTABLE
-        226,  # CONTAINED
-        700,  # ILLEGAL_ADDRESS
-        702,  # LAUNCH_TIMEOUT
-        710,  # ASSERT
-        714,  # HARDWARE_STACK_ERROR
-        715,  # ILLEGAL_INSTRUCTION
-        716,  # MISALIGNED_ADDRESS
-        717,  # INVALID_ADDRESS_SPACE
-        718,  # INVALID_PC
-        719,  # LAUNCH_FAILED
-        721,  # TENSOR_MEMORY_LEAK
-    }
-)
-#: Errors of ``cuLaunchKernel`` that mean "this launch cannot be made as asked".
-LAUNCH_ERRORS = frozenset({1, 200, 209, 400, 500, 701, 703, 720})
 
 _MAX_ARGS = 512  # 8-byte slots of the per-thread parameter buffer
 _DEFAULT_SHMEM = 48 * 1024
@@ -129,10 +110,10 @@ def cuda_device_count() -> int:
     try:
         cu = _driver()
         (err,) = cu.cuInit(0)
-        if int(err) != _SUCCESS:
+        if int(err) != CUDA_SUCCESS:
             return 0
         err, n = cu.cuDeviceGetCount()
-        return int(n) if int(err) == _SUCCESS else 0
+        return int(n) if int(err) == CUDA_SUCCESS else 0
     except Exception:  # no driver library, no device, broken install: no CUDA here
         return 0
 
@@ -591,22 +572,23 @@ class CudaBackend(Backend):
     def _check(self, res: Any, what: str, dev: _Dev | None = None) -> tuple[Any, ...]:
         """Unpack a cuda.bindings result tuple, raising on an error code."""
         rc = int(res[0])
-        if rc != _SUCCESS:
+        if rc != CUDA_SUCCESS:
             self._fail(rc, what, dev)
         return tuple(res[1:])
 
     def _fail(self, rc: int, what: str, dev: _Dev | None, launch: bool = False) -> NoReturn:
         name = _err_name(rc)
         index = None if dev is None else dev.index
-        if rc in STICKY_ERRORS and dev is not None:
-            raise self._set_fault(dev, rc, name, what)
-        if rc == _ERR_OOM:
+        cls = error_class(rc, launch=launch)
+        if cls is DeviceFaultError:
+            if dev is not None:
+                raise self._set_fault(dev, rc, name, what)
+            cls = DeviceError  # no device to hold the fault
+        if cls is OutOfMemoryError:
             raise OutOfMemoryError(
                 f"{what}: out of memory on CUDA device {index}", code=rc, name=name, device=index
             )
-        if launch and rc in LAUNCH_ERRORS:
-            raise LaunchError(f"{what} failed", code=rc, name=name, device=index)
-        raise DeviceError(f"{what} failed", code=rc, name=name, device=index)
+        raise cls(f"{what} failed", code=rc, name=name, device=index)
 
     def _set_fault(self, dev: _Dev, rc: int, name: str, what: str) -> DeviceFaultError:
         with dev.lock:
@@ -626,7 +608,7 @@ class CudaBackend(Backend):
         ts = self._tls
         if ts.token is not dev.token:
             rc = self._n.ctx_set_current(dev.ctx)
-            if rc != _SUCCESS:
+            if rc != CUDA_SUCCESS:
                 self._fail(rc, "cuCtxSetCurrent", dev)
             ts.token = dev.token
         return ts
@@ -640,7 +622,7 @@ class CudaBackend(Backend):
         """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""
         self._cur(dev)
         res = fn(*args)
-        if int(res[0]) in _CTX_ERRORS:
+        if int(res[0]) in CONTEXT_ERRORS:
             self._force_cur(dev)
             res = fn(*args)
         return self._check(res, what, dev)
@@ -673,7 +655,7 @@ class CudaBackend(Backend):
             try:
                 self._cur(dev)
                 (err,) = cu.cuCtxEnablePeerAccess(other.ctx, 0)
-                if int(err) not in (_SUCCESS, _ERR_PEER_ALREADY_ENABLED):
+                if int(err) not in (CUDA_SUCCESS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
                     self._fail(int(err), "cuCtxEnablePeerAccess", dev)
                 desc = cu.CUmemAccessDesc()
                 desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -743,7 +725,7 @@ class CudaBackend(Backend):
                     return  # gone with the context, or a faulted one: leak
                 self._cur(dev)
                 (err,) = self._cu.cuStreamDestroy(stream.handle)
-            if int(err) != _SUCCESS:
+            if int(err) != CUDA_SUCCESS:
                 warnings.warn(
                     f"gpuflow: destroying {stream!r} failed: {_err_name(int(err))}", stacklevel=2
                 )
@@ -763,7 +745,7 @@ class CudaBackend(Backend):
             return  # its work went with the context (or the stream is gone)
         self._cur(dev)
         rc = self._n.stream_synchronize(stream.handle)
-        if rc != _SUCCESS:
+        if rc != CUDA_SUCCESS:
             self._fail(rc, "cuStreamSynchronize", dev)
         if self._d2h_pending:
             self._sweep_all()
@@ -779,14 +761,14 @@ class CudaBackend(Backend):
             if stream.capture is not None:
                 # querying a capturing stream would invalidate the capture: ask about
                 # the work enqueued before it began instead
-                rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else _SUCCESS
+                rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else CUDA_SUCCESS
             else:
                 rc = self._n.stream_query(stream.handle)
-        if rc == _SUCCESS:
+        if rc == CUDA_SUCCESS:
             if self._d2h_pending:
                 self._sweep_all()
             return True
-        if rc == _ERR_NOT_READY:
+        if rc == CUDA_ERROR_NOT_READY:
             return False
         self._fail(rc, "cuStreamQuery", dev)
 
@@ -802,7 +784,7 @@ class CudaBackend(Backend):
         except IndexError:
             ev = self._new_event(dev)
         rc = self._n.event_record(ev, stream_handle)
-        if rc != _SUCCESS:
+        if rc != CUDA_SUCCESS:
             self._fail(rc, "cuEventRecord", dev)
         return ev
 
@@ -829,7 +811,7 @@ class CudaBackend(Backend):
             stream.capture = event.capture
             event.capture.streams.append(stream)
         rc = self._n.stream_wait_event(stream.handle, event.handle, 0)
-        if rc != _SUCCESS:
+        if rc != CUDA_SUCCESS:
             self._fail(rc, "cuStreamWaitEvent", dev)
 
     # -- memory -------------------------------------------------------------------
@@ -847,12 +829,12 @@ class CudaBackend(Backend):
         size = max(int(nbytes), 1)
         out = ctypes.c_uint64()
         rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
-        if rc == _ERR_OOM:
+        if rc == CUDA_ERROR_OUT_OF_MEMORY:
             # memory freed to the pool but cached there: give it back and retry once
             self._cu.cuMemPoolTrimTo(dev.pool, 0)
             rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
-        if rc != _SUCCESS:
-            if rc == _ERR_OOM:
+        if rc != CUDA_SUCCESS:
+            if rc == CUDA_ERROR_OUT_OF_MEMORY:
                 raise OutOfMemoryError(
                     f"out of memory on CUDA device {dev.index}: {nbytes} bytes requested",
                     code=rc,
@@ -862,7 +844,7 @@ class CudaBackend(Backend):
             self._fail(rc, "cuMemAllocAsync", dev)
         if side:
             rc = self._n.stream_synchronize(dev.side)
-            if rc != _SUCCESS:
+            if rc != CUDA_SUCCESS:
                 self._fail(rc, "cuStreamSynchronize", dev)
         return CudaBuffer(dev, int(nbytes), int(out.value))
 
@@ -891,13 +873,13 @@ class CudaBackend(Backend):
                 return
             self._cur(sdev)
             rc = self._n.mem_free_async(buffer.ptr, stream.handle)
-            if rc in _CTX_ERRORS:
+            if rc in CONTEXT_ERRORS:
                 self._force_cur(sdev)
                 rc = self._n.mem_free_async(buffer.ptr, stream.handle)
             buffer.freed = True
             if rc in STICKY_ERRORS:
                 self._set_fault(sdev, rc, _err_name(rc), "cuMemFreeAsync")
-            elif rc != _SUCCESS:
+            elif rc != CUDA_SUCCESS:
                 warnings.warn(
                     f"gpuflow: freeing {buffer!r} failed: {_err_name(rc)}", stacklevel=2
                 )
@@ -938,13 +920,13 @@ class CudaBackend(Backend):
         pending = dev.pending
         for i, p in enumerate(pending):
             rc = self._n.event_query(p.event)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 if p.dst is not None:
                     p.dst[...] = p.buf.array[: p.nbytes]
                     self._d2h_pending -= 1
                 dev.free_host.setdefault(p.buf.size, []).append(p.buf)
                 dev.events.append(p.event)
-            elif rc == _ERR_NOT_READY:
+            elif rc == CUDA_ERROR_NOT_READY:
                 keep.append(p)
             else:
                 if rc in STICKY_ERRORS:
@@ -1138,7 +1120,7 @@ class CudaBackend(Backend):
                 self._modules[key] = mod
         self._cur(dev)
         err, f = self._cu.cuModuleGetFunction(mod.handle, name.encode())
-        if int(err) != _SUCCESS:
+        if int(err) != CUDA_SUCCESS:
             raise DeviceError(
                 f"kernel {name!r} not found in its module (is it declared extern \"C\"?)",
                 code=int(err),
@@ -1211,21 +1193,21 @@ class CudaBackend(Backend):
     ) -> None:
         dev = stream.dev
         retry = False
-        if rc in _CTX_ERRORS:
+        if rc in CONTEXT_ERRORS:
             self._force_cur(dev)
             retry = True
-        elif rc == _ERR_INVALID_VALUE and shmem > kernel.shmem_max:
+        elif rc == CUDA_ERROR_INVALID_VALUE and shmem > kernel.shmem_max:
             # more than 48 KiB of dynamic shared memory must be opted into
             cu = self._cu
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             (err,) = cu.cuFuncSetAttribute(kernel.obj, attr, shmem)
-            if int(err) == _SUCCESS:
+            if int(err) == CUDA_SUCCESS:
                 kernel.shmem_max = shmem
                 retry = True
         if retry:
             (err,) = self._launch(kernel.obj, *grid, *block, shmem, stream.obj, params, 0)
             rc = int(err)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 return
         self._fail(
             rc,
@@ -1246,14 +1228,14 @@ class CudaBackend(Backend):
         if self._event_signals and stream.capture is None:
             ev = self._record(dev, h)
             rc = n.launch_host_func(h, post, self._gsem_addr)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 stream.sig_events.append(ev)
                 return
         else:
             rc = n.launch_host_func(h, post, stream.sem_addr)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 rc = n.launch_host_func(h, post, self._gsem_addr)
-        if rc != _SUCCESS:
+        if rc != CUDA_SUCCESS:
             self._fail(rc, "cuLaunchHostFunc", dev)
 
     def wait_signals(self, timeout: float | None) -> None:
@@ -1317,7 +1299,7 @@ class CudaBackend(Backend):
             query = self._n.event_query
             while q:
                 rc = query(q[0])
-                if rc == _SUCCESS:
+                if rc == CUDA_SUCCESS:
                     dev.events.append(q.popleft())
                     count += 1
                     continue
@@ -1363,7 +1345,7 @@ class CudaBackend(Backend):
             s.capture = None
         for buffer, s in cap.deferred_frees:
             self.free(buffer, s)
-        if int(err) != _SUCCESS:
+        if int(err) != CUDA_SUCCESS:
             self._fail(int(err), "cuStreamEndCapture", dev)
         try:
             (exec_,) = self._call(dev, "cuGraphInstantiate", cu.cuGraphInstantiate, graph, 0)
@@ -1378,7 +1360,7 @@ class CudaBackend(Backend):
             raise UsageError("the graph was captured before its device was reset")
         self._cur(dev)
         rc = self._n.graph_launch(graph.exec, stream.handle)
-        if rc != _SUCCESS:
+        if rc != CUDA_SUCCESS:
             self._fail(rc, "cuGraphLaunch", dev)
 
     # -- faults ---------------------------------------------------------------------------
@@ -1413,12 +1395,12 @@ class CudaBackend(Backend):
                 # a reset does not release our reference; retaining again makes the
                 # context live (that extra reference is kept)
                 out = step("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev.cudev))
-                if last == _SUCCESS:
+                if last == CUDA_SUCCESS:
                     self._n.ctx_set_current(int(out[0]))
                     last = self._n.ctx_synchronize()
                     trace.append(f"cuCtxSynchronize: {_err_name(last) if last else 'ok'}")
                     self._n.ctx_set_current(None)
-                    if last == _SUCCESS:
+                    if last == CUDA_SUCCESS:
                         ctx = out[0]
                         break
                     step("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(dev.cudev))
