@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..._errors import DeviceError, DeviceFaultError, OutOfMemoryError, UsageError
+from ..._errors import DeviceError, DeviceFaultError, UsageError
 from .._base import Backend, KernelArg, ModuleSource, PointerArg
 from .._codes import (
     CONTEXT_ERRORS,
@@ -46,9 +46,8 @@ from .._codes import (
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
     CUDA_SUCCESS,
-    STICKY_ERRORS,
 )
-from ._driver import check, driver, err_name, fail, record_fault
+from ._driver import check, driver, err_name, error_for
 from ._handles import (
     Capture,
     CudaBuffer,
@@ -157,8 +156,8 @@ class CudaBackend(Backend):
         ts = self._tls
         if ts.token is not dev.token:
             rc = self._n.ctx_set_current(dev.ctx)
-            if rc != CUDA_SUCCESS:
-                fail(rc, "cuCtxSetCurrent", dev)
+            if rc:
+                raise error_for(rc, "cuCtxSetCurrent", dev)
             ts.token = dev.token
         return ts
 
@@ -203,9 +202,9 @@ class CudaBackend(Backend):
             other = self._devices[j]
             try:
                 self._cur(dev)
-                (err,) = cu.cuCtxEnablePeerAccess(other.ctx, 0)
-                if int(err) not in (CUDA_SUCCESS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-                    fail(int(err), "cuCtxEnablePeerAccess", dev)
+                res = cu.cuCtxEnablePeerAccess(other.ctx, 0)
+                if int(res[0]) != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:  # (before a reset)
+                    check(res, "cuCtxEnablePeerAccess", dev)
                 desc = cu.CUmemAccessDesc()
                 desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 desc.location.id = dev.index
@@ -294,8 +293,8 @@ class CudaBackend(Backend):
             return  # its work went with the context (or the stream is gone)
         self._cur(dev)
         rc = self._n.stream_synchronize(stream.handle)
-        if rc != CUDA_SUCCESS:
-            fail(rc, "cuStreamSynchronize", dev)
+        if rc:
+            raise error_for(rc, "cuStreamSynchronize", dev)
         if self._staging.d2h_pending:
             self._staging.sweep_all()
 
@@ -319,7 +318,7 @@ class CudaBackend(Backend):
             return True
         if rc == CUDA_ERROR_NOT_READY:
             return False
-        fail(rc, "cuStreamQuery", dev)
+        raise error_for(rc, "cuStreamQuery", dev)
 
     # -- events -------------------------------------------------------------------
     def _new_event(self, dev: Dev) -> int:
@@ -333,8 +332,8 @@ class CudaBackend(Backend):
         except IndexError:
             ev = self._new_event(dev)
         rc = self._n.event_record(ev, stream_handle)
-        if rc != CUDA_SUCCESS:
-            fail(rc, "cuEventRecord", dev)
+        if rc:
+            raise error_for(rc, "cuEventRecord", dev)
         return ev
 
     def record_event(self, stream: Any) -> CudaEvent:
@@ -360,8 +359,8 @@ class CudaBackend(Backend):
             stream.capture = event.capture
             event.capture.streams.append(stream)
         rc = self._n.stream_wait_event(stream.handle, event.handle, 0)
-        if rc != CUDA_SUCCESS:
-            fail(rc, "cuStreamWaitEvent", dev)
+        if rc:
+            raise error_for(rc, "cuStreamWaitEvent", dev)
 
     # -- memory -------------------------------------------------------------------
     def alloc(self, device: int, nbytes: int, stream: Any) -> CudaBuffer:
@@ -380,21 +379,18 @@ class CudaBackend(Backend):
         rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
         if rc == CUDA_ERROR_OUT_OF_MEMORY:
             # memory freed to the pool but cached there: give it back and retry once
+            # (the trim's own result does not matter: the retry's does)
             self._cu.cuMemPoolTrimTo(dev.pool, 0)
             rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
-        if rc != CUDA_SUCCESS:
-            if rc == CUDA_ERROR_OUT_OF_MEMORY:
-                raise OutOfMemoryError(
-                    f"out of memory on CUDA device {dev.index}: {nbytes} bytes requested",
-                    code=rc,
-                    name=err_name(rc),
-                    device=dev.index,
-                )
-            fail(rc, "cuMemAllocAsync", dev)
+        if rc:
+            oom = f"out of memory on CUDA device {dev.index}: {nbytes} bytes requested"
+            raise error_for(
+                rc, "cuMemAllocAsync", dev, message=oom if rc == CUDA_ERROR_OUT_OF_MEMORY else None
+            )
         if side:
             rc = self._n.stream_synchronize(dev.side)
-            if rc != CUDA_SUCCESS:
-                fail(rc, "cuStreamSynchronize", dev)
+            if rc:
+                raise error_for(rc, "cuStreamSynchronize", dev)
         return CudaBuffer(dev, int(nbytes), int(out.value))
 
     def free(self, buffer: Any, stream: Any) -> None:
@@ -426,10 +422,10 @@ class CudaBackend(Backend):
                 self._force_cur(sdev)
                 rc = self._n.mem_free_async(buffer.ptr, stream.handle)
             buffer.freed = True
-            if rc in STICKY_ERRORS:
-                record_fault(sdev, rc, err_name(rc), "cuMemFreeAsync")
-            elif rc != CUDA_SUCCESS:
-                warnings.warn(f"gpuflow: freeing {buffer!r} failed: {err_name(rc)}", stacklevel=2)
+            if rc:
+                err = error_for(rc, "cuMemFreeAsync", sdev)  # a sticky code: the device's fault
+                if not isinstance(err, DeviceFaultError):
+                    warnings.warn(f"gpuflow: freeing {buffer!r} failed: {err.name}", stacklevel=2)
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 
@@ -534,7 +530,7 @@ class CudaBackend(Backend):
             func, blocks, 1, 1, FILL_THREADS, 1, 1, 0, stream.obj, ts.params_addr, 0
         )
         if err:
-            fail(int(err), f"built-in kernel {fname}", dev, launch=True)
+            raise error_for(int(err), f"built-in kernel {fname}", dev, launch=True)
 
     def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
         dev = self._live(stream)
@@ -600,14 +596,12 @@ class CudaBackend(Backend):
                 mod = CudaModule(self, dev, int(h))
                 self._modules[key] = mod
         self._cur(dev)
-        err, f = self._cu.cuModuleGetFunction(mod.handle, name.encode())
-        if int(err) != CUDA_SUCCESS:
-            raise DeviceError(
-                f'kernel {name!r} not found in its module (is it declared extern "C"?)',
-                code=int(err),
-                name=err_name(int(err)),
-                device=dev.index,
-            )
+        (f,) = check(
+            self._cu.cuModuleGetFunction(mod.handle, name.encode()),
+            "cuModuleGetFunction",
+            dev,
+            message=f'kernel {name!r} not found in its module (is it declared extern "C"?)',
+        )
         return CudaKernel(dev, name, f, mod)
 
     def launch(
@@ -675,7 +669,7 @@ class CudaBackend(Backend):
             cu = self._cu
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             (err,) = cu.cuFuncSetAttribute(kernel.obj, attr, shmem)
-            if int(err) == CUDA_SUCCESS:
+            if int(err) == CUDA_SUCCESS:  # else the launch's own error is the one to report
                 kernel.shmem_max = shmem
                 retry = True
         if retry:
@@ -683,7 +677,7 @@ class CudaBackend(Backend):
             rc = int(err)
             if rc == CUDA_SUCCESS:
                 return
-        fail(
+        raise error_for(
             rc,
             f"launch of kernel {kernel.name!r} with grid={tuple(grid)} block={tuple(block)} "
             f"shmem={shmem}",
@@ -709,8 +703,8 @@ class CudaBackend(Backend):
             rc = n.launch_host_func(h, post, stream.sem_addr)
             if rc == CUDA_SUCCESS:
                 rc = n.launch_host_func(h, post, self._gsem_addr)
-        if rc != CUDA_SUCCESS:
-            fail(rc, "cuLaunchHostFunc", dev)
+        if rc:
+            raise error_for(rc, "cuLaunchHostFunc", dev)
 
     def wait_signals(self, timeout: float | None) -> None:
         n = self._n
@@ -777,8 +771,8 @@ class CudaBackend(Backend):
                     dev.events.append(q.popleft())
                     count += 1
                     continue
-                if rc in STICKY_ERRORS:
-                    record_fault(dev, rc, err_name(rc), "cuEventQuery")
+                if rc != CUDA_ERROR_NOT_READY:
+                    error_for(rc, "cuEventQuery", dev)  # not raised: a sticky code is recorded
                 break
         return count
 
@@ -814,17 +808,16 @@ class CudaBackend(Backend):
         dev = stream.dev
         cu = self._cu
         self._cur(dev)
-        err, graph = cu.cuStreamEndCapture(stream.handle)
+        res = cu.cuStreamEndCapture(stream.handle)
         for s in cap.streams:
             s.capture = None
         for buffer, s in cap.deferred_frees:
             self.free(buffer, s)
-        if int(err) != CUDA_SUCCESS:
-            fail(int(err), "cuStreamEndCapture", dev)
+        (graph,) = check(res, "cuStreamEndCapture", dev)
         try:
             (exec_,) = self._call(dev, "cuGraphInstantiate", cu.cuGraphInstantiate, graph, 0)
         except BaseException:
-            cu.cuGraphDestroy(graph)
+            cu.cuGraphDestroy(graph)  # unchecked: the instantiation's error is the one to raise
             raise
         return CudaGraph(self, dev, int(graph), int(exec_))
 
@@ -834,8 +827,8 @@ class CudaBackend(Backend):
             raise UsageError("the graph was captured before its device was reset")
         self._cur(dev)
         rc = self._n.graph_launch(graph.exec, stream.handle)
-        if rc != CUDA_SUCCESS:
-            fail(rc, "cuGraphLaunch", dev)
+        if rc:
+            raise error_for(rc, "cuGraphLaunch", dev)
 
     # -- faults ---------------------------------------------------------------------------
     def device_fault(self, device: int) -> DeviceFaultError | None:

@@ -1,18 +1,25 @@
-"""``cuda.bindings.driver``, and how a driver result becomes a gpuflow error.
+"""``cuda.bindings.driver``, and the one place a driver result becomes a gpuflow error.
 
 The bindings are imported on first use, so that importing gpuflow needs no
-CUDA.  A failed driver call becomes a :class:`DeviceError` that keeps the
-driver's code and name; the class comes from the table both backends share
-(:mod:`.._codes`); a sticky code is recorded as the device's fault, which
-every later call on the device raises until a reset.
+CUDA.  Every failed driver call goes through :func:`error_for`: the error
+keeps the driver's code and name, its class comes from the table both
+backends share (:mod:`.._codes`), and a sticky code is recorded as the
+device's fault, which every later call on the device raises until a reset.
+A cuda.bindings result tuple is unpacked by :func:`check`; libcuda's ctypes
+entry points (:mod:`._native`) return the bare code, which their callers
+test in place (``if rc: raise error_for(...)``): they sit on the
+per-operation path, where one more function call a result (some 40 ns)
+would show.  Callers that must not raise (finalizers, completion checks)
+still pass a failure through :func:`error_for`, for the fault it records,
+and warn about (or drop) the error it returns.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import DeviceError, DeviceFaultError, OutOfMemoryError
-from .._codes import CUDA_SUCCESS, error_class
+from .._codes import error_class
 
 if TYPE_CHECKING:
     from ._handles import Dev
@@ -34,11 +41,9 @@ def cuda_device_count() -> int:
     """How many CUDA devices the driver reports; 0 where there is no driver or device."""
     try:
         cu = driver()
-        (err,) = cu.cuInit(0)
-        if int(err) != CUDA_SUCCESS:
-            return 0
-        err, n = cu.cuDeviceGetCount()
-        return int(n) if int(err) == CUDA_SUCCESS else 0
+        check(cu.cuInit(0), "cuInit")
+        (n,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        return int(n)
     except Exception:  # no driver library, no device, broken install: no CUDA here
         return 0
 
@@ -51,30 +56,48 @@ def err_name(rc: int) -> str:
         return f"CUresult {rc}"
 
 
-def check(res: Any, what: str, dev: Dev | None = None) -> tuple[Any, ...]:
-    """Unpack a cuda.bindings result tuple, raising on an error code."""
-    rc = int(res[0])
-    if rc != CUDA_SUCCESS:
-        fail(rc, what, dev)
-    return tuple(res[1:])
+def error_for(
+    rc: int,
+    what: str,
+    dev: Dev | None,
+    *,
+    launch: bool = False,
+    message: str | None = None,
+) -> DeviceError:
+    """The error for the failed call ``what`` (``rc`` is not success), to raise.
 
-
-def fail(rc: int, what: str, dev: Dev | None, launch: bool = False) -> NoReturn:
+    A sticky code with a device is that device's fault, recorded now if it is
+    the first (the class table decides what is sticky).  Otherwise the class
+    comes from the table (``launch``: the code came from a kernel launch), and
+    the message is ``message`` or says which call failed.
+    """
     name = err_name(rc)
-    index = None if dev is None else dev.index
     cls = error_class(rc, launch=launch)
     if cls is DeviceFaultError:
         if dev is not None:
-            raise record_fault(dev, rc, name, what)
+            return _record_fault(dev, rc, name, what)
         cls = DeviceError  # no device to hold the fault
-    if cls is OutOfMemoryError:
-        raise OutOfMemoryError(
-            f"{what}: out of memory on CUDA device {index}", code=rc, name=name, device=index
-        )
-    raise cls(f"{what} failed", code=rc, name=name, device=index)
+    index = None if dev is None else dev.index
+    if message is None:
+        if cls is OutOfMemoryError:
+            message = f"{what}: out of memory on CUDA device {index}"
+        else:
+            message = f"{what} failed"
+    return cls(message, code=rc, name=name, device=index)
 
 
-def record_fault(dev: Dev, rc: int, name: str, what: str) -> DeviceFaultError:
+def check(
+    res: Any, what: str, dev: Dev | None = None, *, message: str | None = None
+) -> tuple[Any, ...]:
+    """Unpack a cuda.bindings result tuple, raising :func:`error_for` on an error code."""
+    rc = int(res[0])
+    if rc:
+        raise error_for(rc, what, dev, message=message)
+    return tuple(res[1:])
+
+
+def _record_fault(dev: Dev, rc: int, name: str, what: str) -> DeviceFaultError:
+    """``dev``'s fault: the first sticky code seen on the device, whichever call saw it."""
     with dev.lock:
         if dev.fault is None:
             dev.fault = DeviceFaultError(

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._errors import DeviceError
-from .._codes import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, STICKY_ERRORS
-from ._driver import driver, err_name, record_fault
+from .._codes import CUDA_ERROR_NOT_READY, CUDA_SUCCESS
+from ._driver import driver, error_for
 
 if TYPE_CHECKING:
     from ._handles import Dev
@@ -125,8 +125,7 @@ class Staging:
             elif rc == CUDA_ERROR_NOT_READY:
                 keep.append(p)
             else:
-                if rc in STICKY_ERRORS:
-                    record_fault(dev, rc, err_name(rc), "cuEventQuery")
+                error_for(rc, "cuEventQuery", dev)  # not raised: a sticky code is recorded
                 # lost: nothing still pending on this device will ever be delivered
                 lost = keep + pending[i:]
                 self.d2h_pending -= sum(1 for q in lost if q.dst is not None)
