@@ -47,7 +47,7 @@ from .._codes import (
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
     CUDA_SUCCESS,
 )
-from ._driver import check, driver, err_name, error_for
+from ._driver import check, driver, err_name, error_for, warn_unless_fault
 from ._handles import (
     Capture,
     CudaBuffer,
@@ -273,10 +273,8 @@ class CudaBackend(Backend):
                     return  # gone with the context, or a faulted one: leak
                 self._cur(dev)
                 (err,) = self._cu.cuStreamDestroy(stream.handle)
-            if int(err) != CUDA_SUCCESS:
-                warnings.warn(
-                    f"gpuflow: destroying {stream!r} failed: {err_name(int(err))}", stacklevel=2
-                )
+            if int(err):
+                warn_unless_fault(int(err), "cuStreamDestroy", dev, f"destroying {stream!r}")
         except Exception as exc:
             warnings.warn(f"gpuflow: destroying {stream!r} failed: {exc!r}", stacklevel=2)
 
@@ -423,9 +421,7 @@ class CudaBackend(Backend):
                 rc = self._n.mem_free_async(buffer.ptr, stream.handle)
             buffer.freed = True
             if rc:
-                err = error_for(rc, "cuMemFreeAsync", sdev)  # a sticky code: the device's fault
-                if not isinstance(err, DeviceFaultError):
-                    warnings.warn(f"gpuflow: freeing {buffer!r} failed: {err.name}", stacklevel=2)
+                warn_unless_fault(rc, "cuMemFreeAsync", sdev, f"freeing {buffer!r}")
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 

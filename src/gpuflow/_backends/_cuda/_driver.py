@@ -11,11 +11,13 @@ test in place (``if rc: raise error_for(...)``): they sit on the
 per-operation path, where one more function call a result (some 40 ns)
 would show.  Callers that must not raise (finalizers, completion checks)
 still pass a failure through :func:`error_for`, for the fault it records,
-and warn about (or drop) the error it returns.
+and drop the error it returns or, in a finalizer, warn about it
+(:func:`warn_unless_fault`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import DeviceError, DeviceFaultError, OutOfMemoryError
@@ -94,6 +96,15 @@ def check(
     if rc:
         raise error_for(rc, what, dev, message=message)
     return tuple(res[1:])
+
+
+def warn_unless_fault(rc: int, what: str, dev: Dev, doing: str) -> None:
+    """For a finalizer, which must not raise, the failed call ``what``: a sticky
+    code records the device's fault (every later call raises it); any other
+    code is a warning that ``doing`` failed."""
+    err = error_for(rc, what, dev)
+    if not isinstance(err, DeviceFaultError):
+        warnings.warn(f"gpuflow: {doing} failed: {err.name}", stacklevel=3)
 
 
 def _record_fault(dev: Dev, rc: int, name: str, what: str) -> DeviceFaultError:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import DeviceFaultError
-from ._driver import driver
+from ._driver import driver, warn_unless_fault
 
 if TYPE_CHECKING:
     from ._backend import CudaBackend
@@ -158,9 +159,14 @@ class CudaModule:
             return  # gone with the context, or a faulted context: leak
         try:
             self.backend._cur(dev)
-            driver().cuModuleUnload(self.handle)
-        except Exception:
-            pass
+            (err,) = driver().cuModuleUnload(self.handle)
+            if int(err):
+                warn_unless_fault(int(err), "cuModuleUnload", dev, f"unloading {self!r}")
+        except Exception as exc:  # a finalizer must not raise
+            warnings.warn(f"gpuflow: unloading {self!r} failed: {exc!r}", stacklevel=2)
+
+    def __repr__(self) -> str:
+        return f"<cuda module 0x{self.handle:x} on device {self.dev.index}>"
 
 
 class CudaKernel:
@@ -200,7 +206,14 @@ class CudaGraph:
         try:
             self.backend._cur(dev)
             cu = driver()
-            cu.cuGraphExecDestroy(self.exec)
-            cu.cuGraphDestroy(self.graph)
-        except Exception:
-            pass
+            (err,) = cu.cuGraphExecDestroy(self.exec)
+            if int(err):
+                warn_unless_fault(int(err), "cuGraphExecDestroy", dev, f"destroying {self!r}")
+            (err,) = cu.cuGraphDestroy(self.graph)
+            if int(err):
+                warn_unless_fault(int(err), "cuGraphDestroy", dev, f"destroying {self!r}")
+        except Exception as exc:  # a finalizer must not raise
+            warnings.warn(f"gpuflow: destroying {self!r} failed: {exc!r}", stacklevel=2)
+
+    def __repr__(self) -> str:
+        return f"<cuda graph 0x{self.exec:x} on device {self.dev.index}>"
