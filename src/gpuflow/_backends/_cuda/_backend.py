@@ -425,7 +425,7 @@ class CudaBackend(Backend):
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 
-    # staging ------------------------------------------------------------------
+    # -- copies (through pinned staging buffers: ._staging) -----------------------
     def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
         dev = self._live(stream)
         n = int(src.nbytes)
@@ -498,6 +498,7 @@ class CudaBackend(Backend):
                 dst.ptr, src.ptr, nbytes, stream.handle,
             )  # fmt: skip
 
+    # -- fills (memset, or a built-in kernel: ._kernels) ------------------------------
     def _builtin(self, dev: Dev, name: str) -> Any:
         fns = dev.builtins
         if fns is None:
@@ -842,6 +843,8 @@ class CudaBackend(Backend):
             trace.append(f"{what}: {err_name(last) if last else 'ok'}")
             return tuple(res[1:])
 
+        # each driver result is traced rather than checked: the reset succeeds or
+        # fails as a whole (a DeviceFaultError with the last code, below)
         with dev.lock, self._staging.lock:
             # no thread of ours keeps the old context current: this one lets go now,
             # the others set the new one at their next call (the token changes below)

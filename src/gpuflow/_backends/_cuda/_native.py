@@ -1,5 +1,4 @@
-"""libcuda and libc through :mod:`ctypes`: the driver calls made once or more per
-operation, and the POSIX semaphores of the completion bridge.
+"""libcuda and libc through :mod:`ctypes`: per-operation driver calls, and semaphores.
 
 libcuda is called directly for the small calls made once or more per
 operation (event record and wait, stream and event query, host functions,

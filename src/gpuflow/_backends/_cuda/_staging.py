@@ -134,6 +134,7 @@ class Staging:
         dev.pending = keep
 
     def sweep_all(self) -> None:
+        """:meth:`sweep` every device; a failure is a warning (completion checks call it)."""
         try:
             with self.lock:
                 for dev in self._devices:
@@ -143,6 +144,7 @@ class Staging:
             warnings.warn(f"gpuflow: staged copy delivery failed: {exc!r}", stacklevel=2)
 
     def done(self, dev: Dev, p: Pending) -> None:
+        """``p`` is enqueued: its buffer is busy, its destination waits for delivery."""
         with self.lock:
             dev.pending.append(p)
             if p.dst is not None:
