@@ -24,6 +24,7 @@ import pytest
 
 import gpuflow as gf
 from gpuflow import testing
+from gpuflow._backends import _codes as codes
 from gpuflow._runtime import get_runtime
 
 F32 = np.float32
@@ -94,6 +95,22 @@ def test_error_hierarchy_and_driver_codes() -> None:
     assert (plain.code, plain.name, plain.device) == (None, None, None)
     assert str(plain) == "no driver code"
     assert gf.CompileError("bad source", "line 1: error").log == "line 1: error"
+
+
+def test_both_backends_name_driver_codes_as_the_driver_does() -> None:
+    """The one table both backends take codes and names from holds the driver's
+    own: a wrong number there (sim once said 9 for CUDA_ERROR_INVALID_VALUE,
+    which is 1) would make the two backends disagree."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    assert len(codes.NAMES) == len(set(codes.NAMES.values())) >= 20
+    for code, name in codes.NAMES.items():
+        assert driver.CUresult(code).name == name
+    for group in (codes.STICKY_ERRORS, codes.LAUNCH_ERRORS, codes.CONTEXT_ERRORS):
+        assert group <= codes.NAMES.keys()
+    assert codes.error_class(codes.CUDA_ERROR_ILLEGAL_ADDRESS) is gf.DeviceFaultError
+    assert codes.error_class(codes.CUDA_ERROR_OUT_OF_MEMORY, launch=True) is gf.OutOfMemoryError
+    assert codes.error_class(codes.CUDA_ERROR_INVALID_VALUE, launch=True) is gf.LaunchError
+    assert codes.error_class(codes.CUDA_ERROR_INVALID_VALUE) is gf.DeviceError
 
 
 @pytest.mark.anyio

@@ -303,6 +303,8 @@ async def test_a_block_too_large_fails_the_launch() -> None:
     with pytest.raises(gf.LaunchError, match=r"kernel 'scale'.*block=\(2048, 1, 1\)") as info:
         await m.scale(gf.LaunchConfig(1, 2048), x, 2.0, 4)
     assert isinstance(info.value, gf.DeviceError) and "scale" in str(info.value)
+    # the driver's own code and name, on both backends
+    assert (info.value.code, info.value.name) == (1, "CUDA_ERROR_INVALID_VALUE")
     # not a fault: the device works on
     await m.scale(gf.LaunchConfig(1, 1024), x, 2.0, 4)
     np.testing.assert_array_equal(await gf.to_host(x), np.full(4, 2, F32))

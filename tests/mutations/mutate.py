@@ -171,11 +171,10 @@ MUTATIONS = [
 
 
 def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
-    """Run ``tests`` on sim against ``src``; (passed, summary line)."""
+    """Run ``tests`` on sim against ``src``; (passed, what failed under which loop)."""
     env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
     cmd = [
-        sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-        "-k", "sim", *tests,
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "sim", *tests,
     ]  # fmt: skip
     try:
         proc = subprocess.run(
@@ -184,11 +183,21 @@ def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, st
     except subprocess.TimeoutExpired:
         return False, f"timed out after {timeout:.0f} s (a hang counts as caught)"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
-    failed = [ln.split(" ")[1] for ln in lines if ln.startswith("FAILED ")]
-    if failed:
-        summary = f"{summary}; first: {failed[0]}"
-    return proc.returncode == 0, summary
+    failed = sorted({ln.split(" ")[1] for ln in lines if ln.startswith(("FAILED ", "ERROR "))})
+    if not failed:
+        return proc.returncode == 0, lines[-1] if lines else proc.stderr.strip()[-200:]
+    # which event loops saw it: every async test runs under each
+    loops = {
+        loop: sum(f"-{loop}]" in f for f in failed) for loop in ("asyncio", "uvloop", "trio")
+    }
+    plain = sum(not any(f"-{loop}]" in f for loop in loops) for f in failed)
+    seen = ", ".join(f"{loop} {n}" for loop, n in loops.items() if n)
+    names = sorted({f.split("::")[-1].split("[")[0] for f in failed})
+    return False, (
+        f"{len(failed)} failed ({seen or 'no loop'}" + (f", no loop {plain}" if plain and seen
+        else "") + "): " + ", ".join(names[:3]) + (f" +{len(names) - 3} more" if len(names) > 3
+        else "")
+    )
 
 
 def _copy_src(dest: Path) -> Path:

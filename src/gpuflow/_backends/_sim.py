@@ -41,6 +41,13 @@ import numpy as np
 
 from .._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
 from ._base import Activity, Backend, KernelArg, ModuleSource, PointerArg
+from ._codes import (
+    CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_LAUNCH_FAILED,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    NAMES,
+)
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
@@ -236,13 +243,13 @@ class SimBackend(Backend):
         if isinstance(exc, DeviceFaultError):
             err = exc
         else:
-            code, name = (700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+            code = CUDA_ERROR_ILLEGAL_ADDRESS
             if not isinstance(exc, IndexError | _UseAfterFree):
-                code, name = (719, "CUDA_ERROR_LAUNCH_FAILED")
+                code = CUDA_ERROR_LAUNCH_FAILED
             err = DeviceFaultError(
                 f"sim device {device.index} faulted in {what}: {exc!r}",
                 code=code,
-                name=name,
+                name=NAMES[code],
                 device=device.index,
             )
             err.__cause__ = exc
@@ -367,8 +374,8 @@ class SimBackend(Backend):
                 raise OutOfMemoryError(
                     f"out of memory on sim device {device}: {nbytes} bytes requested, "
                     f"{dev.memory_limit - dev.memory_used} of {dev.memory_limit} free",
-                    code=2,
-                    name="CUDA_ERROR_OUT_OF_MEMORY",
+                    code=CUDA_ERROR_OUT_OF_MEMORY,
+                    name=NAMES[CUDA_ERROR_OUT_OF_MEMORY],
                     device=device,
                 )
             dev.memory_used += size
@@ -475,8 +482,8 @@ class SimBackend(Backend):
             raise LaunchError(
                 f"kernel {kernel.name!r}: invalid configuration grid={grid} block={block} "
                 f"(at most {_MAX_BLOCK} threads a block, every dimension at least 1)",
-                code=9,
-                name="CUDA_ERROR_INVALID_VALUE",
+                code=CUDA_ERROR_INVALID_VALUE,
+                name=NAMES[CUDA_ERROR_INVALID_VALUE],
                 device=kernel.device,
             )
         if kernel.generation != self._devices[kernel.device].generation:

@@ -1,23 +1,10 @@
-"""The ``cuda`` backend: the interface of :mod:`._base` on the CUDA driver.
+"""The ``cuda`` backend itself: :class:`CudaBackend`, the interface of
+:mod:`.._base` on the CUDA driver, with one primary context per device.
 
-The only module of gpuflow (with :mod:`._nvrtc`) that touches CUDA.  Handles
-are kept as plain integers; the driver is reached two ways:
-
-* ``cuda.bindings.driver`` for everything set up once or rarely (contexts,
-  streams, events, modules, memory pools, copies, graphs) and for
-  ``cuLaunchKernel``, called with the address of a per-thread parameter array
-  (measured: faster than libcuda through ctypes, whose per-argument
-  conversions cost more than the bindings' whole call);
-* libcuda itself, through :mod:`ctypes`, for the small calls made once or more
-  per operation (event record and wait, stream and event query, host
-  functions, stream-ordered alloc/free, graph launch), and necessarily for
-  ``cuLaunchHostFunc``: the bindings' wrapper takes the GIL when the host
-  function fires (measured: 5 ms stream stalls).
-
-cuda.core is not used at run time: its objects own their handles with
-finalizers of their own, which would destroy them after a primary-context
-reset or after a sticky fault, where gpuflow must leak instead; and its
-per-call overhead is above the 1 µs gpuflow may add to a launch.
+Contexts: one primary context per device, made current on whichever thread
+calls, cached per thread (a token per context generation, so a reset makes
+every thread set the new one).  Peer access is enabled between every pair of
+capable devices, for contexts and memory pools.
 
 Completion bridge, native half: each stream owns a POSIX semaphore;
 ``enqueue_signal`` enqueues two host functions, ``sem_post(stream_sem)`` then
@@ -34,23 +21,10 @@ the driver refused every retain after an illegal address (measured), as
 CUDA's documentation warns ("the process must be terminated and
 relaunched"): the reset then raises :class:`DeviceFaultError` with the
 driver's code and the device stays faulted.
-
-Contexts: one primary context per device, made current on whichever thread
-calls, cached per thread (a token per context generation, so a reset makes
-every thread set the new one).
-
-Copies between pageable host memory and the device go through pinned staging
-buffers so that neither direction blocks the calling thread: host to device
-copies the source into the staging buffer at the call; device to host lands
-in a staging buffer and is copied into the destination by the first
-completion check that proves it finished (``take_signals``, ``query`` or
-``synchronize``, on any stream), which always comes before the front end can
-see the operation done.  Staging buffers are recycled by event query.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import struct
@@ -63,463 +37,51 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .._errors import DeviceError, DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
-from ._base import Backend, KernelArg, ModuleSource, PointerArg
-from ._nvrtc import compile_source
+from ..._errors import DeviceError, DeviceFaultError, UsageError
+from .._base import Backend, KernelArg, ModuleSource, PointerArg
+from .._codes import (
+    CONTEXT_ERRORS,
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_NOT_READY,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+    CUDA_SUCCESS,
+)
+from .._nvrtc import compile_source
+from ._driver import check, driver, err_name, error_for, warn_unless_fault
+from ._handles import (
+    Capture,
+    CudaBuffer,
+    CudaEvent,
+    CudaGraph,
+    CudaKernel,
+    CudaModule,
+    CudaStream,
+    Dev,
+    Token,
+)
+from ._kernels import (
+    ARANGE_F32_STRUCT,
+    ARANGE_F64_STRUCT,
+    BUILTIN_NAMES,
+    BUILTIN_SOURCE,
+    BUILTIN_STRUCT,
+    FILL_MAX_BLOCKS,
+    FILL_STRUCT,
+    FILL_THREADS,
+    UINT_OF_SIZE,
+    VALUES_OFFSET,
+    ThreadState,
+    arange_kernel,
+    plan,
+)
+from ._native import Native, Timespec
+from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending, Staging
 
-__all__ = ["CudaBackend", "cuda_device_count"]
-
-# -- driver constants -----------------------------------------------------------
-_SUCCESS = 0
-_ERR_INVALID_VALUE = 1
-_ERR_OOM = 2
-_ERR_INVALID_CONTEXT = 201
-_ERR_NOT_READY = 600
-_ERR_PEER_ALREADY_ENABLED = 704
-_ERR_CONTEXT_DESTROYED = 709
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
-_MEMHOSTALLOC_PORTABLE = 1
-_CTX_ERRORS = frozenset({_ERR_INVALID_CONTEXT, _ERR_CONTEXT_DESTROYED})
 
-#: Errors after which the context is unusable until a reset.
-STICKY_ERRORS = frozenset(
-    {
-        214,  # ECC_UNCORRECTABLE
-        220,  # NVLINK_UNCORRECTABLE
-        226,  # CONTAINED
-        700,  # ILLEGAL_ADDRESS
-        702,  # LAUNCH_TIMEOUT
-        710,  # ASSERT
-        714,  # HARDWARE_STACK_ERROR
-        715,  # ILLEGAL_INSTRUCTION
-        716,  # MISALIGNED_ADDRESS
-        717,  # INVALID_ADDRESS_SPACE
-        718,  # INVALID_PC
-        719,  # LAUNCH_FAILED
-        721,  # TENSOR_MEMORY_LEAK
-    }
-)
-#: Errors of ``cuLaunchKernel`` that mean "this launch cannot be made as asked".
-LAUNCH_ERRORS = frozenset({1, 200, 209, 400, 500, 701, 703, 720})
 
-_MAX_ARGS = 512  # 8-byte slots of the per-thread parameter buffer
-_DEFAULT_SHMEM = 48 * 1024
-_STAGE_MIN = 64 * 1024  # smallest staging buffer (size classes are powers of two)
-_STAGE_H2D_MIN = 64 * 1024  # host-to-device copies below this go straight from pageable memory
-_STAGE_MAX = 256 << 20  # larger copies go straight (the driver's own pageable path)
-_STAGE_LIMIT = 1 << 30  # pinned staging memory per device, at most
-_FILL_THREADS = 256
-_FILL_MAX_BLOCKS = 8192
-
-_cu_module: Any = None
-
-
-def _driver() -> Any:
-    """``cuda.bindings.driver``, imported on first use (no libcuda needed to import it)."""
-    global _cu_module
-    if _cu_module is None:
-        from cuda.bindings import driver
-
-        _cu_module = driver
-    return _cu_module
-
-
-def cuda_device_count() -> int:
-    """How many CUDA devices the driver reports; 0 where there is no driver or device."""
-    try:
-        cu = _driver()
-        (err,) = cu.cuInit(0)
-        if int(err) != _SUCCESS:
-            return 0
-        err, n = cu.cuDeviceGetCount()
-        return int(n) if int(err) == _SUCCESS else 0
-    except Exception:  # no driver library, no device, broken install: no CUDA here
-        return 0
-
-
-def _err_name(rc: int) -> str:
-    try:
-        return str(_driver().CUresult(rc).name)
-    except Exception:
-        return f"CUresult {rc}"
-
-
-# -- libc / libcuda through ctypes -----------------------------------------------
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-class _Native:
-    """The ctypes entry points (libcuda's and libc's semaphores)."""
-
-    def __init__(self) -> None:
-        vp, ui, ci = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
-        lib = ctypes.CDLL("libcuda.so.1")
-
-        def cu(name: str, argtypes: list[Any]) -> Any:
-            f = getattr(lib, name)
-            f.argtypes = argtypes
-            f.restype = ci
-            return f
-
-        self.ctx_set_current = cu("cuCtxSetCurrent", [vp])
-        self.ctx_synchronize = cu("cuCtxSynchronize", [])
-        self.launch_host_func = cu("cuLaunchHostFunc", [vp, vp, vp])
-        self.event_record = cu("cuEventRecord", [vp, vp])
-        self.event_query = cu("cuEventQuery", [vp])
-        self.stream_wait_event = cu("cuStreamWaitEvent", [vp, vp, ui])
-        self.stream_query = cu("cuStreamQuery", [vp])
-        self.stream_synchronize = cu("cuStreamSynchronize", [vp])
-        self.graph_launch = cu("cuGraphLaunch", [vp, vp])
-        self.mem_alloc_async = cu(
-            "cuMemAllocAsync", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, vp]
-        )
-        self.mem_free_async = cu("cuMemFreeAsync", [ctypes.c_uint64, vp])
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.sem_post_addr: int = ctypes.cast(libc.sem_post, vp).value or 0
-        self.sem_init = libc.sem_init
-        self.sem_init.argtypes = [vp, ci, ui]
-        self.sem_init.restype = ci
-        self.sem_post = libc.sem_post
-        self.sem_post.argtypes = [vp]
-        self.sem_post.restype = ci
-        self.sem_wait = libc.sem_wait
-        self.sem_wait.argtypes = [vp]
-        self.sem_wait.restype = ci
-        self.sem_trywait = libc.sem_trywait
-        self.sem_trywait.argtypes = [vp]
-        self.sem_trywait.restype = ci
-        self.sem_timedwait = libc.sem_timedwait
-        self.sem_timedwait.argtypes = [vp, ctypes.POINTER(_Timespec)]
-        self.sem_timedwait.restype = ci
-        # glibc >= 2.30: a monotonic deadline, immune to wall-clock jumps
-        self.sem_clockwait: Any = getattr(libc, "sem_clockwait", None)
-        if self.sem_clockwait is not None:
-            self.sem_clockwait.argtypes = [vp, ci, ctypes.POINTER(_Timespec)]
-            self.sem_clockwait.restype = ci
-
-    def new_sem(self) -> tuple[Any, int]:
-        buf = ctypes.create_string_buffer(64)  # sizeof(sem_t) is 32 on x86-64 and aarch64
-        if self.sem_init(buf, 0, 0) != 0:
-            raise DeviceError(f"sem_init failed (errno {ctypes.get_errno()})")
-        # a host function may still post it after its stream and backend are
-        # gone (a backend replaced by init_device_contexts, say): the memory
-        # must never be reused for anything else, so it lives with the process
-        _SEMAPHORES.append(buf)
-        return buf, ctypes.addressof(buf)
-
-
-#: Every semaphore a host function may post: 64 bytes a stream, never freed.
-_SEMAPHORES: list[Any] = []
-
-
-# -- handles ---------------------------------------------------------------------
-class _Token:
-    """Identity of one life of a device's primary context (a reset makes a new one)."""
-
-    __slots__ = ()
-
-
-class _Dev:
-    __slots__ = (
-        "arch",
-        "builtins",
-        "ctx",
-        "cudev",
-        "events",
-        "fault",
-        "free_host",
-        "host_bytes",
-        "index",
-        "lock",
-        "name",
-        "peers",
-        "pending",
-        "pool",
-        "side",
-        "token",
-    )  # fmt: skip
-
-    def __init__(self, index: int, cudev: Any, name: str, arch: str) -> None:
-        self.index = index
-        self.cudev = cudev
-        self.ctx = 0
-        self.token = _Token()
-        self.fault: DeviceFaultError | None = None
-        self.name = name
-        self.arch = arch
-        self.pool: Any = None
-        self.lock = threading.RLock()
-        self.events: list[int] = []  # recycled CUevents (disable-timing)
-        self.side = 0  # a private stream for allocations made during a capture
-        self.builtins: dict[str, Any] | None = None
-        self.free_host: dict[int, list[_HostBuf]] = {}
-        self.pending: list[_Pending] = []
-        self.host_bytes = 0
-        self.peers: list[int] = []
-
-
-class _Capture:
-    __slots__ = ("deferred_frees", "streams")
-
-    def __init__(self, origin: CudaStream) -> None:
-        self.streams: list[CudaStream] = [origin]
-        self.deferred_frees: list[tuple[CudaBuffer, CudaStream]] = []
-
-
-class CudaStream:
-    """A non-blocking stream and its completion semaphore."""
-
-    __slots__ = (
-        "capture", "destroyed", "dev", "handle", "obj", "pre_capture", "sem_addr", "sig_events",
-        "token",
-    )  # fmt: skip
-
-    def __init__(self, dev: _Dev, handle: Any, sem_addr: int) -> None:
-        self.dev = dev
-        self.obj = handle  # the cuda.bindings CUstream, for the launch path
-        self.handle = int(handle)
-        self.sem_addr = sem_addr
-        self.sig_events: collections.deque[int] = collections.deque()
-        self.token = dev.token
-        self.capture: _Capture | None = None
-        self.pre_capture = 0  # an event recorded just before the capture began
-        self.destroyed = False
-
-    def __repr__(self) -> str:
-        return f"<cuda stream 0x{self.handle:x} on device {self.dev.index}>"
-
-
-class CudaEvent:
-    """A recorded event; its CUevent goes back to the device's pool when dropped."""
-
-    __slots__ = ("capture", "dev", "handle", "token")
-
-    def __init__(self, dev: _Dev, handle: int, capture: _Capture | None) -> None:
-        self.dev = dev
-        self.handle = handle
-        self.token = dev.token
-        self.capture = capture
-
-    def __del__(self) -> None:
-        dev = self.dev
-        if self.token is dev.token and dev.fault is None:
-            dev.events.append(self.handle)
-
-
-class CudaBuffer:
-    """Device memory from the device's stream-ordered pool."""
-
-    __slots__ = ("dev", "device", "freed", "nbytes", "ptr", "token")
-
-    def __init__(self, dev: _Dev, nbytes: int, ptr: int) -> None:
-        self.dev = dev
-        self.device = dev.index
-        self.nbytes = nbytes
-        self.ptr = ptr
-        self.token = dev.token
-        self.freed = False
-
-    def __repr__(self) -> str:
-        return f"<cuda buffer 0x{self.ptr:x} ({self.nbytes} bytes) on device {self.device}>"
-
-
-class _Module:
-    """A loaded CUmodule; unloaded when its last kernel handle goes."""
-
-    __slots__ = ("__weakref__", "backend", "dev", "handle", "token")
-
-    def __init__(self, backend: CudaBackend, dev: _Dev, handle: int) -> None:
-        self.backend = backend
-        self.dev = dev
-        self.handle = handle
-        self.token = dev.token
-
-    def __del__(self) -> None:
-        dev = self.dev
-        if self.token is not dev.token or dev.fault is not None:
-            return  # gone with the context, or a faulted context: leak
-        try:
-            self.backend._cur(dev)
-            _driver().cuModuleUnload(self.handle)
-        except Exception:
-            pass
-
-
-class CudaKernel:
-    """A launchable CUfunction; keeps its module loaded."""
-
-    __slots__ = ("dev", "func", "module", "name", "obj", "shmem_max", "token")
-
-    def __init__(self, dev: _Dev, name: str, func: Any, module: _Module) -> None:
-        self.dev = dev
-        self.name = name
-        self.obj = func  # the cuda.bindings CUfunction, for the launch path
-        self.func = int(func)
-        self.module = module
-        self.token = dev.token
-        self.shmem_max = _DEFAULT_SHMEM
-
-    def __repr__(self) -> str:
-        return f"<cuda kernel {self.name!r} on device {self.dev.index}>"
-
-
-class CudaGraph:
-    """An instantiated graph (CUgraphExec) and the CUgraph it came from."""
-
-    __slots__ = ("backend", "dev", "exec", "graph", "nodes", "token")
-
-    def __init__(
-        self, backend: CudaBackend, dev: _Dev, graph: int, exec_: int, nodes: int
-    ) -> None:
-        self.backend = backend
-        self.dev = dev
-        self.graph = graph
-        self.exec = exec_
-        self.nodes = nodes
-        self.token = dev.token
-
-    def __del__(self) -> None:
-        dev = self.dev
-        if self.token is not dev.token or dev.fault is not None:
-            return
-        try:
-            self.backend._cur(dev)
-            cu = _driver()
-            cu.cuGraphExecDestroy(self.exec)
-            cu.cuGraphDestroy(self.graph)
-        except Exception:
-            pass
-
-
-class _HostBuf:
-    __slots__ = ("array", "ptr", "size")
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.ptr = ptr
-        self.size = size
-        raw: Any = (ctypes.c_uint8 * size).from_address(ptr)
-        self.array: np.ndarray[Any, np.dtype[np.uint8]] = np.frombuffer(raw, dtype=np.uint8)
-
-
-class _Pending:
-    """A staged copy in flight: ``buf`` is busy until ``event`` completes."""
-
-    __slots__ = ("buf", "dst", "event", "nbytes")
-
-    def __init__(
-        self, event: int, buf: _HostBuf, dst: np.ndarray[Any, Any] | None, nbytes: int
-    ) -> None:
-        self.event = event
-        self.buf = buf
-        self.dst = dst
-        self.nbytes = nbytes
-
-
-class _ThreadState(threading.local):
-    """Per thread: which context is current, and a kernel-parameter buffer.
-
-    The parameter buffer is ``_MAX_ARGS`` pointers followed by ``_MAX_ARGS``
-    8-byte value slots; pointer ``i`` always points at slot ``i``, so a launch
-    only packs its values (the driver copies them during ``cuLaunchKernel``).
-    """
-
-    def __init__(self) -> None:
-        self.token: _Token | None = None
-        self.params = (ctypes.c_uint64 * (2 * _MAX_ARGS))()
-        base = ctypes.addressof(self.params)
-        for i in range(_MAX_ARGS):
-            self.params[i] = base + 8 * (_MAX_ARGS + i)
-        self.params_addr = base
-
-
-_VALUES_OFFSET = 8 * _MAX_ARGS
-
-_SCALAR_CODES = {
-    ("f", 2): "e", ("f", 4): "f", ("f", 8): "d",
-    ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
-    ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
-    ("b", 1): "?",
-}  # fmt: skip
-
-
-def _slot_code(t: type) -> str:
-    if t is PointerArg:
-        return "Q"
-    if issubclass(t, np.generic):
-        dt = np.dtype(t)
-        code = _SCALAR_CODES.get((dt.kind, dt.itemsize))
-        if code is not None:
-            return code + "x" * (8 - dt.itemsize)
-    raise UsageError(f"kernel argument of type {t.__name__} is not supported by the cuda backend")
-
-
-# -- built-in kernels: fill with 8-byte patterns, arange --------------------------
-_BUILTIN_SOURCE = r"""
-typedef unsigned long long u64;
-#define GF_LOOP for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; \
-                     i += (u64)gridDim.x * blockDim.x)
-__device__ __forceinline__ unsigned short gf_f2h(float f) {
-  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
-}
-__device__ __forceinline__ float gf_h2f(unsigned short h) {
-  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-}
-extern "C" __global__ void gf_fill_u64(u64* p, u64 v, u64 n) { GF_LOOP p[i] = v; }
-/* integers: start + (T)i * step, wrapping as NumPy does (two's complement) */
-#define GF_ARANGE_U(NAME, T) \
-  extern "C" __global__ void NAME(T* p, T start, T step, u64 n) { \
-    GF_LOOP p[i] = (T)(i * (u64)step + (u64)start); }
-GF_ARANGE_U(gf_arange_u8, unsigned char)
-GF_ARANGE_U(gf_arange_u16, unsigned short)
-GF_ARANGE_U(gf_arange_u32, unsigned int)
-GF_ARANGE_U(gf_arange_u64, u64)
-/* floats: round i to T, then one rounding per operation (no FMA), as NumPy */
-extern "C" __global__ void gf_arange_f32(float* p, float start, float step, u64 n) {
-  GF_LOOP p[i] = __fadd_rn(__fmul_rn(__ll2float_rn((long long)i), step), start);
-}
-extern "C" __global__ void gf_arange_f64(double* p, double start, double step, u64 n) {
-  GF_LOOP p[i] = __dadd_rn(__dmul_rn(__ll2double_rn((long long)i), step), start);
-}
-extern "C" __global__ void gf_arange_f16(unsigned short* p, unsigned short start,
-                                         unsigned short step, u64 n) {
-  GF_LOOP {
-    unsigned short hi = gf_f2h(__ll2float_rn((long long)i));
-    unsigned short prod = gf_f2h(__fmul_rn(gf_h2f(hi), gf_h2f(step)));
-    p[i] = gf_f2h(__fadd_rn(gf_h2f(prod), gf_h2f(start)));
-  }
-}
-/* bool: start + astype(i, bool) * step is start | (i != 0 & step) */
-extern "C" __global__ void gf_arange_b8(unsigned char* p, unsigned char start,
-                                        unsigned char step, u64 n) {
-  GF_LOOP p[i] = (unsigned char)(start | ((i != 0) & step));
-}
-"""
-
-_BUILTIN_NAMES = (
-    "gf_fill_u64", "gf_arange_u8", "gf_arange_u16", "gf_arange_u32", "gf_arange_u64",
-    "gf_arange_f16", "gf_arange_f32", "gf_arange_f64", "gf_arange_b8",
-)  # fmt: skip
-_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_BUILTIN_STRUCT = struct.Struct("<QQQQ")  # pointer, start, step, n: each in an 8-byte slot
-_FILL_STRUCT = struct.Struct("<QQQ")
-_ARANGE_F32_STRUCT = struct.Struct("<Qf4xf4xQ")
-_ARANGE_F64_STRUCT = struct.Struct("<QddQ")
-
-
-def _arange_kernel(dtype: np.dtype[Any]) -> str:
-    if dtype.kind == "f" and dtype.itemsize in (2, 4, 8):
-        return f"gf_arange_f{dtype.itemsize * 8}"
-    if dtype.kind in "iu" and dtype.itemsize in (1, 2, 4, 8):
-        return f"gf_arange_u{dtype.itemsize * 8}"
-    if dtype.kind == "b":
-        return "gf_arange_b8"
-    raise UsageError(f"arange does not support dtype {dtype} on the cuda backend")
-
-
-# -- the backend -----------------------------------------------------------------
 class CudaBackend(Backend):
     """CUDA devices through the driver API: one primary context per device."""
 
@@ -536,54 +98,53 @@ class CudaBackend(Backend):
         """
         if signals not in ("hostfunc", "event"):
             raise UsageError(f"signals must be 'hostfunc' or 'event', not {signals!r}")
-        cu = _driver()
+        cu = driver()
         self._cu = cu
         self._launch = cu.cuLaunchKernel
         self._event_signals = signals == "event"
         self._sig_lock = threading.Lock()
         self.last_reset_trace: list[str] = []  # driver calls of the last reset_device
-        self._check(cu.cuInit(0), "cuInit")
-        (available,) = self._check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        check(cu.cuInit(0), "cuInit")
+        (available,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         available = int(available)
         n = available if num_devices is None else num_devices
         if n < 1 or n > available:
             raise UsageError(
                 f"num_devices={num_devices} but {available} CUDA device(s) are present"
             )
-        self._n = _Native()
-        self._tls = _ThreadState()
+        self._n = Native()
+        self._tls = ThreadState()
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
-        self._modules: weakref.WeakValueDictionary[tuple[int, bytes], _Module] = (
+        self._modules: weakref.WeakValueDictionary[tuple[int, bytes], CudaModule] = (
             weakref.WeakValueDictionary()
         )
         self._module_lock = threading.Lock()
-        self._stage_lock = threading.Lock()
-        self._d2h_pending = 0  # staged device-to-host copies not yet delivered
         self._gsem, self._gsem_addr = self._n.new_sem()
         self._stream_lock = threading.Lock()
-        self._devices: list[_Dev] = []
+        self._devices: list[Dev] = []
+        self._staging = Staging(self._devices, self._n, self._cur, self._call)
         for i in range(n):
-            (cudev,) = self._check(cu.cuDeviceGet(i), "cuDeviceGet")
-            (raw,) = self._check(cu.cuDeviceGetName(256, cudev), "cuDeviceGetName")
+            (cudev,) = check(cu.cuDeviceGet(i), "cuDeviceGet")
+            (raw,) = check(cu.cuDeviceGetName(256, cudev), "cuDeviceGetName")
             name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
             attr = cu.CUdevice_attribute
-            (major,) = self._check(
+            (major,) = check(
                 cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, cudev),
                 "cuDeviceGetAttribute",
             )
-            (minor,) = self._check(
+            (minor,) = check(
                 cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, cudev),
                 "cuDeviceGetAttribute",
             )
-            dev = _Dev(i, cudev, name, f"sm_{int(major)}{int(minor)}")
-            (ctx,) = self._check(cu.cuDevicePrimaryCtxRetain(cudev), "cuDevicePrimaryCtxRetain")
+            dev = Dev(i, cudev, name, f"sm_{int(major)}{int(minor)}")
+            (ctx,) = check(cu.cuDevicePrimaryCtxRetain(cudev), "cuDevicePrimaryCtxRetain")
             dev.ctx = int(ctx)
             self._devices.append(dev)
             self._setup_context(dev)
         for dev in self._devices:
             for other in self._devices:
                 if other is not dev:
-                    (ok,) = self._check(
+                    (ok,) = check(
                         cu.cuDeviceCanAccessPeer(dev.cudev, other.cudev), "cuDeviceCanAccessPeer"
                     )
                     if int(ok):
@@ -591,65 +152,31 @@ class CudaBackend(Backend):
         for dev in self._devices:
             self._enable_peers(dev)
 
-    # -- plumbing ---------------------------------------------------------------
-    def _check(self, res: Any, what: str, dev: _Dev | None = None) -> tuple[Any, ...]:
-        """Unpack a cuda.bindings result tuple, raising on an error code."""
-        rc = int(res[0])
-        if rc != _SUCCESS:
-            self._fail(rc, what, dev)
-        return tuple(res[1:])
-
-    def _fail(self, rc: int, what: str, dev: _Dev | None, launch: bool = False) -> NoReturn:
-        name = _err_name(rc)
-        index = None if dev is None else dev.index
-        if rc in STICKY_ERRORS and dev is not None:
-            raise self._set_fault(dev, rc, name, what)
-        if rc == _ERR_OOM:
-            raise OutOfMemoryError(
-                f"{what}: out of memory on CUDA device {index}", code=rc, name=name, device=index
-            )
-        if launch and rc in LAUNCH_ERRORS:
-            raise LaunchError(f"{what} failed", code=rc, name=name, device=index)
-        raise DeviceError(f"{what} failed", code=rc, name=name, device=index)
-
-    def _set_fault(self, dev: _Dev, rc: int, name: str, what: str) -> DeviceFaultError:
-        with dev.lock:
-            if dev.fault is None:
-                dev.fault = DeviceFaultError(
-                    f"CUDA device {dev.index} ({dev.name}) has a sticky fault, seen by {what}; "
-                    "until a reset (which the driver may refuse: then restart the process) "
-                    "every call on the device fails",
-                    code=rc,
-                    name=name,
-                    device=dev.index,
-                )
-            return dev.fault
-
-    def _cur(self, dev: _Dev) -> _ThreadState:
+    def _cur(self, dev: Dev) -> ThreadState:
         """Make ``dev``'s primary context current on this thread (cached per thread)."""
         ts = self._tls
         if ts.token is not dev.token:
             rc = self._n.ctx_set_current(dev.ctx)
-            if rc != _SUCCESS:
-                self._fail(rc, "cuCtxSetCurrent", dev)
+            if rc:
+                raise error_for(rc, "cuCtxSetCurrent", dev)
             ts.token = dev.token
         return ts
 
-    def _force_cur(self, dev: _Dev) -> None:
+    def _force_cur(self, dev: Dev) -> None:
         """Someone else changed this thread's context behind the cache: set it again."""
         self._tls.token = None
         self._cur(dev)
 
-    def _call(self, dev: _Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
+    def _call(self, dev: Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
         """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""
         self._cur(dev)
         res = fn(*args)
-        if int(res[0]) in _CTX_ERRORS:
+        if int(res[0]) in CONTEXT_ERRORS:
             self._force_cur(dev)
             res = fn(*args)
-        return self._check(res, what, dev)
+        return check(res, what, dev)
 
-    def _setup_context(self, dev: _Dev) -> None:
+    def _setup_context(self, dev: Dev) -> None:
         """What each life of a primary context needs: pool settings, a private stream."""
         cu = self._cu
         (pool,) = self._call(
@@ -669,16 +196,16 @@ class CudaBackend(Backend):
         (side,) = self._call(dev, "cuStreamCreate", cu.cuStreamCreate, _STREAM_NON_BLOCKING)
         dev.side = int(side)
 
-    def _enable_peers(self, dev: _Dev) -> None:
+    def _enable_peers(self, dev: Dev) -> None:
         """Peer access from ``dev`` to every capable device, both for contexts and pools."""
         cu = self._cu
         for j in dev.peers:
             other = self._devices[j]
             try:
                 self._cur(dev)
-                (err,) = cu.cuCtxEnablePeerAccess(other.ctx, 0)
-                if int(err) not in (_SUCCESS, _ERR_PEER_ALREADY_ENABLED):
-                    self._fail(int(err), "cuCtxEnablePeerAccess", dev)
+                res = cu.cuCtxEnablePeerAccess(other.ctx, 0)
+                if int(res[0]) != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:  # (before a reset)
+                    check(res, "cuCtxEnablePeerAccess", dev)
                 desc = cu.CUmemAccessDesc()
                 desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 desc.location.id = dev.index
@@ -691,7 +218,7 @@ class CudaBackend(Backend):
                     f"gpuflow: peer access {dev.index} -> {j} not enabled: {exc}", stacklevel=2
                 )
 
-    def _dev(self, device: int) -> _Dev:
+    def _dev(self, device: int) -> Dev:
         try:
             if device < 0:
                 raise IndexError
@@ -701,7 +228,7 @@ class CudaBackend(Backend):
                 f"device {device} does not exist: the cuda backend has {len(self._devices)}"
             ) from None
 
-    def _live(self, stream: CudaStream) -> _Dev:
+    def _live(self, stream: CudaStream) -> Dev:
         """The stream's device, after the fault and stale-handle checks of an enqueue."""
         dev = stream.dev
         if dev.fault is not None:
@@ -747,10 +274,8 @@ class CudaBackend(Backend):
                     return  # gone with the context, or a faulted one: leak
                 self._cur(dev)
                 (err,) = self._cu.cuStreamDestroy(stream.handle)
-            if int(err) != _SUCCESS:
-                warnings.warn(
-                    f"gpuflow: destroying {stream!r} failed: {_err_name(int(err))}", stacklevel=2
-                )
+            if int(err):
+                warn_unless_fault(int(err), "cuStreamDestroy", dev, f"destroying {stream!r}")
         except Exception as exc:
             warnings.warn(f"gpuflow: destroying {stream!r} failed: {exc!r}", stacklevel=2)
 
@@ -767,10 +292,10 @@ class CudaBackend(Backend):
             return  # its work went with the context (or the stream is gone)
         self._cur(dev)
         rc = self._n.stream_synchronize(stream.handle)
-        if rc != _SUCCESS:
-            self._fail(rc, "cuStreamSynchronize", dev)
-        if self._d2h_pending:
-            self._sweep_all()
+        if rc:
+            raise error_for(rc, "cuStreamSynchronize", dev)
+        if self._staging.d2h_pending:
+            self._staging.sweep_all()
 
     def query(self, stream: Any) -> bool:
         dev = stream.dev
@@ -783,31 +308,31 @@ class CudaBackend(Backend):
             if stream.capture is not None:
                 # querying a capturing stream would invalidate the capture: ask about
                 # the work enqueued before it began instead
-                rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else _SUCCESS
+                rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else CUDA_SUCCESS
             else:
                 rc = self._n.stream_query(stream.handle)
-        if rc == _SUCCESS:
-            if self._d2h_pending:
-                self._sweep_all()
+        if rc == CUDA_SUCCESS:
+            if self._staging.d2h_pending:
+                self._staging.sweep_all()
             return True
-        if rc == _ERR_NOT_READY:
+        if rc == CUDA_ERROR_NOT_READY:
             return False
-        self._fail(rc, "cuStreamQuery", dev)
+        raise error_for(rc, "cuStreamQuery", dev)
 
     # -- events -------------------------------------------------------------------
-    def _new_event(self, dev: _Dev) -> int:
+    def _new_event(self, dev: Dev) -> int:
         (ev,) = self._call(dev, "cuEventCreate", self._cu.cuEventCreate, _EVENT_DISABLE_TIMING)
         return int(ev)
 
-    def _record(self, dev: _Dev, stream_handle: int) -> int:
+    def _record(self, dev: Dev, stream_handle: int) -> int:
         """Record a pooled event on a stream (context already current)."""
         try:
             ev = dev.events.pop()
         except IndexError:
             ev = self._new_event(dev)
         rc = self._n.event_record(ev, stream_handle)
-        if rc != _SUCCESS:
-            self._fail(rc, "cuEventRecord", dev)
+        if rc:
+            raise error_for(rc, "cuEventRecord", dev)
         return ev
 
     def record_event(self, stream: Any) -> CudaEvent:
@@ -833,8 +358,8 @@ class CudaBackend(Backend):
             stream.capture = event.capture
             event.capture.streams.append(stream)
         rc = self._n.stream_wait_event(stream.handle, event.handle, 0)
-        if rc != _SUCCESS:
-            self._fail(rc, "cuStreamWaitEvent", dev)
+        if rc:
+            raise error_for(rc, "cuStreamWaitEvent", dev)
 
     # -- memory -------------------------------------------------------------------
     def alloc(self, device: int, nbytes: int, stream: Any) -> CudaBuffer:
@@ -851,23 +376,20 @@ class CudaBackend(Backend):
         size = max(int(nbytes), 1)
         out = ctypes.c_uint64()
         rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
-        if rc == _ERR_OOM:
+        if rc == CUDA_ERROR_OUT_OF_MEMORY:
             # memory freed to the pool but cached there: give it back and retry once
+            # (the trim's own result does not matter: the retry's does)
             self._cu.cuMemPoolTrimTo(dev.pool, 0)
             rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
-        if rc != _SUCCESS:
-            if rc == _ERR_OOM:
-                raise OutOfMemoryError(
-                    f"out of memory on CUDA device {dev.index}: {nbytes} bytes requested",
-                    code=rc,
-                    name=_err_name(rc),
-                    device=dev.index,
-                )
-            self._fail(rc, "cuMemAllocAsync", dev)
+        if rc:
+            oom = f"out of memory on CUDA device {dev.index}: {nbytes} bytes requested"
+            raise error_for(
+                rc, "cuMemAllocAsync", dev, message=oom if rc == CUDA_ERROR_OUT_OF_MEMORY else None
+            )
         if side:
             rc = self._n.stream_synchronize(dev.side)
-            if rc != _SUCCESS:
-                self._fail(rc, "cuStreamSynchronize", dev)
+            if rc:
+                raise error_for(rc, "cuStreamSynchronize", dev)
         return CudaBuffer(dev, int(nbytes), int(out.value))
 
     def free(self, buffer: Any, stream: Any) -> None:
@@ -895,86 +417,16 @@ class CudaBackend(Backend):
                 return
             self._cur(sdev)
             rc = self._n.mem_free_async(buffer.ptr, stream.handle)
-            if rc in _CTX_ERRORS:
+            if rc in CONTEXT_ERRORS:
                 self._force_cur(sdev)
                 rc = self._n.mem_free_async(buffer.ptr, stream.handle)
             buffer.freed = True
-            if rc in STICKY_ERRORS:
-                self._set_fault(sdev, rc, _err_name(rc), "cuMemFreeAsync")
-            elif rc != _SUCCESS:
-                warnings.warn(
-                    f"gpuflow: freeing {buffer!r} failed: {_err_name(rc)}", stacklevel=2
-                )
+            if rc:
+                warn_unless_fault(rc, "cuMemFreeAsync", sdev, f"freeing {buffer!r}")
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 
-    # staging ------------------------------------------------------------------
-    def _stage_get(self, dev: _Dev, nbytes: int) -> _HostBuf | None:
-        """A pinned buffer of at least ``nbytes``, or None (then copy directly)."""
-        size = max(_STAGE_MIN, 1 << (nbytes - 1).bit_length())
-        with self._stage_lock:
-            self._sweep(dev)
-            free = dev.free_host.get(size)
-            if free:
-                return free.pop()
-            if dev.host_bytes + size > _STAGE_LIMIT:
-                return None
-            dev.host_bytes += size
-        try:
-            (ptr,) = self._call(
-                dev, "cuMemHostAlloc", self._cu.cuMemHostAlloc, size, _MEMHOSTALLOC_PORTABLE
-            )
-        except DeviceError:
-            with self._stage_lock:
-                dev.host_bytes -= size
-            return None
-        return _HostBuf(int(ptr), size)
-
-    def _sweep(self, dev: _Dev) -> None:
-        """Deliver finished device-to-host copies, recycle finished staging buffers.
-
-        Holds ``_stage_lock``; never raises (a fault is recorded, the entries dropped).
-        """
-        if not dev.pending or dev.fault is not None:
-            return
-        self._cur(dev)
-        keep: list[_Pending] = []
-        pending = dev.pending
-        for i, p in enumerate(pending):
-            rc = self._n.event_query(p.event)
-            if rc == _SUCCESS:
-                if p.dst is not None:
-                    p.dst[...] = p.buf.array[: p.nbytes]
-                    self._d2h_pending -= 1
-                dev.free_host.setdefault(p.buf.size, []).append(p.buf)
-                dev.events.append(p.event)
-            elif rc == _ERR_NOT_READY:
-                keep.append(p)
-            else:
-                if rc in STICKY_ERRORS:
-                    self._set_fault(dev, rc, _err_name(rc), "cuEventQuery")
-                # lost: nothing still pending on this device will ever be delivered
-                lost = keep + pending[i:]
-                self._d2h_pending -= sum(1 for q in lost if q.dst is not None)
-                keep = []
-                break
-        dev.pending = keep
-
-    def _sweep_all(self) -> None:
-        try:
-            with self._stage_lock:
-                for dev in self._devices:
-                    if dev.pending:
-                        self._sweep(dev)
-        except Exception as exc:
-            warnings.warn(f"gpuflow: staged copy delivery failed: {exc!r}", stacklevel=2)
-
-    def _stage_done(self, dev: _Dev, p: _Pending) -> None:
-        with self._stage_lock:
-            dev.pending.append(p)
-            if p.dst is not None:
-                self._d2h_pending += 1
-
+    # -- copies (through pinned staging buffers: ._staging) -----------------------
     def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
         dev = self._live(stream)
         n = int(src.nbytes)
@@ -985,8 +437,8 @@ class CudaBackend(Backend):
         if n > dst.nbytes:
             raise UsageError(f"copy of {n} bytes into {dst!r}")
         buf = None
-        if stream.capture is None and _STAGE_H2D_MIN <= n <= _STAGE_MAX:
-            buf = self._stage_get(dev, n)
+        if stream.capture is None and STAGE_H2D_MIN <= n <= STAGE_MAX:
+            buf = self._staging.get(dev, n)
         self._cur(dev)
         cu = self._cu
         if buf is None:
@@ -1001,7 +453,7 @@ class CudaBackend(Backend):
             dev, "cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync, dst.ptr, buf.ptr, n, stream.handle
         )
         ev = self._record(dev, stream.handle)
-        self._stage_done(dev, _Pending(ev, buf, None, n))
+        self._staging.done(dev, Pending(ev, buf, None, n))
 
     def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
         dev = self._live(stream)
@@ -1013,8 +465,8 @@ class CudaBackend(Backend):
         if n > src.nbytes:
             raise UsageError(f"copy of {n} bytes from {src!r}")
         buf = None
-        if stream.capture is None and n <= _STAGE_MAX:
-            buf = self._stage_get(dev, n)
+        if stream.capture is None and n <= STAGE_MAX:
+            buf = self._staging.get(dev, n)
         self._cur(dev)
         cu = self._cu
         if buf is None:
@@ -1029,7 +481,7 @@ class CudaBackend(Backend):
             dev, "cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync, buf.ptr, src.ptr, n, stream.handle
         )
         ev = self._record(dev, stream.handle)
-        self._stage_done(dev, _Pending(ev, buf, flat, n))
+        self._staging.done(dev, Pending(ev, buf, flat, n))
 
     def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
         dev = self._live(stream)
@@ -1047,13 +499,14 @@ class CudaBackend(Backend):
                 dst.ptr, src.ptr, nbytes, stream.handle,
             )  # fmt: skip
 
-    def _builtin(self, dev: _Dev, name: str) -> Any:
+    # -- fills (memset, or a built-in kernel: ._kernels) ------------------------------
+    def _builtin(self, dev: Dev, name: str) -> Any:
         fns = dev.builtins
         if fns is None:
-            cubin = compile_source(_BUILTIN_SOURCE, dev.arch, ())
+            cubin = compile_source(BUILTIN_SOURCE, dev.arch, ())
             (mod,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
             fns = {}
-            for fname in _BUILTIN_NAMES:
+            for fname in BUILTIN_NAMES:
                 (f,) = self._call(
                     dev, "cuModuleGetFunction", self._cu.cuModuleGetFunction, mod, fname.encode()
                 )
@@ -1062,18 +515,18 @@ class CudaBackend(Backend):
         return fns[name]
 
     def _launch_builtin(
-        self, dev: _Dev, stream: CudaStream, fname: str, st: struct.Struct, values: tuple[Any, ...]
+        self, dev: Dev, stream: CudaStream, fname: str, st: struct.Struct, values: tuple[Any, ...]
     ) -> None:
         func = self._builtin(dev, fname)
         count = int(values[-1])
-        blocks = min((count + _FILL_THREADS - 1) // _FILL_THREADS, _FILL_MAX_BLOCKS)
+        blocks = min((count + FILL_THREADS - 1) // FILL_THREADS, FILL_MAX_BLOCKS)
         ts = self._cur(dev)
-        st.pack_into(ts.params, _VALUES_OFFSET, *values)
+        st.pack_into(ts.params, VALUES_OFFSET, *values)
         (err,) = self._cu.cuLaunchKernel(
-            func, blocks, 1, 1, _FILL_THREADS, 1, 1, 0, stream.obj, ts.params_addr, 0
+            func, blocks, 1, 1, FILL_THREADS, 1, 1, 0, stream.obj, ts.params_addr, 0
         )
         if err:
-            self._fail(int(err), f"built-in kernel {fname}", dev, launch=True)
+            raise error_for(int(err), f"built-in kernel {fname}", dev, launch=True)
 
     def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
         dev = self._live(stream)
@@ -1096,7 +549,7 @@ class CudaBackend(Backend):
             self._call(dev, "cuMemsetD32Async", cu.cuMemsetD32Async, dst.ptr, v, 2 * count, h)
         elif size == 8:
             v = int.from_bytes(bits, "little")
-            self._launch_builtin(dev, stream, "gf_fill_u64", _FILL_STRUCT, (dst.ptr, v, count))
+            self._launch_builtin(dev, stream, "gf_fill_u64", FILL_STRUCT, (dst.ptr, v, count))
         else:
             raise UsageError(f"fill does not support dtype {value.dtype} on the cuda backend")
 
@@ -1107,20 +560,20 @@ class CudaBackend(Backend):
         if count <= 0:
             return
         dtype = start.dtype
-        fname = _arange_kernel(dtype)
+        fname = arange_kernel(dtype)
         step_: Any = np.asarray(step).astype(dtype)[()]
         step = step_
         if dtype.kind == "f" and dtype.itemsize != 2:
             a: Any = float(start)
             b: Any = float(step)
-            st = _ARANGE_F32_STRUCT if dtype.itemsize == 4 else _ARANGE_F64_STRUCT
+            st = ARANGE_F32_STRUCT if dtype.itemsize == 4 else ARANGE_F64_STRUCT
         else:
-            u = _UINT_OF_SIZE[dtype.itemsize]
+            u = UINT_OF_SIZE[dtype.itemsize]
             a = int(np.asarray(start).view(u)[()])
             b = int(np.asarray(step).view(u)[()])
             if dtype.kind == "b":
                 a, b = int(bool(a)), int(bool(b))
-            st = _BUILTIN_STRUCT
+            st = BUILTIN_STRUCT
         self._launch_builtin(dev, stream, fname, st, (dst.ptr, a, b, count))
 
     # -- kernels --------------------------------------------------------------------
@@ -1136,17 +589,15 @@ class CudaBackend(Backend):
                 mod = None
             if mod is None:
                 (h,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
-                mod = _Module(self, dev, int(h))
+                mod = CudaModule(self, dev, int(h))
                 self._modules[key] = mod
         self._cur(dev)
-        err, f = self._cu.cuModuleGetFunction(mod.handle, name.encode())
-        if int(err) != _SUCCESS:
-            raise DeviceError(
-                f"kernel {name!r} not found in its module (is it declared extern \"C\"?)",
-                code=int(err),
-                name=_err_name(int(err)),
-                device=dev.index,
-            )
+        (f,) = check(
+            self._cu.cuModuleGetFunction(mod.handle, name.encode()),
+            "cuModuleGetFunction",
+            dev,
+            message=f'kernel {name!r} not found in its module (is it declared extern "C"?)',
+        )
         return CudaKernel(dev, name, f, mod)
 
     def launch(
@@ -1170,10 +621,10 @@ class CudaBackend(Backend):
             key = tuple(map(type, args))
             st = self._plans.get(key)
             if st is None:
-                st = self._plan(key)
+                st = self._plans[key] = plan(key)
             st.pack_into(
                 ts.params,
-                _VALUES_OFFSET,
+                VALUES_OFFSET,
                 *[a.buffer.ptr if type(a) is PointerArg else a for a in args],
             )
             params = ts.params_addr
@@ -1187,13 +638,6 @@ class CudaBackend(Backend):
         (err,) = self._launch(kernel.obj, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
         if err:
             self._launch_failed(int(err), kernel, grid, block, shmem, params, stream)
-
-    def _plan(self, key: tuple[type, ...]) -> struct.Struct:
-        if len(key) > _MAX_ARGS:
-            raise UsageError(f"at most {_MAX_ARGS} kernel arguments, not {len(key)}")
-        st = struct.Struct("<" + "".join(_slot_code(t) for t in key))
-        self._plans[key] = st
-        return st
 
     def _stale_launch(self, kernel: CudaKernel, stream: CudaStream) -> NoReturn:
         if kernel.token is not kernel.dev.token:
@@ -1213,23 +657,23 @@ class CudaBackend(Backend):
     ) -> None:
         dev = stream.dev
         retry = False
-        if rc in _CTX_ERRORS:
+        if rc in CONTEXT_ERRORS:
             self._force_cur(dev)
             retry = True
-        elif rc == _ERR_INVALID_VALUE and shmem > kernel.shmem_max:
+        elif rc == CUDA_ERROR_INVALID_VALUE and shmem > kernel.shmem_max:
             # more than 48 KiB of dynamic shared memory must be opted into
             cu = self._cu
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             (err,) = cu.cuFuncSetAttribute(kernel.obj, attr, shmem)
-            if int(err) == _SUCCESS:
+            if int(err) == CUDA_SUCCESS:  # else the launch's own error is the one to report
                 kernel.shmem_max = shmem
                 retry = True
         if retry:
             (err,) = self._launch(kernel.obj, *grid, *block, shmem, stream.obj, params, 0)
             rc = int(err)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 return
-        self._fail(
+        raise error_for(
             rc,
             f"launch of kernel {kernel.name!r} with grid={tuple(grid)} block={tuple(block)} "
             f"shmem={shmem}",
@@ -1248,15 +692,15 @@ class CudaBackend(Backend):
         if self._event_signals and stream.capture is None:
             ev = self._record(dev, h)
             rc = n.launch_host_func(h, post, self._gsem_addr)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 stream.sig_events.append(ev)
                 return
         else:
             rc = n.launch_host_func(h, post, stream.sem_addr)
-            if rc == _SUCCESS:
+            if rc == CUDA_SUCCESS:
                 rc = n.launch_host_func(h, post, self._gsem_addr)
-        if rc != _SUCCESS:
-            self._fail(rc, "cuLaunchHostFunc", dev)
+        if rc:
+            raise error_for(rc, "cuLaunchHostFunc", dev)
 
     def wait_signals(self, timeout: float | None) -> None:
         n = self._n
@@ -1276,7 +720,7 @@ class CudaBackend(Backend):
                 deadline = time.time() + timeout
                 clock = -1
             sec = int(deadline)
-            ts = _Timespec(sec, int((deadline - sec) * 1e9))
+            ts = Timespec(sec, int((deadline - sec) * 1e9))
             ref = ctypes.byref(ts)
             while True:
                 if clock >= 0:
@@ -1298,9 +742,9 @@ class CudaBackend(Backend):
             count += 1
         if stream.sig_events:
             count += self._take_event_signals(stream)
-        if self._d2h_pending:
+        if self._staging.d2h_pending:
             # a staged copy before any of these signals is done: deliver it first
-            self._sweep_all()
+            self._staging.sweep_all()
         return count
 
     def _take_event_signals(self, stream: CudaStream) -> int:
@@ -1319,12 +763,12 @@ class CudaBackend(Backend):
             query = self._n.event_query
             while q:
                 rc = query(q[0])
-                if rc == _SUCCESS:
+                if rc == CUDA_SUCCESS:
                     dev.events.append(q.popleft())
                     count += 1
                     continue
-                if rc in STICKY_ERRORS:
-                    self._set_fault(dev, rc, _err_name(rc), "cuEventQuery")
+                if rc != CUDA_ERROR_NOT_READY:
+                    error_for(rc, "cuEventQuery", dev)  # not raised: a sticky code is recorded
                 break
         return count
 
@@ -1351,7 +795,7 @@ class CudaBackend(Backend):
         if stream.pre_capture:
             dev.events.append(stream.pre_capture)
         stream.pre_capture = pre
-        stream.capture = _Capture(stream)
+        stream.capture = Capture(stream)
 
     def end_capture(self, stream: Any) -> CudaGraph:
         cap = stream.capture
@@ -1360,19 +804,18 @@ class CudaBackend(Backend):
         dev = stream.dev
         cu = self._cu
         self._cur(dev)
-        err, graph = cu.cuStreamEndCapture(stream.handle)
+        res = cu.cuStreamEndCapture(stream.handle)
         for s in cap.streams:
             s.capture = None
         for buffer, s in cap.deferred_frees:
             self.free(buffer, s)
-        if int(err) != _SUCCESS:
-            self._fail(int(err), "cuStreamEndCapture", dev)
+        (graph,) = check(res, "cuStreamEndCapture", dev)
         try:
             # with no array to fill, the driver only counts the nodes
             _, nodes = self._call(dev, "cuGraphGetNodes", cu.cuGraphGetNodes, graph, 0)
             (exec_,) = self._call(dev, "cuGraphInstantiate", cu.cuGraphInstantiate, graph, 0)
         except BaseException:
-            cu.cuGraphDestroy(graph)
+            cu.cuGraphDestroy(graph)  # unchecked: the instantiation's error is the one to raise
             raise
         return CudaGraph(self, dev, int(graph), int(exec_), int(nodes))
 
@@ -1385,8 +828,8 @@ class CudaBackend(Backend):
             raise UsageError("the graph was captured before its device was reset")
         self._cur(dev)
         rc = self._n.graph_launch(graph.exec, stream.handle)
-        if rc != _SUCCESS:
-            self._fail(rc, "cuGraphLaunch", dev)
+        if rc:
+            raise error_for(rc, "cuGraphLaunch", dev)
 
     # -- faults ---------------------------------------------------------------------------
     def device_fault(self, device: int) -> DeviceFaultError | None:
@@ -1401,10 +844,12 @@ class CudaBackend(Backend):
         def step(what: str, res: Any) -> tuple[Any, ...]:
             nonlocal last
             last = int(res[0])
-            trace.append(f"{what}: {_err_name(last) if last else 'ok'}")
+            trace.append(f"{what}: {err_name(last) if last else 'ok'}")
             return tuple(res[1:])
 
-        with dev.lock, self._stage_lock:
+        # each driver result is traced rather than checked: the reset succeeds or
+        # fails as a whole (a DeviceFaultError with the last code, below)
+        with dev.lock, self._staging.lock:
             # no thread of ours keeps the old context current: this one lets go now,
             # the others set the new one at their next call (the token changes below)
             self._n.ctx_set_current(None)
@@ -1420,12 +865,12 @@ class CudaBackend(Backend):
                 # a reset does not release our reference; retaining again makes the
                 # context live (that extra reference is kept)
                 out = step("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev.cudev))
-                if last == _SUCCESS:
+                if last == CUDA_SUCCESS:
                     self._n.ctx_set_current(int(out[0]))
                     last = self._n.ctx_synchronize()
-                    trace.append(f"cuCtxSynchronize: {_err_name(last) if last else 'ok'}")
+                    trace.append(f"cuCtxSynchronize: {err_name(last) if last else 'ok'}")
                     self._n.ctx_set_current(None)
-                    if last == _SUCCESS:
+                    if last == CUDA_SUCCESS:
                         ctx = out[0]
                         break
                     step("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(dev.cudev))
@@ -1436,19 +881,15 @@ class CudaBackend(Backend):
                     f"CUDA device {dev.index} could not be reset ({'; '.join(trace)}); "
                     "the driver keeps the fault: restart the process",
                     code=last or None,
-                    name=_err_name(last) if last else None,
+                    name=err_name(last) if last else None,
                     device=dev.index,
                 )
             dev.ctx = int(ctx)
-            dev.token = _Token()  # every thread sets the new context; old handles are stale
+            dev.token = Token()  # every thread sets the new context; old handles are stale
             dev.fault = None
             dev.events = []
             dev.builtins = None
-            # pinned staging memory went with the context
-            self._d2h_pending -= sum(1 for p in dev.pending if p.dst is not None)
-            dev.pending = []
-            dev.free_host = {}
-            dev.host_bytes = 0
+            self._staging.drop(dev)  # pinned staging memory went with the context
             self._setup_context(dev)
         self._enable_peers(dev)
         for other in self._devices:

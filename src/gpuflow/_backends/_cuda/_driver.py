@@ -1,0 +1,122 @@
+"""``cuda.bindings.driver``, and the one place a driver result becomes a gpuflow error.
+
+The bindings are imported on first use, so that importing gpuflow needs no
+CUDA.  Every failed driver call goes through :func:`error_for`: the error
+keeps the driver's code and name, its class comes from the table both
+backends share (:mod:`.._codes`), and a sticky code is recorded as the
+device's fault, which every later call on the device raises until a reset.
+A cuda.bindings result tuple is unpacked by :func:`check`; libcuda's ctypes
+entry points (:mod:`._native`) return the bare code, which their callers
+test in place (``if rc: raise error_for(...)``): they sit on the
+per-operation path, where one more function call a result (some 40 ns)
+would show.  Callers that must not raise (finalizers, completion checks)
+still pass a failure through :func:`error_for`, for the fault it records,
+and drop the error it returns or, in a finalizer, warn about it
+(:func:`warn_unless_fault`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ..._errors import DeviceError, DeviceFaultError, OutOfMemoryError
+from .._codes import error_class
+
+if TYPE_CHECKING:
+    from ._handles import Dev
+
+_cu_module: Any = None
+
+
+def driver() -> Any:
+    """``cuda.bindings.driver``, imported on first use (no libcuda needed to import it)."""
+    global _cu_module
+    if _cu_module is None:
+        from cuda.bindings import driver as cu
+
+        _cu_module = cu
+    return _cu_module
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices the driver reports; 0 where there is no driver or device."""
+    try:
+        cu = driver()
+        check(cu.cuInit(0), "cuInit")
+        (n,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        return int(n)
+    except Exception:  # no driver library, no device, broken install: no CUDA here
+        return 0
+
+
+def err_name(rc: int) -> str:
+    """The driver's name for ``rc`` (``CUDA_ERROR_...``)."""
+    try:
+        return str(driver().CUresult(rc).name)
+    except Exception:
+        return f"CUresult {rc}"
+
+
+def error_for(
+    rc: int,
+    what: str,
+    dev: Dev | None,
+    *,
+    launch: bool = False,
+    message: str | None = None,
+) -> DeviceError:
+    """The error for the failed call ``what`` (``rc`` is not success), to raise.
+
+    A sticky code with a device is that device's fault, recorded now if it is
+    the first (the class table decides what is sticky).  Otherwise the class
+    comes from the table (``launch``: the code came from a kernel launch), and
+    the message is ``message`` or says which call failed.
+    """
+    name = err_name(rc)
+    cls = error_class(rc, launch=launch)
+    if cls is DeviceFaultError:
+        if dev is not None:
+            return _record_fault(dev, rc, name, what)
+        cls = DeviceError  # no device to hold the fault
+    index = None if dev is None else dev.index
+    if message is None:
+        if cls is OutOfMemoryError:
+            message = f"{what}: out of memory on CUDA device {index}"
+        else:
+            message = f"{what} failed"
+    return cls(message, code=rc, name=name, device=index)
+
+
+def check(
+    res: Any, what: str, dev: Dev | None = None, *, message: str | None = None
+) -> tuple[Any, ...]:
+    """Unpack a cuda.bindings result tuple, raising :func:`error_for` on an error code."""
+    rc = int(res[0])
+    if rc:
+        raise error_for(rc, what, dev, message=message)
+    return tuple(res[1:])
+
+
+def warn_unless_fault(rc: int, what: str, dev: Dev, doing: str) -> None:
+    """For a finalizer, which must not raise, the failed call ``what``: a sticky
+    code records the device's fault (every later call raises it); any other
+    code is a warning that ``doing`` failed."""
+    err = error_for(rc, what, dev)
+    if not isinstance(err, DeviceFaultError):
+        warnings.warn(f"gpuflow: {doing} failed: {err.name}", stacklevel=3)
+
+
+def _record_fault(dev: Dev, rc: int, name: str, what: str) -> DeviceFaultError:
+    """``dev``'s fault: the first sticky code seen on the device, whichever call saw it."""
+    with dev.lock:
+        if dev.fault is None:
+            dev.fault = DeviceFaultError(
+                f"CUDA device {dev.index} ({dev.name}) has a sticky fault, seen by {what}; "
+                "until a reset (which the driver may refuse: then restart the process) "
+                "every call on the device fails",
+                code=rc,
+                name=name,
+                device=dev.index,
+            )
+        return dev.fault
