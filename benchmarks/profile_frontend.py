@@ -49,6 +49,11 @@ class NullBackend(_base.Backend):
     def device_count(self) -> int:
         return 1
 
+    class _State:
+        fault = None
+
+    _devices = (_State(),)
+
     def device_name(self, device: int) -> str:
         return "null"
 
@@ -142,8 +147,11 @@ class NullBackend(_base.Backend):
     def launch_graph(self, graph: Any, stream: Any) -> None:
         pass
 
-    def device_fault(self, device: int) -> None:
-        return None
+    def _device_state(self, device: int) -> Any:
+        return self._lookup(self._devices, device)
+
+    def device_arch(self, device: int) -> str:
+        return "sm_90"
 
     def reset_device(self, device: int) -> None:
         pass

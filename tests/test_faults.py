@@ -46,10 +46,7 @@ def fault_deadline() -> float:
 
 def warm(module: gf.Module) -> gf.Module:
     """Compile the module's device code now, not inside a timed window."""
-    be = gf.lowlevel.current_backend_object()
-    arch = getattr(be, "device_arch", None)
-    if arch is not None:
-        module.binary_for(arch(0))
+    module.binary_for(gf.lowlevel.current_backend_object().device_arch(0))
     return module
 
 # on cuda every test here runs in a child process of its own (conftest.py)

@@ -12,7 +12,6 @@ from ._backends._base import Backend as Backend
 from ._backends._base import PointerArg as PointerArg
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
-from ._errors import UsageError
 from ._operation import Graph
 from ._runtime import get_runtime
 
@@ -24,7 +23,4 @@ def current_backend_object() -> Backend:
 
 def graph_exec_handle(graph: Graph[object]) -> int:
     """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
-    handle = getattr(graph._rec.raw, "exec", None)
-    if handle is None:
-        raise UsageError("graph_exec_handle() needs a graph captured on the cuda backend")
-    return int(handle)
+    return get_runtime().backend.graph_handle(graph._rec.raw)

@@ -219,14 +219,9 @@ class CudaBackend(Backend):
                 )
 
     def _dev(self, device: int) -> Dev:
-        try:
-            if device < 0:
-                raise IndexError
-            return self._devices[device]
-        except (IndexError, TypeError):
-            raise UsageError(
-                f"device {device} does not exist: the cuda backend has {len(self._devices)}"
-            ) from None
+        return self._lookup(self._devices, device)
+
+    _device_state = _dev
 
     def _live(self, stream: CudaStream) -> Dev:
         """The stream's device, after the fault and stale-handle checks of an enqueue."""
@@ -822,6 +817,9 @@ class CudaBackend(Backend):
     def graph_node_count(self, graph: Any) -> int:
         return int(graph.nodes)
 
+    def graph_handle(self, graph: Any) -> int:
+        return int(graph.exec)
+
     def launch_graph(self, graph: Any, stream: Any) -> None:
         dev = self._live(stream)
         if graph.token is not graph.dev.token:
@@ -832,9 +830,6 @@ class CudaBackend(Backend):
             raise error_for(rc, "cuGraphLaunch", dev)
 
     # -- faults ---------------------------------------------------------------------------
-    def device_fault(self, device: int) -> DeviceFaultError | None:
-        return self._dev(device).fault
-
     def reset_device(self, device: int) -> None:
         dev = self._dev(device)
         cu = self._cu
