@@ -44,6 +44,13 @@ class Stream:
         """
         self._runtime.backend.synchronize(self._raw)
 
+    @property
+    def raw(self) -> Any:
+        """The backend's own stream object, for code that calls the backend
+        directly (:mod:`gpuflow.lowlevel`): operations enqueue on
+        ``ctx.stream.raw`` through ``ctx.backend``."""
+        return self._raw
+
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(version, CUstream address)``."""
         return (0, self._runtime.backend.stream_handle(self._raw))

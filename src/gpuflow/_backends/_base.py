@@ -126,12 +126,6 @@ class Backend(abc.ABC):
         """The sticky fault of ``device``, if one has been seen."""
         return self._device_state(device).fault
 
-    def raise_if_faulted(self, device: int) -> None:
-        """Raise the sticky fault of ``device``, if one has been seen."""
-        fault = self._device_state(device).fault
-        if fault is not None:
-            raise fault
-
     @abc.abstractmethod
     def device_arch(self, device: int) -> str:
         """The ``sm_XY`` device code of ``device`` is compiled for."""
