@@ -80,8 +80,8 @@ def test_error_hierarchy_and_driver_codes() -> None:
     assert issubclass(gf.DeviceError, gf.GpuflowError)
     for cls in (gf.DeviceFaultError, gf.OutOfMemoryError, gf.LaunchError):
         assert issubclass(cls, gf.DeviceError)
-    for cls in (gf.CompileError, gf.UsageError):
-        assert issubclass(cls, gf.GpuflowError) and not issubclass(cls, gf.DeviceError)
+    for other in (gf.CompileError, gf.UsageError):
+        assert issubclass(other, gf.GpuflowError) and not issubclass(other, gf.DeviceError)
     err = gf.DeviceFaultError(
         "kernel faulted", code=700, name="CUDA_ERROR_ILLEGAL_ADDRESS", device=1
     )
@@ -342,7 +342,7 @@ def test_sim_poisons_freed_memory_and_detects_use_after_free() -> None:
     be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
     x = gf.full(16, 1.0, F32).sync_on(s)
-    buf = x._alloc.buffer
+    buf: Any = x._alloc.buffer  # the sim buffer itself (its bytes are under test)
     assert (buf.data[: x.nbytes].view(F32) == 1).all()
     be.free(buf, s.raw)  # what a premature free would do
     s.synchronize()
@@ -366,7 +366,7 @@ def test_sim_detects_a_read_after_free() -> None:
     be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
     x = gf.arange(8, dtype=np.int64).sync_on(s)
-    buf = x._alloc.buffer
+    buf: Any = x._alloc.buffer  # the sim buffer itself (its bytes are under test)
     be.free(buf, s.raw)
     try:
         freed = rf"copy from {re.escape(repr(buf))}.*use after free"
@@ -416,7 +416,7 @@ def test_sim_a_free_poisons_the_buffer_once_its_stream_reaches_it() -> None:
 def test_sim_a_dropped_array_leaves_poison_not_its_values() -> None:
     s = gf.new_stream()
     x = gf.zeros(16, F32).sync_on(s)
-    buf = x._alloc.buffer
+    buf: Any = x._alloc.buffer  # the sim buffer itself (its bytes are under test)
     assert (buf.data[: x.nbytes].view(F32) == 0).all()
     del x  # the last reference: gpuflow frees the memory in stream order
     gc.collect()
