@@ -31,7 +31,6 @@ import struct
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -115,9 +114,12 @@ class CudaBackend(Backend):
         self._n = Native()
         self._tls = ThreadState()
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
-        self._modules: weakref.WeakValueDictionary[tuple[int, bytes], CudaModule] = (
-            weakref.WeakValueDictionary()
-        )
+        # Loaded modules stay loaded while the backend lives: cuModuleUnload
+        # waits until the device is idle, and a finalizer calling it would
+        # stall whatever thread collects the garbage (an event loop's, the
+        # dispatcher's) until every kernel in flight is done.  They are
+        # unloaded by close(), a point the program chose.
+        self._modules: dict[tuple[int, bytes], CudaModule] = {}
         self._module_lock = threading.Lock()
         self._gsem, self._gsem_addr = self._n.new_sem()
         self._stream_lock = threading.Lock()
@@ -892,5 +894,10 @@ class CudaBackend(Backend):
                 self._enable_peers(other)
 
     def close(self) -> None:
-        """Wake a dispatcher blocked in :meth:`wait_signals`; handles go with the process."""
+        """Wake a dispatcher blocked in :meth:`wait_signals`; unload the modules
+        (this waits until the device is idle); other handles go with the process."""
         self.wake()
+        with self._module_lock:
+            modules, self._modules = list(self._modules.values()), {}
+        for mod in modules:
+            mod.unload()
