@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import gpuflow as gf
@@ -41,5 +42,6 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
     report = json.loads((work / "bench.json").read_text())
     assert report["backend"] == device_backend
     names = [r["name"] for r in report["rows"]]
-    assert names == ["awaited ops per second (asyncio)", "awaited ops per second (trio)"]
+    loops = ["asyncio", "uvloop", "trio"] if find_spec("uvloop") else ["asyncio", "trio"]
+    assert names == [f"awaited ops per second ({loop})" for loop in loops]
     assert all(r["unit"] == "op/s" and r["value"] > 0 for r in report["rows"])
