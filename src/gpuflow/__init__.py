@@ -37,6 +37,7 @@ from ._operation import with_context as with_context
 from ._operation import zip as zip
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
+from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
 from ._runtime import current_backend as current_backend
 from ._runtime import current_device as current_device

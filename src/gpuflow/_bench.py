@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -345,6 +346,71 @@ def bench_lease_exit(mod: gf.Module, quick: bool) -> None:
             "<= 1 ms beyond")
 
 
+def mixed_deadline_load(
+    slow: gf.DeviceOperation[Any],
+    fast: gf.DeviceOperation[Any],
+    policy: gf.SchedulingPolicy | None,
+    *,
+    in_flight: int = 16,
+    slow_every: int = 8,
+    deadline: float = 0.2,
+    seconds: float = 5.0,
+    backend: str = "asyncio",
+    backend_options: dict[str, Any] | None = None,
+) -> tuple[int, int]:
+    """A service in one process: ``in_flight`` tasks each serve requests back
+    to back for ``seconds``; a request runs ``slow`` with probability
+    ``1 / slow_every`` (a seeded draw: both policies see the same sequence),
+    else ``fast``; every request is abandoned at its ``deadline`` (its GPU
+    work, which cannot be recalled, runs on).  ``policy=None`` is the default
+    policy.  Returns ``(fast requests, fast requests that missed)``; before it
+    returns, every run of the load has finished on the device."""
+    counts = [0, 0]
+    draw = random.Random(8).random
+
+    async def serve() -> None:
+        async def worker() -> None:
+            while time.perf_counter() < end:
+                is_slow = draw() * slow_every < 1
+                op = slow if is_slow else fast
+                with anyio.move_on_after(deadline) as scope:
+                    await op.run(policy)
+                if not is_slow:
+                    counts[0] += 1
+                    counts[1] += scope.cancelled_caught
+
+        end = time.perf_counter() + seconds
+        async with anyio.create_task_group() as tg:
+            for _ in range(in_flight):
+                tg.start_soon(worker)
+        while gf.testing.pending_runs():  # abandoned work, still on the device
+            await anyio.sleep(0.01)
+
+    anyio.run(serve, backend=backend, backend_options=backend_options or {})
+    return counts[0], counts[1]
+
+
+def bench_deadlines(mod: gf.Module, quick: bool) -> None:
+    """The service load that round robin fails: slow requests abandoned at
+    their deadline keep a pool stream busy, and fast requests dealt to it
+    behind them miss theirs."""
+    seconds = 1.5 if quick else 6.0
+    slow = mod.spin(gf.LaunchConfig(1, 1), 400_000_000)
+    k = mod.empty(gf.LaunchConfig(1, 1))
+    fast = k.then(lambda _o: k).then(lambda _o: k)  # a short pipeline: three kernels
+    print(f"16 requests in flight for {seconds:.1f} s, 1 in 8 runs 400 ms of GPU work, "
+          "200 ms deadline each: fast requests that miss it")
+    fast_rr, missed_rr = mixed_deadline_load(
+        slow, fast, gf.StreamPoolRoundRobin(), seconds=seconds)
+    fast_ll, missed_ll = mixed_deadline_load(slow, fast, None, seconds=seconds)
+    rr = 100 * missed_rr / max(fast_rr, 1)
+    ll = 100 * missed_ll / max(fast_ll, 1)
+    grown = len(gf.lowlevel.pool_streams())
+    row("deadline misses, round robin", rr, "%", target=f"({fast_rr} fast requests)")
+    row("deadline misses, default (least loaded)", ll, "%", "round robin", rr,
+        f"<= 5 % ({fast_ll} fast requests, {grown} streams)")
+
+
 def bench_fault(mod: gf.Module, cuda: bool) -> None:
     """Last: on cuda the driver keeps a sticky fault until the process ends."""
     print("device fault to failed await")
@@ -416,7 +482,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--only", action="append", default=[],
-                   help="launch, throughput, chain, hold, lease, fanout, fault (repeatable)")
+                   help="launch, throughput, chain, hold, lease, deadlines, fanout, fault "
+                   "(repeatable)")
     args = p.parse_args(argv)
     backend = gf.init_device_contexts(backend=args.backend)
     cuda = backend == "cuda"
@@ -426,7 +493,9 @@ def main(argv: list[str]) -> int:
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
     mod = gf.compile(EMPTY, references=_refs())
-    only = set(args.only) or {"launch", "throughput", "chain", "hold", "lease", "fanout", "fault"}
+    only = set(args.only) or {
+        "launch", "throughput", "chain", "hold", "lease", "deadlines", "fanout", "fault"
+    }
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
     print(f"{head} {'ratio':>8}  target")
     if "launch" in only:
@@ -439,6 +508,8 @@ def main(argv: list[str]) -> int:
         bench_host_function_hold(cuda)
     if "lease" in only:
         bench_lease_exit(mod, args.quick)
+    if "deadlines" in only:
+        bench_deadlines(mod, args.quick)
     if "fanout" in only:
         bench_fan_out(mod, args.quick, cuda)
     if "fault" in only:

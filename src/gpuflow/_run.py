@@ -13,6 +13,7 @@ inside them through a context variable, so that they can wait for it.
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -133,8 +134,28 @@ def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return _sync(op, stream, None)
 
 
+_syncs_lock = threading.Lock()
+
+
 def _sync(op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None) -> Any:
     _rt, sub, ctx = _start(op, stream, policy)
+    # a blocking run is never handed to the dispatcher: count it on its
+    # stream, so that the default policy sees that stream as busy meanwhile
+    with _syncs_lock:
+        stream._syncs += 1
+    try:
+        return _sync_run(op, stream, sub, ctx)
+    finally:
+        with _syncs_lock:
+            stream._syncs -= 1
+
+
+def _sync_run(
+    op: DeviceOperation[Any],
+    stream: Stream,
+    sub: Submission,
+    ctx: ExecutionContext,
+) -> Any:
     try:
         out = op.execute(ctx)
     except BaseException:
