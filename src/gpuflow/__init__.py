@@ -51,5 +51,6 @@ from ._scope import StreamLease as StreamLease
 from ._scope import open_device_group as open_device_group
 from ._scope import open_stream_lease as open_stream_lease
 from ._stream import Stream as Stream
+from ._trace import trace as trace
 
 __version__ = "0.1.0.dev0"

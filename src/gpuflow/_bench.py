@@ -1,5 +1,6 @@
 """gpuflow's benchmarks: medians and ratios against baselines measured in the
-same process, side by side.  ``python -m gpuflow bench [--quick] [--only NAME]``.
+same process, side by side.  ``python -m gpuflow bench [--quick] [--only NAME]
+[--trace PATH]`` (``--trace``: also a timeline of every run, see ``gf.trace``).
 
 Shipped inside the package, so that ``python -m gpuflow bench`` works
 wherever gpuflow is installed.  With ``$OUT`` set, the rows are also written
@@ -14,6 +15,7 @@ ratio, and the target the issue set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import random
@@ -484,6 +486,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", action="append", default=[],
                    help="launch, throughput, chain, hold, lease, deadlines, fanout, fault "
                    "(repeatable)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="also write a timeline of every run to PATH (Chrome trace-event "
+                   "JSON, for ui.perfetto.dev); tracing slows the runs it records")
     args = p.parse_args(argv)
     backend = gf.init_device_contexts(backend=args.backend)
     cuda = backend == "cuda"
@@ -498,22 +503,10 @@ def main(argv: list[str]) -> int:
     }
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
     print(f"{head} {'ratio':>8}  target")
-    if "launch" in only:
-        bench_launch_await(mod, args.quick, cuda)
-    if "throughput" in only:
-        bench_throughput(mod, args.quick)
-    if "chain" in only:
-        bench_chain_and_graph(mod, args.quick, cuda)
-    if "hold" in only:
-        bench_host_function_hold(cuda)
-    if "lease" in only:
-        bench_lease_exit(mod, args.quick)
-    if "deadlines" in only:
-        bench_deadlines(mod, args.quick)
-    if "fanout" in only:
-        bench_fan_out(mod, args.quick, cuda)
-    if "fault" in only:
-        bench_fault(mod, cuda)
+    with gf.trace(args.trace) if args.trace else contextlib.nullcontext():
+        run_benches(mod, only, args.quick, cuda)
+    if args.trace:
+        print(f"timeline of every run: {args.trace}")
     out = os.environ.get("OUT")
     if out:
         import json
@@ -522,3 +515,21 @@ def main(argv: list[str]) -> int:
             json.dump({"backend": backend, "rows": ROWS}, f, indent=1)
     return 0
 
+
+def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None:
+    if "launch" in only:
+        bench_launch_await(mod, quick, cuda)
+    if "throughput" in only:
+        bench_throughput(mod, quick)
+    if "chain" in only:
+        bench_chain_and_graph(mod, quick, cuda)
+    if "hold" in only:
+        bench_host_function_hold(cuda)
+    if "lease" in only:
+        bench_lease_exit(mod, quick)
+    if "deadlines" in only:
+        bench_deadlines(mod, quick)
+    if "fanout" in only:
+        bench_fan_out(mod, quick, cuda)
+    if "fault" in only:
+        bench_fault(mod, cuda)
