@@ -171,19 +171,19 @@ MUTATIONS = [
         "M15",
         "the default policy deals streams whatever is pending on them (round robin)",
         "_policy.py",
-        "            if load is None:\n"
+        "            if lane is None:\n"
         "                if not s._syncs:\n"
-        "                    return s  # idle: the common case, one look-up\n",
+        "                    return s  # idle\n",
         "            if True:\n"
         "                if True:\n"
-        "                    return s  # idle: the common case, one look-up\n",
+        "                    return s  # idle\n",
         ("tests/test_policy.py",),
     ),
     Mutation(
         "M16",
         "the default policy never grows the pool, however stalled",
         "_policy.py",
-        "        if n < self._max:\n",
+        "        if len(streams) < self._max:\n",
         "        if False:\n",
         ("tests/test_policy.py",),
     ),
