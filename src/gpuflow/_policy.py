@@ -55,9 +55,9 @@ class StreamPoolLeastLoaded:
        the least-loaded one.
 
     Streams added in step 3 stay for the life of the device's context (until
-    ``gf.reset_device`` or a new ``init_device_contexts``) and are reused
-    first-idle-first; stream leases and :class:`StreamPoolRoundRobin` use
-    only the ``streams_per_device`` streams made at initialisation.  A bound
+    ``gf.reset_device`` or a new ``init_device_contexts``) and take their
+    turn in the rotation; stream leases and :class:`StreamPoolRoundRobin`
+    use only the ``streams_per_device`` streams made at initialisation.  A bound
     no larger than ``streams_per_device`` turns growth off.  Many short runs
     with nothing stalled never grow the pool (they share completion signals
     per stream, which more streams would split).  On CUDA, streams beyond
