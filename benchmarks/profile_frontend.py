@@ -13,6 +13,7 @@ import pstats
 import tempfile
 import threading
 import time
+import timeit
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 
 import gpuflow as gf
 from gpuflow._backends import _base
+from gpuflow._policy import DEFAULT_POLICY
 
 
 class NullStream:
@@ -207,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(300):
         chain.execute(ctx)
     print(f"chain execute() us/step {(time.perf_counter() - t0) / 300 / 132 * 1e6:.3f}")
+
+    # the default policy's choice alone, with every stream idle (a run's
+    # common case): the best of five batches, so that other load barely shows
+    policies = {"default policy": DEFAULT_POLICY, "round robin": gf.StreamPoolRoundRobin()}
+    for name, chooser in policies.items():
+        batches = timeit.repeat(lambda c=chooser: c.next_stream(0), number=20000, repeat=5)
+        print(f"{name} next_stream us/call {min(batches) / 20000 * 1e6:.3f} ({chooser!r})")
 
     # sync path enqueue only
     s = gf.new_stream(0)

@@ -233,13 +233,18 @@ def test_no_loop_is_running_here() -> None:
 
 
 @pytest.mark.anyio
-async def test_the_loop_adapter_is_the_running_loops(anyio_backend: str) -> None:
+async def test_the_loop_adapter_is_the_running_loops(
+    anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
     from gpuflow._loops import current_loop, running_loop_name  # the machinery itself
 
-    assert running_loop_name() == anyio_backend
+    assert running_loop_name() == anyio_backend_name
     loop = current_loop()
     assert current_loop() is loop  # chosen once for the loop, not per call
     assert loop.target is anyio.lowlevel.current_token().native_token
+    if anyio_backend_name == "asyncio":  # the uvloop runs really are on uvloop
+        on_uvloop = type(loop.target).__module__.startswith("uvloop")
+        assert on_uvloop == anyio_backend_options.get("use_uvloop", False)
     woken: list[str] = []
     wake, park = loop.parker()
 

@@ -23,7 +23,7 @@ import collections
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -137,7 +137,7 @@ class _Lane:
     ``n``-th mark recorded.
     """
 
-    __slots__ = ("appended", "completed", "device", "marks", "subs")
+    __slots__ = ("appended", "completed", "device", "marks", "since", "subs")
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -145,6 +145,8 @@ class _Lane:
         self.marks: collections.deque[int] = collections.deque()
         self.appended = 0
         self.completed = 0
+        #: when the lane last saw a submission finish, or was made (see lanes)
+        self.since = time.monotonic()
 
     def mark(self) -> bool:
         """Record a signal covering everything appended; False if one already does."""
@@ -255,6 +257,15 @@ class Dispatcher:
         """Submissions handed over whose work has not been seen to finish."""
         return self._pending
 
+    @property
+    def lanes(self) -> Mapping[Any, _Lane]:
+        """The streams with submissions not yet seen to finish, each with its
+        lane: ``len(lane.subs)`` pending submissions, none seen to finish
+        since ``lane.since`` (:func:`time.monotonic`).  A stream with nothing
+        pending has no lane.  Read without the lock, for heuristics such as
+        scheduling: a snapshot that may be stale at once; never modify it."""
+        return self._lanes
+
     def fail_device(self, device: int, error: BaseException) -> None:
         """Fail every pending submission of ``device`` (a fault, a reset)."""
         done: list[tuple[Submission, BaseException | None]] = []
@@ -305,6 +316,7 @@ class Dispatcher:
                 time.sleep(WATCHDOG_S)
             done: list[tuple[Submission, BaseException | None]] = []
             signalled: list[tuple[Any, int]] = []
+            now = time.monotonic()
             with self._lock:
                 idle = []
                 for raw, lane in self._lanes.items():
@@ -317,6 +329,8 @@ class Dispatcher:
                         q = lane.subs
                         for _ in range(upto - lane.completed):
                             done.append((q.popleft(), None))
+                        if upto != lane.completed:
+                            lane.since = now
                         lane.completed = upto
                     if not lane.subs and not lane.marks:
                         idle.append(raw)

@@ -23,13 +23,16 @@ class Stream:
     cuda.core can enqueue on it.
     """
 
-    __slots__ = ("__weakref__", "_device", "_generation", "_raw", "_runtime")
+    __slots__ = ("__weakref__", "_device", "_generation", "_raw", "_runtime", "_syncs")
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
         self._runtime = runtime
         self._device = device
         self._raw = raw
         self._generation = runtime.generation(device)
+        #: blocking runs (``sync``, ``sync_on``) on this stream now: the
+        #: dispatcher never sees them, a scheduling policy should
+        self._syncs = 0
 
     @property
     def device(self) -> int:

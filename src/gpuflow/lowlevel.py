@@ -13,12 +13,21 @@ from ._backends._base import PointerArg as PointerArg
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
 from ._operation import Graph
-from ._runtime import get_runtime
+from ._runtime import current_device, get_runtime
+from ._stream import Stream
 
 
 def current_backend_object() -> Backend:
     """The backend instance serving this process (raw handles, for interop and benchmarks)."""
     return get_runtime().backend
+
+
+def pool_streams(device: int | None = None) -> list[Stream]:
+    """The pool streams of ``device`` (default: the current one) now: the
+    ``streams_per_device`` made at initialisation, then those the default
+    policy (:class:`gpuflow.StreamPoolLeastLoaded`) added under load."""
+    rt = get_runtime()
+    return list(rt.streams(rt.check_device(current_device() if device is None else device)))
 
 
 def graph_exec_handle(graph: Graph[object]) -> int:
