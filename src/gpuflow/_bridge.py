@@ -44,6 +44,10 @@ Poster = Callable[[Callable[[], object]], object]
 Waiter = tuple[Any, Poster, Callable[[], object]]
 
 
+#: Makes "done" and "take the callbacks" one step against add_done_callback.
+_callbacks_lock = threading.Lock()
+
+
 class Submission:
     """What one run enqueued and must keep alive until the GPU is done with it.
 
@@ -63,20 +67,23 @@ class Submission:
         self.on_done: list[Callable[[BaseException | None], None]] | None = None
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Call ``fn(error)`` on the dispatcher thread when the work is done
-        (at once, here, if it already is).  ``fn`` must not block or raise."""
-        if self.on_done is None:
-            self.on_done = []
-        self.on_done.append(fn)
-        if self.done:
-            self.on_done.remove(fn)
-            fn(self.error)
+        """Call ``fn(error)`` once, on the dispatcher thread when the work is
+        done (at once, here, if it already is).  Safe from any thread, also
+        while the work completes.  ``fn`` must not block or raise."""
+        with _callbacks_lock:
+            if not self.done:
+                if self.on_done is None:
+                    self.on_done = []
+                self.on_done.append(fn)
+                return
+        fn(self.error)
 
     def _finish(self, error: BaseException | None) -> list[Waiter]:
         self.error = error
         self.keep = []
-        self.done = True
-        callbacks, self.on_done = self.on_done, None
+        with _callbacks_lock:  # a callback added meanwhile runs once, here or there
+            self.done = True
+            callbacks, self.on_done = self.on_done, None
         for fn in callbacks or ():
             try:
                 fn(error)
