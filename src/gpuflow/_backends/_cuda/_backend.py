@@ -195,6 +195,18 @@ class CudaBackend(Backend):
             cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             threshold,
         )
+        # never reuse memory freed on another stream by making the allocating
+        # stream wait for that stream's work: an allocation on an idle stream
+        # would queue behind long (or abandoned) work elsewhere.  Reuse that
+        # needs no new dependency (the free is done, or already ordered) stays.
+        self._call(
+            dev,
+            "cuMemPoolSetAttribute",
+            cu.cuMemPoolSetAttribute,
+            pool,
+            cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            0,
+        )
         (side,) = self._call(dev, "cuStreamCreate", cu.cuStreamCreate, _STREAM_NON_BLOCKING)
         dev.side = int(side)
 
