@@ -1,6 +1,6 @@
 """Other libraries' GPU work: arrays out and in (DLPack, ``__cuda_array_interface__``),
 foreign streams awaited (``gf.wait_stream``), foreign code on gpuflow's stream
-(``gf.foreign``).
+(``gf.foreign``), and ``python -m gpuflow info``.
 
 On ``sim`` and ``cuda`` alike, the other library is gpuflow itself seen only
 through the protocols, or :class:`FakeLib`: a CUDA library that knows gpuflow
@@ -23,9 +23,14 @@ import contextlib
 import ctypes
 import gc
 import math
+import os
+import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -831,6 +836,32 @@ def test_foreign_refuses_what_it_cannot_run() -> None:
         gf.foreign(lambda: None).capture()
     with pytest.raises(gf.UsageTypeError, match="callable"):
         gf.lowlevel.register_stream_adapter(3)  # type: ignore[arg-type]
+
+
+# -- python -m gpuflow info ------------------------------------------------------------------
+
+
+def test_info_reports_backend_devices_and_libraries(tmp_path: Path) -> None:
+    package_root = Path(gf.__file__).parent.parent
+    path = os.pathsep.join(p for p in (str(package_root), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "info"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=120, env=dict(os.environ, PYTHONPATH=path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert f"gpuflow {gf.__version__}" in out
+    cuda_devices = gf._backends.cuda_probe()[0]
+    if cuda_devices:
+        assert "backend: cuda" in out
+        assert f"CUDA devices: {cuda_devices}" in out
+        assert "compute capability" in out
+    else:
+        assert "backend: sim" in out and "no CUDA device" in out
+        assert "gpuflow sim device 0" in out
+    for name, module in (("PyTorch", "torch"), ("CuPy", "cupy")):
+        installed = find_spec(module) is not None
+        assert (f"{name}: not installed" in out) != installed
 
 
 # -- PyTorch and CuPy (on a CUDA device) ------------------------------------------------------
