@@ -3,7 +3,10 @@
 Build :class:`DeviceOperation` recipes (kernels, copies, allocations joined
 with ``then``, ``zip``, ``unzip``, ``shared``), then run them with
 ``op.sync()`` or ``await op`` under asyncio or Trio (through AnyIO).  The GPU
-wakes the awaiting task itself; nothing polls.
+wakes the awaiting task itself; nothing polls.  GPU work of other libraries
+joins in without copies: ``gf.from_dlpack`` (their arrays),
+``gf.wait_stream`` (their streams, awaited), ``gf.foreign`` (their code, on
+gpuflow's stream), and ``torch.from_dlpack(arr)`` / ``cupy.asarray(arr)``.
 """
 
 from . import lowlevel as lowlevel
@@ -25,6 +28,9 @@ from ._errors import LaunchError as LaunchError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._errors import UsageError as UsageError
 from ._errors import UsageTypeError as UsageTypeError
+from ._interop import foreign as foreign
+from ._interop import from_dlpack as from_dlpack
+from ._interop import wait_stream as wait_stream
 from ._kernel import Kernel as Kernel
 from ._kernel import LaunchConfig as LaunchConfig
 from ._kernel import Module as Module

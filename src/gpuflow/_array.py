@@ -4,7 +4,8 @@ A :class:`DeviceArray` is a typed, C-contiguous view of one allocation
 (:class:`~gpuflow._hazards.Allocation`), which orders every use after the
 uses it depends on and frees the memory in stream order when the last view
 goes.  Allocation, fills, host transfers and device copies are operations
-like any other: they enqueue on the run's stream.
+like any other: they enqueue on the run's stream.  Other libraries see an
+array through DLPack and ``__cuda_array_interface__`` (:mod:`._export`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex, cast
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, cast
 
 import numpy as np
 
+from . import _export
 from ._errors import UsageError, UsageTypeError
 from ._hazards import Allocation, hazard_lock
 from ._operation import DeviceOperation, _as_op
@@ -62,6 +64,11 @@ class DeviceArray:
     may still be writing it; gpuflow orders every later use after that write.
     Thread-safe to pass around; the memory is freed (in stream order) when
     the last array using it is garbage-collected.
+
+    Other libraries take it without a copy: ``torch.from_dlpack(arr)``,
+    ``cupy.from_dlpack(arr)``, ``cupy.asarray(arr)``; it is a device array
+    of its CUDA device, also on ``sim``, and never host memory to NumPy
+    (``gf.to_host`` copies it there).
     """
 
     __slots__ = ("__weakref__", "_alloc", "dtype", "shape")
@@ -106,6 +113,59 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         return f"<gpuflow.DeviceArray shape={self.shape} dtype={self.dtype} device={self.device}>"
+
+    @property
+    def readonly(self) -> bool:
+        """True for memory another library lent read-only: kernels may only read it."""
+        return self._alloc.readonly
+
+    # -- the array protocols (the machinery is in _export) ------------------------
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule of this array's memory (the array API's protocol).
+
+        ``stream`` is the consumer's: None or 1 the legacy default stream, 2
+        the per-thread default stream, a ``CUstream`` address, or -1 for none;
+        it waits (an event, never a host synchronize) for every use of the
+        array gpuflow enqueued before the capsule is returned.  A versioned
+        capsule when ``max_version`` is at least ``(1, 0)``, a legacy one
+        otherwise.  The memory stays alive until the consumer calls the
+        deleter, even if every gpuflow array of it is gone, and is then freed
+        after the consumer's work on its stream too.  ``copy=True`` exports
+        a copy; ``dl_device=(1, 0)`` (the host) copies to host memory, which
+        blocks, so it is refused inside an event loop.
+        """
+        return _export.dlpack(
+            self._alloc,
+            self.shape,
+            self.dtype,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(2, device)``: CUDA memory (``kDLCUDA``) of the array's device."""
+        return _export.dlpack_device(self._alloc)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface, version 3: pointer, shape, typestr, and the
+        ``stream`` the consumer must wait on before it uses the memory."""
+        return _export.cuda_array_interface(self._alloc, self.shape, self.dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> NoReturn:
+        raise UsageTypeError(
+            f"{self!r} is in device memory, which NumPy cannot read: gf.to_host(arr) copies it "
+            "to a NumPy array (await it, or .sync() outside an event loop)"
+        )
 
     def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
         a = self._alloc
@@ -331,6 +391,8 @@ class _Copy(DeviceOperation[DeviceArray]):
                 )
             if self._device is not None and dst.device != self._device:
                 raise UsageError(f"copy(): out is on device {dst.device}, not {self._device}")
+            if dst.readonly:
+                raise UsageError(f"copy(): out {dst!r} is read-only memory of another library")
         else:
             dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
             stream = ctx.stream if dev == ctx.device else ctx._runtime.pool(dev)[0]

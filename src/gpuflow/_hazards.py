@@ -10,6 +10,11 @@ freed early.
 
 Inside a graph capture nothing runs, so uses are logged instead
 (:data:`capture_log`) and every replay is ordered after them.
+
+Another library's use of the memory (an array exported through DLPack, once
+its consumer lets go of it) is known only as an event on that library's
+stream (:meth:`Allocation.after_foreign`): every later use, and the free,
+waits for it; it counts as a write, since the consumer may have written.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 import threading
 import warnings
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._backends._base import Backend, RawBuffer
@@ -46,7 +51,9 @@ class Allocation:
     together with the enqueue of the use they order.
     """
 
-    __slots__ = ("backend", "buffer", "generation", "readers", "synced", "writer")
+    __slots__ = (
+        "backend", "buffer", "foreign", "generation", "readers", "readonly", "synced", "writer",
+    )  # fmt: skip
 
     def __init__(self, backend: Backend, buffer: RawBuffer, stream: Stream) -> None:
         self.backend = backend
@@ -55,6 +62,17 @@ class Allocation:
         self.writer: Stream = stream  # the allocation itself is ordered on it
         self.synced: set[Stream] = {stream}  # streams already ordered after the last write
         self.readers: set[Stream] = set()
+        #: events of other libraries' uses since the last write, each a write
+        #: for ordering (``synced`` streams have waited for them)
+        self.foreign: tuple[Any, ...] = ()
+        self.readonly = False  # memory another library lent read-only
+
+    def after_foreign(self, event: Any) -> None:
+        """Another library used the memory, up to ``event`` (recorded on its
+        stream): every later use and the free wait for it.  Any thread."""
+        with hazard_lock:
+            self.foreign = (*self.foreign, event)
+            self.synced = set()
 
     def before_read(self, stream: Stream) -> None:
         log = capture_log.get()
@@ -64,6 +82,8 @@ class Allocation:
         with hazard_lock:
             if stream not in self.synced:
                 be = self.backend
+                for ev in self.foreign:
+                    be.wait_event(stream._raw, ev)
                 be.wait_event(stream._raw, be.record_event(self.writer._raw))
                 self.synced.add(stream)
             self.readers.add(stream)
@@ -75,12 +95,16 @@ class Allocation:
             return
         with hazard_lock:
             be = self.backend
+            if stream not in self.synced:
+                for ev in self.foreign:
+                    be.wait_event(stream._raw, ev)
             for s in {self.writer, *self.readers}:
                 if s != stream:
                     be.wait_event(stream._raw, be.record_event(s._raw))
             self.writer = stream
             self.synced = {stream}
             self.readers = set()
+            self.foreign = ()
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -93,6 +117,8 @@ class Allocation:
             rt = stream._runtime
             if not rt.live or stream._generation != rt.generation(stream.device):
                 return  # the context is gone with its memory: leak, never dangle
+            for ev in self.foreign:
+                be.wait_event(stream._raw, ev)
             for s in self.readers:
                 if s != stream:
                     be.wait_event(stream._raw, be.record_event(s._raw))

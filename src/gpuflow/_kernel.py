@@ -439,6 +439,11 @@ class _Launch(DeviceOperation[Any]):
                 if p.const:
                     reads.append(a._alloc)
                 else:
+                    if a.readonly:
+                        raise UsageError(
+                            f"kernel {k.name!r}, parameter {p.describe()!r}: the array is "
+                            "read-only memory of another library; declare the parameter const"
+                        )
                     writes.append(a._alloc)
                     written.append(a)
             else:

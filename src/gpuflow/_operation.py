@@ -220,8 +220,11 @@ def with_context(fn: Callable[[ExecutionContext], DeviceOperation[T]]) -> Device
     """An operation built at run time from the :class:`ExecutionContext`.
 
     Use it to put foreign work (CuPy, PyTorch, cuda.core) on gpuflow's stream:
-    ``fn`` gets the context (``ctx.stream`` implements ``__cuda_stream__``)
-    and returns an operation, ``gf.value(...)`` for work it did itself.
+    ``fn`` gets the context (``ctx.stream`` implements ``__cuda_stream__``,
+    for ``torch.cuda.ExternalStream`` and ``cupy.cuda.ExternalStream``) and
+    returns an operation, ``gf.value(...)`` for work it did itself.
+    :func:`gpuflow.foreign` does this in one line for PyTorch and CuPy, and
+    orders the arrays the foreign code uses.
     """
     if not callable(fn):
         raise UsageTypeError(f"with_context() expected a callable, got {type(fn).__name__}")

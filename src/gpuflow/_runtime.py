@@ -46,17 +46,56 @@ class Runtime:
         self._streams: dict[int, list[Stream]] = {}
         #: stream-lease bookkeeping per (device, generation), owned by _scope
         self.lease_pools: dict[tuple[int, int], Any] = {}
+        #: every live stream of this runtime, by its handle (__cuda_stream__)
+        self._handles_lock = threading.Lock()  # (reset_device holds _lock when it adopts)
+        self._by_handle: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
+        #: the private stream of each device for other libraries' arrays
+        self._interop: dict[tuple[int, int], Stream] = {}
         self.dispatcher = Dispatcher(backend)
         for d in devices:
             self._make_pool(d)
 
     def _make_pool(self, device: int) -> None:
         pool = [
-            Stream(self, device, self.backend.create_stream(device))
+            self.adopt(device, self.backend.create_stream(device))
             for _ in range(self.streams_per_device)
         ]
         self._pools[device] = pool
         self._streams[device] = list(pool)
+
+    def adopt(self, device: int, raw: Any) -> Stream:
+        """The :class:`Stream` of a backend stream just made, known by its handle."""
+        s = Stream(self, device, raw)
+        with self._handles_lock:
+            self._by_handle[self.backend.stream_handle(raw)] = s
+        return s
+
+    def stream_by_handle(self, handle: int) -> Stream | None:
+        """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
+        return self._by_handle.get(handle)
+
+    def interop_stream(self, device: int) -> Stream:
+        """The private stream of ``device`` on which other libraries' arrays arrive.
+
+        Nothing else is enqueued on it, so waiting for it waits for nothing
+        unrelated; one a device (and context generation), made on first use.
+        """
+        key = (device, self.generation(device))
+        s = self._interop.get(key)
+        if s is None:
+            self.check_device(device)
+            raw = self.backend.create_stream(device)
+            with self._handles_lock:
+                s = self._interop.get(key)
+                if s is None:
+                    for stale in [k for k in self._interop if k[0] == device]:
+                        del self._interop[stale]  # made before a reset: invalid now
+                    s = self._interop[key] = Stream(self, device, raw)
+                    self._by_handle[self.backend.stream_handle(raw)] = s
+                    raw = None
+            if raw is not None:  # another thread made it first
+                self.backend.destroy_stream(raw)
+        return s
 
     def generation(self, device: int) -> int:
         return self._generations.get(device, 0)
@@ -95,7 +134,7 @@ class Runtime:
             streams = self._streams.get(device)
             if streams is None or len(streams) >= limit or not self.live:
                 return None
-            s = Stream(self, device, self.backend.create_stream(device))
+            s = self.adopt(device, self.backend.create_stream(device))
             streams.append(s)
             return s
 
@@ -234,7 +273,7 @@ def new_stream(device: int | None = None) -> Stream:
     rt = get_runtime()
     dev = rt.check_device(current_device() if device is None else device)
     raw = rt.backend.create_stream(dev)
-    s = Stream(rt, dev, raw)
+    s = rt.adopt(dev, raw)
     weakref.finalize(s, rt.backend.destroy_stream, raw)
     return s
 

@@ -19,8 +19,10 @@ class Stream:
 
     Hashable; two ``Stream`` objects are equal when they are the same
     underlying stream.  Safe to use from any thread.  Implements
-    ``__cuda_stream__`` on the ``cuda`` backend, so CuPy, PyTorch and
-    cuda.core can enqueue on it.
+    ``__cuda_stream__``, so CuPy, PyTorch and cuda.core can enqueue on it
+    (``torch.cuda.ExternalStream``, ``cupy.cuda.ExternalStream``); on
+    ``sim`` its handle maps back to the simulated stream, for
+    :func:`gpuflow.wait_stream` and the array protocols.
     """
 
     __slots__ = ("__weakref__", "_device", "_generation", "_raw", "_runtime", "_syncs")

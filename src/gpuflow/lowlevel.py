@@ -12,6 +12,9 @@ from ._backends._base import Backend as Backend
 from ._backends._base import PointerArg as PointerArg
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
+from ._interop import ImportedAllocation as ImportedAllocation
+from ._interop import StreamAdapter as StreamAdapter
+from ._interop import register_stream_adapter as register_stream_adapter
 from ._operation import Graph
 from ._runtime import current_device, get_runtime
 from ._stream import Stream

@@ -195,6 +195,113 @@ MUTATIONS = [
         "        pass\n",
         ("tests/test_policy.py",),
     ),
+    Mutation(
+        "I1",
+        "an export does not make another library's stream wait for gpuflow's uses",
+        "_export.py",
+        "            for event in alloc.foreign:\n"
+        "                be.wait_event(consumer._raw, event)\n"
+        "            for s in {alloc.writer, *alloc.readers}:\n"
+        "                be.wait_event(consumer._raw, be.record_event(s._raw))\n",
+        "            pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I2",
+        "an export to one of gpuflow's streams is no use on that stream",
+        "_export.py",
+        "            alloc.before_write(consumer)\n",
+        "            pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I3",
+        "a consumer that lets go of an export leaves no event to wait for",
+        "_export.py",
+        "    alloc.after_foreign(event)\n",
+        "    pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I4",
+        "an import's owner is released at once, not after gpuflow's uses",
+        "_interop.py",
+        "            release = Submission(stream.device)\n"
+        "            release.keep.append(owner)\n"
+        "            rt.dispatcher.submit(stream._raw, release)\n",
+        "            pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I5",
+        "a __cuda_array_interface__ import ignores the producer's stream",
+        "_interop.py",
+        "        if p != s:\n"
+        "            be = rt.backend\n"
+        "            be.wait_event(s._raw, be.record_event(p._raw))\n",
+        "        pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I6",
+        "wait_stream waits for nothing",
+        "_interop.py",
+        "        if own:\n"
+        "            ctx.wait_for(s)\n"
+        "        else:\n"
+        "            be = ctx.backend\n"
+        "            be.wait_event(ctx.stream._raw, be.record_event(s._raw))\n",
+        "        pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I7",
+        "foreign() leaves the other library on its own stream",
+        "_interop.py",
+        "                for adapter in adapters:\n"
+        "                    cm = adapter(stream)\n"
+        "                    if cm is not None:\n"
+        "                        on_stream.enter_context(cm)\n",
+        "                pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I8",
+        "foreign() does not order the arrays it is given",
+        "_interop.py",
+        "            for a in arrays:  # the code may write any array it gets\n"
+        "                a._alloc.before_write(stream)\n",
+        "            pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I9",
+        "__cuda_array_interface__ names a stream that does not follow the reads",
+        "_export.py",
+        "        alloc.before_write(alloc.writer)\n",
+        "        pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I10",
+        "a read after another library's use does not wait for it",
+        "_hazards.py",
+        "                for ev in self.foreign:\n"
+        "                    be.wait_event(stream._raw, ev)\n"
+        "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n",
+        "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I11",
+        "a free does not wait for another library's use",
+        "_hazards.py",
+        "            for ev in self.foreign:\n"
+        "                be.wait_event(stream._raw, ev)\n"
+        "            for s in self.readers:\n",
+        "            for s in self.readers:\n",
+        ("tests/test_interop.py",),
+    ),
 ]
 
 

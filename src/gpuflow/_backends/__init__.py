@@ -29,6 +29,15 @@ def _cuda_device_count() -> int:
     return cuda_device_count()
 
 
+def cuda_probe() -> tuple[int, str | None, str | None]:
+    """``(CUDA devices, driver version, why none)``, without making a backend."""
+    try:
+        from ._cuda import cuda_probe as probe
+    except ImportError as exc:
+        return 0, None, f"cuda-bindings cannot be imported ({exc})"
+    return probe()
+
+
 def _make_cuda(num_devices: int | None) -> Backend:
     try:
         from ._cuda import CudaBackend

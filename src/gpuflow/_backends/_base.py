@@ -68,6 +68,18 @@ class PointerArg:
 KernelArg = PointerArg | np.generic
 
 
+class DeviceDescription(NamedTuple):
+    """What ``python -m gpuflow info`` reports of one device.
+
+    ``compute_capability`` is ``"9.0"`` style, or ``None`` where there is
+    none (``sim``); ``total_memory`` is in bytes.
+    """
+
+    name: str
+    compute_capability: str | None
+    total_memory: int
+
+
 class Activity(NamedTuple):
     """One item of work a stream ran, as a backend with a record saw it.
 
@@ -255,6 +267,41 @@ class Backend(abc.ABC):
     def graph_node_count(self, graph: Any) -> int:
         """How many nodes a captured graph has: one per kernel, copy or fill
         captured; cross-stream event records and waits are its edges, not nodes."""
+
+    # -- interop: other libraries' streams and memory --------------------------
+    def foreign_stream(self, handle: int, device: int) -> tuple[Any, int]:
+        """A raw stream for ``handle``, a stream another library owns, and its device.
+
+        ``handle`` is a ``CUstream`` address, or 0, 1 (the legacy default
+        stream) or 2 (the per-thread default stream), whose device is
+        ``device``.  gpuflow only records events on such a stream and makes
+        it wait on events (:meth:`record_event`, :meth:`wait_event`), and
+        never destroys it.  Both calls on it may run inside another
+        library's code (a DLPack deleter, on any thread): they leave the
+        calling thread as they found it (its current CUDA context).  A
+        handle the backend cannot use is a :class:`UsageError`.
+        """
+        raise UsageError(f"backend {self.name!r} cannot use another library's streams")
+
+    def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> RawBuffer:
+        """``nbytes`` of device memory at ``ptr`` that another library owns.
+
+        The buffer is usable like one from :meth:`alloc` (kernels, copies),
+        except that gpuflow never frees it: :meth:`free` must not be called
+        on it.  ``device`` is the device the producer names (None: the
+        pointer's own).  Memory that is not device memory of one of the
+        backend's devices (host memory, another device's, an address in no
+        allocation) is a :class:`UsageError` saying which.
+        """
+        raise UsageError(f"backend {self.name!r} cannot use another library's memory")
+
+    def describe_device(self, device: int) -> DeviceDescription:
+        """Name, compute capability and memory of ``device``."""
+        return DeviceDescription(self.device_name(device), None, 0)
+
+    def driver_version(self) -> str | None:
+        """The CUDA driver's version (``"13.0"``), or None without a driver."""
+        return None
 
     # -- a record of what the device ran (for tests) --------------------------
     def start_activity_record(self) -> list[Activity]:

@@ -23,16 +23,23 @@ CI, with the real concurrency of the real thing:
   its nodes are the kernels, copies and fills, and the cross-stream event
   records and waits are its edges;
 * on request, each stream keeps a record of the items it runs, with their
-  times (:meth:`SimBackend.start_activity_record`).
+  times (:meth:`SimBackend.start_activity_record`);
+* streams have handles and buffers have device addresses that other
+  libraries' protocols carry (``__cuda_stream__``, DLPack,
+  ``__cuda_array_interface__``): a handle maps back to its stream, and an
+  address back to the live buffer that holds it (an address in no live
+  buffer is refused, never read as host memory).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +47,14 @@ from typing import Any
 import numpy as np
 
 from .._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
-from ._base import Activity, Backend, KernelArg, ModuleSource, PointerArg
+from ._base import (
+    Activity,
+    Backend,
+    DeviceDescription,
+    KernelArg,
+    ModuleSource,
+    PointerArg,
+)
 from ._codes import (
     CUDA_ERROR_ILLEGAL_ADDRESS,
     CUDA_ERROR_INVALID_VALUE,
@@ -53,6 +67,13 @@ DEFAULT_MEMORY_BYTES = 2 << 30
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
 _MAX_BLOCK = 1024
 _ADDRESS_ALIGN = 256
+#: where device ``i``'s addresses start: 1 TiB of address space a device, so
+#: that an address alone names its device (as CUDA's unified addressing does)
+_ADDRESS_BASE = 0x7F0000000000
+_DEVICE_ADDRESS_BITS = 40
+#: stream handles look like addresses (and are never 0, 1 or 2, CUDA's
+#: default-stream handles)
+_STREAM_HANDLE_BASE = 0x5100000000
 
 Item = Callable[[], None]
 
@@ -68,7 +89,10 @@ class _SimDevice:
     memory_used: int = 0
     fault: DeviceFaultError | None = None
     generation: int = 0
-    next_address: int = 0x7F0000000000
+    next_address: int = 0
+
+    def __post_init__(self) -> None:
+        self.next_address = _ADDRESS_BASE + (self.index << _DEVICE_ADDRESS_BITS)
 
 
 @dataclass(eq=False)
@@ -82,6 +106,31 @@ class SimBuffer:
 
     def __repr__(self) -> str:
         return f"<sim buffer 0x{self.ptr:x} ({self.nbytes} bytes) on device {self.device}>"
+
+
+class SimView:
+    """Another library's memory: ``nbytes`` at an offset of a live sim buffer.
+
+    Its data is a view of the buffer's, so writes through either are seen
+    through the other; it is freed (and poisoned) only when the buffer is,
+    and a use after that is caught as the buffer's own would be.  gpuflow
+    never frees it.
+    """
+
+    def __init__(self, parent: SimBuffer, offset: int, nbytes: int) -> None:
+        self.parent = parent
+        self.device = parent.device
+        self.nbytes = nbytes
+        self.ptr = parent.ptr + offset
+        self.data = parent.data[offset : offset + nbytes]
+        self.generation = parent.generation
+
+    @property
+    def freed(self) -> bool:
+        return self.parent.freed
+
+    def __repr__(self) -> str:
+        return f"<sim view 0x{self.ptr:x} ({self.nbytes} bytes) of {self.parent!r}>"
 
 
 @dataclass(eq=False)
@@ -127,6 +176,7 @@ class SimStream:
         self.capture: _Capture | None = None
         self.running = False
         self.serial = next(backend._stream_serials)
+        self.handle = _STREAM_HANDLE_BASE + self.serial * _ADDRESS_ALIGN
         self.thread = threading.Thread(
             target=self._work, name=f"gpuflow-sim-stream-d{device.index}", daemon=True
         )
@@ -191,6 +241,11 @@ class SimBackend(Backend):
         self.cond = threading.Condition(threading.Lock())
         self._devices = [_SimDevice(i, memory_bytes) for i in range(n)]
         self._streams: list[SimStream] = []
+        self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
+        self._default_streams: dict[int, SimStream] = {}  # device -> its legacy default stream
+        # the buffers not yet freed, by start address (sorted), for foreign_buffer
+        self._starts: list[int] = []
+        self._live: weakref.WeakValueDictionary[int, SimBuffer] = weakref.WeakValueDictionary()
         self._wake_count = 0
         self._driver_queue: collections.deque[SimStream] = collections.deque()
         self._closed = False
@@ -228,6 +283,9 @@ class SimBackend(Backend):
 
     def device_name(self, device: int) -> str:
         return f"gpuflow sim device {device}"
+
+    def describe_device(self, device: int) -> DeviceDescription:
+        return DeviceDescription(self.device_name(device), None, self._dev(device).memory_limit)
 
     def _dev(self, device: int) -> _SimDevice:
         return self._lookup(self._devices, device)
@@ -297,6 +355,7 @@ class SimBackend(Backend):
         s = SimStream(self, self._dev(device))
         with self.cond:
             self._streams.append(s)
+            self._handles[s.handle] = s
         return s
 
     def destroy_stream(self, stream: Any) -> None:
@@ -304,12 +363,58 @@ class SimBackend(Backend):
             stream.closed = True
             if stream in self._streams:
                 self._streams.remove(stream)
+            self._handles.pop(stream.handle, None)
             self.cond.notify_all()
 
     def stream_handle(self, stream: Any) -> int:
-        raise UsageError(
-            "the sim backend has no CUDA streams: __cuda_stream__ needs backend 'cuda'"
-        )
+        return int(stream.handle)
+
+    def foreign_stream(self, handle: int, device: int) -> tuple[SimStream, int]:
+        if handle in (0, 1, 2):
+            # the default streams (legacy and per-thread are one here): made
+            # on first use, one a device, never destroyed
+            dev = self._dev(device)
+            with self.cond:
+                s = self._default_streams.get(dev.index)
+            if s is None:
+                s = self.create_stream(dev.index)
+                with self.cond:
+                    s = self._default_streams.setdefault(dev.index, s)
+            return s, dev.index
+        with self.cond:
+            found = self._handles.get(handle)
+        if found is None:
+            raise UsageError(
+                f"stream handle 0x{handle:x} is not a live stream of the sim backend "
+                "(destroyed, or another backend's)"
+            )
+        return found, found.device.index
+
+    def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> SimBuffer | SimView:
+        if nbytes == 0:
+            # nothing is ever read or written: any address will do (CAI gives 0)
+            dev = self._dev(0 if device is None else device)
+            return SimBuffer(dev.index, 0, ptr, np.empty(0, np.uint8), dev.generation)
+        with self.cond:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            buf = self._live.get(self._starts[i]) if i >= 0 else None
+        if (
+            buf is None
+            or buf.freed
+            or buf.generation != self._devices[buf.device].generation
+            or ptr + nbytes > buf.ptr + buf.nbytes
+        ):
+            raise UsageError(
+                f"0x{ptr:x} ({nbytes} bytes) is not in a live buffer of the sim backend: "
+                "not device memory of a simulated device (host memory? freed? "
+                "a range past the end of its buffer?)"
+            )
+        if device is not None and buf.device != device:
+            raise UsageError(
+                f"0x{ptr:x} is memory of sim device {buf.device}, not of device {device} "
+                "as its producer says"
+            )
+        return SimView(buf, ptr - buf.ptr, nbytes)
 
     def _enqueue(self, stream: SimStream, what: str, item: Item) -> None:
         with self.cond:
@@ -338,7 +443,14 @@ class SimBackend(Backend):
             return not stream.queue
 
     # -- events --------------------------------------------------------------
+    def _not_destroyed(self, stream: SimStream) -> None:
+        # as a CUDA handle of a destroyed stream, which the driver refuses: work
+        # queued on a stream whose worker has gone would never run
+        if stream.closed:
+            raise UsageError(f"{stream!r} was destroyed")
+
     def record_event(self, stream: Any) -> SimEvent:
+        self._not_destroyed(stream)
         ev = SimEvent(stream.device.index, capture=stream.capture)
 
         def record() -> None:
@@ -350,6 +462,7 @@ class SimBackend(Backend):
         return ev
 
     def wait_event(self, stream: Any, event: Any) -> None:
+        self._not_destroyed(stream)
         if event.capture is not None and stream.capture is None:
             # as on CUDA: waiting on an event recorded in a capture joins it
             stream.capture = event.capture
@@ -387,7 +500,11 @@ class SimBackend(Backend):
             dev.next_address += (size + _ADDRESS_ALIGN - 1) // _ADDRESS_ALIGN * _ADDRESS_ALIGN
         data = np.empty(size, dtype=np.uint8)
         data.fill(_POISON)  # fresh device memory holds garbage, never zeros
-        return SimBuffer(device, nbytes, ptr, data, dev.generation)
+        buf = SimBuffer(device, nbytes, ptr, data, dev.generation)
+        with self.cond:
+            bisect.insort(self._starts, ptr)
+            self._live[ptr] = buf
+        return buf
 
     def free(self, buffer: Any, stream: Any) -> None:
         dev = self._devices[buffer.device]
@@ -397,6 +514,10 @@ class SimBackend(Backend):
                 if buffer.generation == dev.generation and not buffer.freed:
                     dev.memory_used -= max(buffer.nbytes, 1)
                 buffer.freed = True
+                ptr = buffer.ptr
+                if self._live.get(ptr) is buffer:
+                    del self._live[ptr]
+                    del self._starts[bisect.bisect_left(self._starts, ptr)]
             buffer.data.fill(_POISON)
 
         with self.cond:

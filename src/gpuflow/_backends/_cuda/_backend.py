@@ -31,13 +31,13 @@ import struct
 import threading
 import time
 import warnings
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
-from .._base import Backend, KernelArg, ModuleSource, PointerArg
+from .._base import Backend, DeviceDescription, KernelArg, ModuleSource, PointerArg
 from .._codes import (
     CONTEXT_ERRORS,
     CUDA_ERROR_INVALID_VALUE,
@@ -79,6 +79,10 @@ from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending, Staging
 
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
+#: CUDA's default-stream handles: the NULL stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+_DEFAULT_STREAM_HANDLES = (0, 1, 2)
+
+T = TypeVar("T")
 
 
 class CudaBackend(Backend):
@@ -260,6 +264,16 @@ class CudaBackend(Backend):
         """``sm_XY`` of ``device`` (what :meth:`load_kernel` asks the module for)."""
         return self._dev(device).arch
 
+    def describe_device(self, device: int) -> DeviceDescription:
+        dev = self._dev(device)
+        digits = dev.arch.removeprefix("sm_")
+        (total,) = check(self._cu.cuDeviceTotalMem(dev.cudev), "cuDeviceTotalMem", dev)
+        return DeviceDescription(dev.name, f"{digits[:-1]}.{digits[-1:]}", int(total))
+
+    def driver_version(self) -> str | None:
+        (v,) = check(self._cu.cuDriverGetVersion(), "cuDriverGetVersion")
+        return f"{int(v) // 1000}.{int(v) % 1000 // 10}"
+
     # -- streams ------------------------------------------------------------------
     def create_stream(self, device: int) -> CudaStream:
         dev = self._dev(device)
@@ -270,6 +284,8 @@ class CudaBackend(Backend):
         return CudaStream(dev, h, addr)
 
     def destroy_stream(self, stream: Any) -> None:
+        if stream.foreign:
+            return  # another library's: never ours to destroy
         try:
             dev = stream.dev
             # a stream is dropped (its finalizer, on any thread) while the
@@ -290,6 +306,94 @@ class CudaBackend(Backend):
 
     def stream_handle(self, stream: Any) -> int:
         return int(stream.handle)
+
+    # -- other libraries' streams and memory ----------------------------------------
+    def foreign_stream(self, handle: int, device: int) -> tuple[CudaStream, int]:
+        if handle in _DEFAULT_STREAM_HANDLES:
+            dev = self._dev(device)
+        else:
+            res = self._cu.cuStreamGetCtx(self._cu.CUstream(handle))
+            rc = int(res[0])
+            if rc:
+                raise UsageError(
+                    f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(rc)})"
+                )
+            ctx = int(res[1])
+            found = [d for d in self._devices if d.ctx == ctx]
+            if not found:
+                raise UsageError(
+                    f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "
+                    "context of one of gpuflow's devices (gpuflow, PyTorch and CuPy all work "
+                    "in primary contexts)"
+                )
+            dev = found[0]
+        if dev.fault is not None:
+            raise dev.fault
+        stream = CudaStream(dev, self._cu.CUstream(handle), 0)
+        stream.foreign = True
+        return stream, dev.index
+
+    def _foreign_call(self, dev: Dev, fn: Callable[[], T]) -> T:
+        """``fn()`` with ``dev``'s context current, and then the calling thread's own
+        context current again: a call on another library's stream may run inside
+        that library's code (a DLPack deleter), which must find its thread as it
+        left it."""
+        prev = ctypes.c_void_p()
+        rc = self._n.ctx_get_current(ctypes.byref(prev))
+        if rc:
+            raise error_for(rc, "cuCtxGetCurrent", dev)
+        self._force_cur(dev)
+        try:
+            return fn()
+        finally:
+            if (prev.value or 0) != dev.ctx:
+                self._n.ctx_set_current(prev.value)
+                self._tls.token = None  # our cache no longer says what is current
+
+    def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> CudaBuffer:
+        if nbytes == 0:
+            # nothing is ever read or written: any address will do (CAI gives 0)
+            return CudaBuffer(self._dev(0 if device is None else device), 0, ptr, foreign=True)
+        cu = self._cu
+        attr = cu.CUpointer_attribute
+        self._cur(self._devices[0] if device is None else self._dev(device))
+
+        def get(which: Any) -> tuple[int, int]:
+            res = cu.cuPointerGetAttribute(which, ptr)
+            return int(res[0]), (int(res[1]) if int(res[0]) == CUDA_SUCCESS else 0)
+
+        rc, mtype = get(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
+        if rc:
+            raise UsageError(
+                f"0x{ptr:x} is not memory the CUDA driver knows ({err_name(rc)}): host memory "
+                "from malloc or NumPy? (gf.from_host copies it to the device)"
+            )
+        if mtype == int(cu.CUmemorytype.CU_MEMORYTYPE_HOST):
+            raise UsageError(
+                f"0x{ptr:x} is host memory (pinned or registered), not device memory "
+                "(gf.from_host copies it to the device)"
+            )
+        rc, ordinal = get(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+        if rc or ordinal < 0:  # managed memory may name no device: take the producer's
+            ordinal = -1 if device is None else device
+        if device is not None and ordinal != device:
+            raise UsageError(
+                f"0x{ptr:x} is memory of CUDA device {ordinal}, not of device {device} as "
+                "its producer says"
+            )
+        if not 0 <= ordinal < len(self._devices):
+            raise UsageError(
+                f"0x{ptr:x} is memory of CUDA device {ordinal}, which gpuflow does not use "
+                f"(its devices: 0..{len(self._devices) - 1})"
+            )
+        rc, start = get(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
+        rc2, size = get(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+        if not rc and not rc2 and ptr + nbytes > start + size:
+            raise UsageError(
+                f"0x{ptr:x} + {nbytes} bytes runs past the end of its allocation "
+                f"(0x{start:x}, {size} bytes)"
+            )
+        return CudaBuffer(self._devices[ordinal], int(nbytes), ptr, foreign=True)
 
     def synchronize(self, stream: Any) -> None:
         dev = stream.dev
@@ -346,6 +450,10 @@ class CudaBackend(Backend):
 
     def record_event(self, stream: Any) -> CudaEvent:
         dev = self._live(stream)
+        if stream.foreign:
+            return self._foreign_call(
+                dev, lambda: CudaEvent(dev, self._record(dev, stream.handle), None)
+            )
         self._cur(dev)
         return CudaEvent(dev, self._record(dev, stream.handle), stream.capture)
 
@@ -356,6 +464,17 @@ class CudaBackend(Backend):
             return  # its work went with a reset context: nothing left to wait for
         if other.fault is not None and other is not dev:
             raise other.fault
+        if stream.foreign:
+            if event.capture is not None:
+                raise UsageError(
+                    "another library's stream cannot wait on work being captured into a graph"
+                )
+            rc = self._foreign_call(
+                dev, lambda: self._n.stream_wait_event(stream.handle, event.handle, 0)
+            )
+            if rc:
+                raise error_for(rc, "cuStreamWaitEvent", dev)
+            return
         self._cur(dev)
         if event.capture is not None and stream.capture is None:
             # CUDA's fork: waiting on an event recorded in a capture joins it.  What
@@ -403,8 +522,8 @@ class CudaBackend(Backend):
 
     def free(self, buffer: Any, stream: Any) -> None:
         try:
-            if buffer.freed:
-                return
+            if buffer.freed or buffer.foreign:
+                return  # (another library's memory is never ours to free)
             dev = buffer.dev
             if dev.fault is not None or buffer.token is not dev.token:
                 buffer.freed = True  # the context is gone with its memory, or faulted: leak

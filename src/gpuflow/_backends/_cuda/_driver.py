@@ -50,6 +50,24 @@ def cuda_device_count() -> int:
         return 0
 
 
+def cuda_probe() -> tuple[int, str | None, str | None]:
+    """``(devices, driver version, problem)``: what the driver says, without
+    making a context; ``problem`` says why there is no device."""
+    try:
+        cu = driver()
+        (v,) = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
+    except Exception as exc:  # no driver library, broken install
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return 0, None, f"no CUDA driver ({type(exc).__name__}: {first})"
+    version = f"{int(v) // 1000}.{int(v) % 1000 // 10}"
+    try:
+        check(cu.cuInit(0), "cuInit")
+        (n,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+    except Exception as exc:
+        return 0, version, str(exc)
+    return int(n), version, None if int(n) else "the driver reports no device"
+
+
 def err_name(rc: int) -> str:
     """The driver's name for ``rc`` (``CUDA_ERROR_...``)."""
     try:

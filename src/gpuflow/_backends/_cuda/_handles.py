@@ -86,11 +86,16 @@ class Capture:
 
 
 class CudaStream:
-    """A non-blocking stream and its completion semaphore."""
+    """A non-blocking stream and its completion semaphore.
+
+    A *foreign* stream is another library's (``foreign_stream``): it has no
+    semaphore, gpuflow only records events on it and makes it wait, and
+    never destroys it.
+    """
 
     __slots__ = (
-        "capture", "destroyed", "dev", "handle", "obj", "pre_capture", "sem_addr", "sig_events",
-        "token",
+        "capture", "destroyed", "dev", "foreign", "handle", "obj", "pre_capture", "sem_addr",
+        "sig_events", "token",
     )  # fmt: skip
 
     def __init__(self, dev: Dev, handle: Any, sem_addr: int) -> None:
@@ -103,9 +108,11 @@ class CudaStream:
         self.capture: Capture | None = None
         self.pre_capture = 0  # an event recorded just before the capture began
         self.destroyed = False
+        self.foreign = False
 
     def __repr__(self) -> str:
-        return f"<cuda stream 0x{self.handle:x} on device {self.dev.index}>"
+        kind = "foreign cuda stream" if self.foreign else "cuda stream"
+        return f"<{kind} 0x{self.handle:x} on device {self.dev.index}>"
 
 
 class CudaEvent:
@@ -126,20 +133,23 @@ class CudaEvent:
 
 
 class CudaBuffer:
-    """Device memory from the device's stream-ordered pool."""
+    """Device memory from the device's stream-ordered pool, or (``foreign``)
+    another library's memory, which gpuflow never frees."""
 
-    __slots__ = ("dev", "device", "freed", "nbytes", "ptr", "token")
+    __slots__ = ("dev", "device", "foreign", "freed", "nbytes", "ptr", "token")
 
-    def __init__(self, dev: Dev, nbytes: int, ptr: int) -> None:
+    def __init__(self, dev: Dev, nbytes: int, ptr: int, foreign: bool = False) -> None:
         self.dev = dev
         self.device = dev.index
         self.nbytes = nbytes
         self.ptr = ptr
         self.token = dev.token
         self.freed = False
+        self.foreign = foreign
 
     def __repr__(self) -> str:
-        return f"<cuda buffer 0x{self.ptr:x} ({self.nbytes} bytes) on device {self.device}>"
+        kind = "foreign cuda memory" if self.foreign else "cuda buffer"
+        return f"<{kind} 0x{self.ptr:x} ({self.nbytes} bytes) on device {self.device}>"
 
 
 class CudaModule:

@@ -37,6 +37,7 @@ class Native:
             return f
 
         self.ctx_set_current = cu("cuCtxSetCurrent", [vp])
+        self.ctx_get_current = cu("cuCtxGetCurrent", [ctypes.POINTER(vp)])
         self.ctx_synchronize = cu("cuCtxSynchronize", [])
         self.launch_host_func = cu("cuLaunchHostFunc", [vp, vp, vp])
         self.event_record = cu("cuEventRecord", [vp, vp])

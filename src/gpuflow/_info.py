@@ -1,0 +1,104 @@
+"""``python -m gpuflow info``: the facts a bug report needs, in one paste.
+
+As ``cupy.show_config()`` and ``python -m torch.utils.collect_env`` do:
+gpuflow's and Python's versions, the packages gpuflow runs with, the CUDA
+driver and devices (or why there are none), the backend gpuflow would pick
+and its devices (name, compute capability, memory), and whether PyTorch
+and CuPy can be imported here, with the CUDA they were built for.  Nothing
+fails: a part that cannot be learnt says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+import sys
+from typing import Any
+
+from ._backends import cuda_probe, load_backend
+
+_PACKAGES = ("numpy", "anyio", "trio", "cuda-bindings", "nvidia-cuda-nvrtc", "cuda-core")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _backend_lines() -> list[str]:
+    try:
+        be = load_backend("auto", None)
+    except Exception as exc:
+        return [f"backend: none could be started ({type(exc).__name__}: {exc})"]
+    try:
+        lines = [f"backend: {be.name} (what init_device_contexts() picks here)"]
+        lines.append("devices:")
+        for d in range(be.device_count):
+            desc = be.describe_device(d)
+            cc = "simulated" if desc.compute_capability is None else (
+                f"compute capability {desc.compute_capability}"
+            )
+            lines.append(f"  {d}: {desc.name}, {cc}, {_gib(desc.total_memory)}")
+        return lines
+    finally:
+        be.close()
+
+
+def _library(name: str, describe: Any) -> str:
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError:
+        return "not installed"
+    except Exception as exc:  # installed but broken: that is worth reporting
+        return f"installed, but import fails: {type(exc).__name__}: {exc}"
+    try:
+        return str(describe(module))
+    except Exception as exc:
+        return f"{getattr(module, '__version__', '?')} (could not ask more: {exc})"
+
+
+def _torch(torch: Any) -> str:
+    cuda = torch.version.cuda or "no CUDA"
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"{torch.__version__} (built for CUDA {cuda}; {devices} CUDA device(s) usable)"
+
+
+def _cupy(cupy: Any) -> str:
+    try:
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as exc:
+        return f"{cupy.__version__} (its CUDA runtime cannot start: {type(exc).__name__})"
+    return f"{cupy.__version__} (CUDA runtime {runtime // 1000}.{runtime % 1000 // 10})"
+
+
+def report() -> str:
+    """The report ``python -m gpuflow info`` prints."""
+    from_pkg = _version("gpuflow")
+    lines = [
+        f"gpuflow {sys.modules['gpuflow'].__version__} (installed: {from_pkg})",
+        f"python {platform.python_version()} ({platform.python_implementation()}, "
+        f"{platform.system()} {platform.machine()})",
+        "packages: " + ", ".join(f"{p} {_version(p)}" for p in _PACKAGES),
+    ]
+    count, driver, problem = cuda_probe()
+    lines.append(f"CUDA driver: {driver if driver else 'none'}")
+    lines.append(f"CUDA devices: {count}" if count else f"CUDA devices: no CUDA device: {problem}")
+    lines += _backend_lines()
+    lines.append(f"PyTorch: {_library('torch', _torch)}")
+    lines.append(f"CuPy: {_library('cupy', _cupy)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        print(f"info takes no arguments, got {' '.join(argv)}", file=sys.stderr)
+        return 2
+    print(report())
+    return 0

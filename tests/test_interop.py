@@ -1,0 +1,988 @@
+"""Other libraries' GPU work: arrays out and in (DLPack, ``__cuda_array_interface__``),
+foreign streams awaited (``gf.wait_stream``), foreign code on gpuflow's stream
+(``gf.foreign``), and ``python -m gpuflow info``.
+
+On ``sim`` and ``cuda`` alike, the other library is gpuflow itself seen only
+through the protocols, or :class:`FakeLib`: a CUDA library that knows gpuflow
+arrays only through DLPack, streams only by their handles, and has a current
+stream of its own; it enqueues real kernels through the backend interface, as
+a CUDA library does through the driver.  A missing dependency shows up as
+wrong data: the work that must come first is slow (it waits before it touches
+memory), on the GPU as on ``sim``.  A use after free is a fault and a count on
+``sim`` (checked after every test), and wrong data in the PyTorch tests, where
+PyTorch's allocator hands freed memory out again at once.
+
+The PyTorch and CuPy tests need a CUDA device and the library (skipped
+otherwise); ``cuda.core`` (a test dependency) reads gpuflow's DLPack export
+with its own parser, on both backends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import math
+import os
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow import _dlpack, testing
+from gpuflow.lowlevel import PointerArg
+
+F32 = np.float32
+N = 256
+#: how long the work that must come first takes: surely still running when
+#: the work that depends on it is enqueued, on a loaded machine
+SLOW = 0.3
+#: slack on "cannot have finished yet" (clock granularity)
+EARLY = 0.01
+DEADLINE = 20.0
+
+# The memory clobber keeps the compiler from moving loads and stores across
+# the wait, so "wait, write" and "read, wait, write" happen in that order.
+SOURCE = r"""
+__device__ __forceinline__ void gf_wait_ns(long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start) :: "memory");
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now) :: "memory");
+    } while (now - start < (unsigned long long)ns);
+}
+
+// a slow write: waits ns nanoseconds, then writes v
+extern "C" __global__ void late_fill(float* x, float v, int n, long long ns) {
+    gf_wait_ns(ns);
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}
+
+// a slow read: waits ns nanoseconds, then copies src into dst
+extern "C" __global__ void late_copy(const float* src, float* dst, int n, long long ns) {
+    gf_wait_ns(ns);
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}
+
+// a slow read-modify-write: reads x, waits ns nanoseconds, writes x * s
+extern "C" __global__ void late_scale(float* x, float s, int n, long long ns) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = i < n ? x[i] : 0.0f;
+    gf_wait_ns(ns);
+    if (i < n) x[i] = v * s;
+}
+
+extern "C" __global__ void add(float* x, float c, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + c;
+}
+"""
+
+
+def late_fill_ref(x: np.ndarray, v: float, n: int, ns: int) -> None:
+    time.sleep(ns / 1e9)
+    x[:n] = np.float32(v)
+
+
+def late_copy_ref(src: np.ndarray, dst: np.ndarray, n: int, ns: int) -> None:
+    time.sleep(ns / 1e9)
+    dst[:n] = src[:n]
+
+
+def late_scale_ref(x: np.ndarray, s: float, n: int, ns: int) -> None:
+    v = x[:n].copy()
+    time.sleep(ns / 1e9)
+    x[:n] = v * np.float32(s)
+
+
+def add_ref(x: np.ndarray, c: float, n: int) -> None:
+    x[:n] = x[:n] + np.float32(c)
+
+
+MOD = gf.compile(
+    SOURCE,
+    references={
+        "late_fill": late_fill_ref,
+        "late_copy": late_copy_ref,
+        "late_scale": late_scale_ref,
+        "add": add_ref,
+    },
+)
+CFG = gf.LaunchConfig.for_num_elems(N)
+
+
+def ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def late_fill(x: Any, v: float, seconds: float = SLOW) -> gf.DeviceOperation[Any]:
+    return MOD.late_fill(CFG, x, v, N, ns(seconds))
+
+
+def late_copy(src: Any, dst: Any, seconds: float = SLOW) -> gf.DeviceOperation[Any]:
+    return MOD.late_copy(CFG, src, dst, N, ns(seconds))
+
+
+def add(x: Any, c: float) -> gf.DeviceOperation[Any]:
+    return MOD.add(CFG, x, c, N)
+
+
+def handle(s: gf.Stream) -> int:
+    return s.__cuda_stream__()[1]
+
+
+def backend() -> gf.lowlevel.Backend:
+    return gf.lowlevel.current_backend_object()
+
+
+def idle(s: gf.Stream) -> bool:
+    """The backend's own word on whether ``s`` has finished its work (not gpuflow's
+    bookkeeping); ``_raw`` is the backend's handle, which Stream keeps private."""
+    return backend().query(s._raw)
+
+
+# a consumer's view of capsules, through the C API (prototypes of our own)
+_get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+    ("PyCapsule_GetName", ctypes.pythonapi)
+)
+_new_capsule = ctypes.PYFUNCTYPE(
+    ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p
+)(("PyCapsule_New", ctypes.pythonapi))
+
+
+def capsule_name(capsule: Any) -> str:
+    return str(_get_name(capsule).decode())
+
+
+def wait_until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {DEADLINE} s"
+        time.sleep(0.002)
+
+
+class CaiOnly:
+    """A producer that speaks only ``__cuda_array_interface__`` (as Numba's
+    arrays do), and owns what backs its memory: a gpuflow array."""
+
+    def __init__(self, backing: gf.DeviceArray, **changes: Any) -> None:
+        self.backing = backing
+        self.__cuda_array_interface__ = {**backing.__cuda_array_interface__, **changes}
+
+
+class DlpackOnly:
+    """A producer that speaks only DLPack (as JAX's arrays do)."""
+
+    def __init__(self, backing: gf.DeviceArray) -> None:
+        self.backing = backing
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.backing.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.backing.__dlpack_device__()
+
+
+class FakeLib:
+    """Another CUDA library, on any backend.
+
+    It takes gpuflow arrays through DLPack only, on its *current stream* (its
+    own stream, which is no gpuflow stream, or the one an adapter makes
+    current, as ``torch.cuda.stream`` does), and lets go of them as soon as
+    its work is enqueued, as a PyTorch temporary does.  It enqueues real
+    kernels through the backend interface on that stream, knowing the stream
+    only by its handle.  Its own stream lives as long as the backend.
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self._own_raw = backend().create_stream(device)
+        self.own = backend().stream_handle(self._own_raw)
+        self.current: int | None = None
+
+    def stream(self) -> int:
+        return self.own if self.current is None else self.current
+
+    def idle(self) -> bool:
+        """The backend's word on whether its own stream has finished its work."""
+        return backend().query(self._own_raw)
+
+    @contextlib.contextmanager
+    def on(self, stream: gf.Stream) -> Iterator[None]:
+        previous, self.current = self.current, handle(stream)
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def _take(self, array: Any) -> tuple[Any, _dlpack.ManagedTensor]:
+        capsule = array.__dlpack__(stream=self.stream(), max_version=(1, 0))
+        t = _dlpack.read_capsule(capsule)
+        owner = _dlpack.take_capsule(capsule, t)
+        nbytes = math.prod(t.shape) * 4
+        return backend().foreign_buffer(t.ptr, nbytes, t.device_id), owner
+
+    def _launch(self, name: str, *args: Any) -> None:
+        be = backend()
+        raw, _device = be.foreign_stream(self.stream(), self.device)
+        kernel = be.load_kernel(self.device, MOD, name)
+        be.launch(kernel, CFG.grid, CFG.block, 0, args, raw)
+
+    def late_copy(self, src: Any, dst: Any, seconds: float = SLOW) -> None:
+        s, s_owner = self._take(src)
+        d, d_owner = self._take(dst)
+        f32 = np.dtype(F32)
+        self._launch(
+            "late_copy", PointerArg(s, f32, N, False), PointerArg(d, f32, N, True),
+            np.int32(N), np.int64(ns(seconds)),
+        )  # fmt: skip
+        del s_owner, d_owner  # let go at once: the work is still pending
+
+    def late_scale(self, x: Any, factor: float, seconds: float = SLOW) -> None:
+        buf, owner = self._take(x)
+        self._launch(
+            "late_scale", PointerArg(buf, np.dtype(F32), N, True), np.float32(factor),
+            np.int32(N), np.int64(ns(seconds)),
+        )  # fmt: skip
+        del owner
+
+    def late_fill_untracked(self, ptr: int, value: float, seconds: float = SLOW) -> None:
+        """A write gpuflow knows nothing of: through a raw device pointer."""
+        buf = backend().foreign_buffer(ptr, N * 4, self.device)
+        self._launch(
+            "late_fill", PointerArg(buf, np.dtype(F32), N, True), np.float32(value),
+            np.int32(N), np.int64(ns(seconds)),
+        )  # fmt: skip
+
+
+@pytest.fixture
+def lib() -> Iterator[FakeLib]:
+    """A FakeLib that ``gf.foreign`` puts on gpuflow's stream."""
+    fake = FakeLib()
+    unregister = gf.lowlevel.register_stream_adapter(fake.on)
+    yield fake
+    unregister()
+
+
+# -- arrays out ----------------------------------------------------------------------------
+
+
+def test_an_array_is_cuda_memory_of_its_device_to_both_protocols() -> None:
+    for device in range(min(gf.device_count(), 2)):
+        with gf.use_device(device):
+            a = gf.arange(12, dtype=F32).sync().reshape(3, 4)
+        assert a.__dlpack_device__() == (2, device)  # kDLCUDA
+        cai = a.__cuda_array_interface__
+        assert cai["version"] == 3
+        assert cai["shape"] == (3, 4) and cai["typestr"] == "<f4" and cai["strides"] is None
+        assert cai["data"] == (a.ptr, False)
+        assert isinstance(cai["stream"], int) and cai["stream"] > 2
+
+
+@pytest.mark.parametrize(
+    ("max_version", "name", "version"),
+    [
+        (None, "dltensor", None),
+        ((0, 8), "dltensor", None),
+        ((1, 0), "dltensor_versioned", (1, 0)),
+        ((1, 7), "dltensor_versioned", _dlpack.VERSION),
+    ],
+)
+def test_capsules_are_versioned_when_the_consumer_asks(
+    max_version: Any, name: str, version: Any
+) -> None:
+    a = gf.arange(N, dtype=F32).sync()
+    capsule = a.__dlpack__(max_version=max_version)
+    assert capsule_name(capsule) == name
+    assert _dlpack.read_capsule(capsule).version == version
+    b = gf.from_dlpack(capsule)
+    assert capsule_name(capsule) == "used_" + name  # consumed: ownership moved
+    assert b.ptr == a.ptr
+    with pytest.raises(gf.UsageError, match="consumed once"):
+        gf.from_dlpack(capsule)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "code", "bits"),
+    [
+        (np.bool_, 6, 8), (np.int8, 0, 8), (np.int16, 0, 16), (np.int32, 0, 32),
+        (np.int64, 0, 64), (np.uint8, 1, 8), (np.uint16, 1, 16), (np.uint32, 1, 32),
+        (np.uint64, 1, 64), (np.float16, 2, 16), (np.float32, 2, 32), (np.float64, 2, 64),
+        (np.complex64, 5, 64), (np.complex128, 5, 128),
+    ],
+)  # fmt: skip
+def test_every_dtype_travels_with_its_dlpack_code(dtype: Any, code: int, bits: int) -> None:
+    host = (np.arange(12) % 3).astype(dtype).reshape(3, 4)
+    a = gf.from_host(host).sync()
+    capsule = a.__dlpack__(max_version=(1, 0))
+    t = _dlpack.read_capsule(capsule)
+    assert (t.code, t.bits, t.lanes) == (code, bits, 1)  # dlpack.h's DLDataTypeCode
+    assert (t.device_type, t.device_id, t.ptr) == (2, a.device, a.ptr)
+    assert t.shape == (3, 4) and t.strides in (None, (4, 1))
+    b = gf.from_dlpack(capsule)
+    assert b.dtype == np.dtype(dtype) and b.shape == (3, 4)
+    assert np.array_equal(gf.to_host(b).sync(), host)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("protocol", ["dlpack", "cai"])
+async def test_an_import_of_a_gpuflow_array_is_the_same_memory(protocol: str) -> None:
+    a = await gf.arange(N, dtype=F32)
+    b = gf.from_dlpack(a if protocol == "dlpack" else CaiOnly(a))
+    assert (b.ptr, b.shape, b.dtype, b.device) == (a.ptr, a.shape, a.dtype, a.device)
+    await add(b, 1.0)  # a write through one view, awaited (ordered) ...
+    assert np.array_equal(await gf.to_host(a), np.arange(N) + 1)  # ... is seen through the other
+    await add(a, 1.0)
+    assert np.array_equal(await gf.to_host(b), np.arange(N) + 2)
+
+
+def test_cuda_core_reads_the_export_with_its_own_parser() -> None:
+    utils = pytest.importorskip("cuda.core.utils")
+    view_of = getattr(utils.StridedMemoryView, "from_dlpack", utils.StridedMemoryView)
+    a = gf.arange(12, dtype=F32).sync().reshape(3, 4)
+    consumer = gf.new_stream()
+    for stream_ptr in (-1, handle(consumer)):
+        view = view_of(a, stream_ptr=stream_ptr)
+        assert view.ptr == a.ptr and view.device_id == a.device
+        assert tuple(view.shape) == (3, 4) and view.dtype == np.dtype(F32)
+        assert view.strides in (None, (4, 1)) and not view.readonly
+
+
+def test_numpy_never_reads_device_memory_as_host_memory() -> None:
+    a = gf.arange(N, dtype=F32).sync()
+    with pytest.raises(Exception) as refused:
+        np.from_dlpack(a)
+    assert refused.type is not SystemError  # NumPy's own refusal, not a mangled one
+    with pytest.raises(TypeError, match="device memory"):
+        np.asarray(a)
+    if np.lib.NumpyVersion(np.__version__) >= "2.1.0":
+        # asking for the host explicitly copies there (and says it copied)
+        assert np.array_equal(np.from_dlpack(a, device="cpu"), np.arange(N))
+        capsule = a.__dlpack__(dl_device=(1, 0), max_version=(1, 0))
+        assert _dlpack.read_capsule(capsule).copied
+        with pytest.raises(BufferError):
+            np.from_dlpack(a, device="cpu", copy=False)
+
+
+@pytest.mark.anyio
+async def test_a_host_copy_through_dlpack_is_refused_inside_an_event_loop() -> None:
+    a = await gf.arange(N, dtype=F32)
+    with pytest.raises(gf.UsageError, match="would block"):
+        a.__dlpack__(dl_device=(1, 0))
+
+
+def test_copy_true_exports_a_copy() -> None:
+    a = gf.full(N, 1.0, F32).sync()
+    capsule = a.__dlpack__(copy=True, max_version=(1, 0))
+    assert _dlpack.read_capsule(capsule).copied
+    b = gf.from_dlpack(capsule)
+    assert b.ptr != a.ptr
+    add(b, 1.0).sync()
+    assert (gf.to_host(b).sync() == 2).all() and (gf.to_host(a).sync() == 1).all()
+
+
+def test_dlpack_refuses_what_it_cannot_do() -> None:
+    a = gf.zeros(N, F32).sync()
+    with pytest.raises(BufferError, match="device"):
+        a.__dlpack__(dl_device=(2, 7))
+    with pytest.raises(gf.UsageError, match="0 is ambiguous"):
+        a.__dlpack__(stream=0)
+    with pytest.raises(gf.UsageTypeError, match="stream must be an int"):
+        a.__dlpack__(stream="default")
+    with pytest.raises(gf.UsageTypeError, match="max_version"):
+        a.__dlpack__(max_version="1.0")
+    with pytest.raises(gf.UsageTypeError, match="copy"):
+        a.__dlpack__(copy="yes")
+
+
+@pytest.mark.anyio
+async def test_the_consumers_stream_waits_for_pending_writes_without_a_host_sync() -> None:
+    fake = FakeLib()
+    a = await gf.zeros(N, F32)
+    writer = gf.new_stream()
+    late_fill(a, 7.0).enqueue_on(writer)  # pending, slow, on another stream
+    out = await gf.zeros(N, F32)
+    fake.late_copy(a, out, seconds=0)  # takes a on its own stream, reads it at once
+    assert not idle(writer)  # the export returned before the write finished: no host sync
+    assert np.array_equal(await gf.to_host(out), np.full(N, 7, F32))
+
+
+@pytest.mark.anyio
+async def test_a_consumer_on_a_gpuflow_stream_waits_for_pending_writes() -> None:
+    a = await gf.zeros(N, F32)
+    writer = gf.new_stream()
+    late_fill(a, 7.0).enqueue_on(writer)
+    consumer = gf.new_stream()
+    capsule = a.__dlpack__(stream=handle(consumer), max_version=(1, 0))
+    assert not idle(writer)
+    b = gf.from_dlpack(capsule)  # (a bare capsule brings no stream of its own)
+    c = gf.copy(b).enqueue_on(consumer)  # the consumer reads on its stream
+    assert np.array_equal(await gf.to_host(c), np.full(N, 7, F32))
+
+
+@pytest.mark.anyio
+async def test_an_export_to_one_of_gpuflows_streams_is_a_use_on_that_stream() -> None:
+    a = await gf.zeros(N, F32)
+    writer = gf.new_stream()
+    late_fill(a, 7.0).enqueue_on(writer)
+
+    def consume(ctx: gf.ExecutionContext) -> gf.DeviceOperation[gf.DeviceArray]:
+        capsule = a.__dlpack__(stream=handle(ctx.stream), max_version=(1, 0))
+        return gf.copy(gf.from_dlpack(capsule))  # read on ctx.stream, a pool stream
+
+    assert np.array_equal(await gf.to_host(gf.with_context(consume)), np.full(N, 7, F32))
+
+
+@pytest.mark.anyio
+async def test_cai_names_a_stream_that_follows_every_use_so_far() -> None:
+    a = await gf.full(N, 1.0, F32)
+    reader, out = gf.new_stream(), await gf.zeros(N, F32)
+    late_copy(a, out).enqueue_on(reader)  # a slow read of a, pending on another stream
+    b = gf.from_dlpack(CaiOnly(a))  # the consumer waits on the stream the interface names...
+    await add(b, 1.0)  # ...and writes: the slow read must still see 1
+    assert np.array_equal(await gf.to_host(out), np.ones(N, F32))
+    assert np.array_equal(await gf.to_host(a), np.full(N, 2, F32))
+
+
+@pytest.mark.anyio
+async def test_an_export_outlives_the_array_until_the_consumers_work_is_done() -> None:
+    fake = FakeLib()
+    a = await gf.full(N, 4.0, F32)
+    out = await gf.zeros(N, F32)
+    fake.late_copy(a, out)  # a slow read on its own stream; it lets go of both at once
+    del a  # and gpuflow drops its array too: the memory must live until the read is done
+    gc.collect()
+    assert np.array_equal(await gf.to_host(out), np.full(N, 4, F32))
+    assert testing.use_after_free_count() == 0
+
+
+def test_a_capsule_dropped_unconsumed_releases_the_memory() -> None:
+    a = gf.full(N, 1.0, F32).sync()
+    buffer = a._alloc.buffer  # the backend's buffer, to see when it is freed
+    capsule = a.__dlpack__()
+    del a
+    gc.collect()
+    time.sleep(0.05)
+    assert not buffer.freed  # the capsule keeps it
+    del capsule
+    gf.from_dlpack(gf.zeros(1, F32).sync())  # (dropped capsules are released at the next exchange)
+    wait_until(lambda: buffer.freed, "the memory of a dropped capsule is freed")
+
+
+@pytest.mark.sim_only
+def test_a_consumer_whose_stream_is_gone_before_it_lets_go_leaks_rather_than_dangles() -> None:
+    # sim: a destroyed stream's handle is refused (on CUDA using one is undefined)
+    be = backend()
+    a = gf.full(N, 1.0, F32).sync()
+    buffer = a._alloc.buffer
+    consumer = be.create_stream(0)  # another library's stream
+    capsule = a.__dlpack__(stream=be.stream_handle(consumer), max_version=(1, 0))
+    owner = _dlpack.take_capsule(capsule, _dlpack.read_capsule(capsule))
+    del a, capsule
+    gc.collect()
+    be.destroy_stream(consumer)  # the library destroys its stream while it holds the array
+    with pytest.warns(UserWarning, match="leaked rather than freed"):
+        del owner
+    gc.collect()
+    gf.zeros(1, F32).sync()
+    assert not buffer.freed
+
+
+# -- arrays in -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("protocol", ["dlpack", "cai"])
+async def test_the_first_use_of_an_import_waits_for_the_producers_work(protocol: str) -> None:
+    a = await gf.zeros(N, F32)
+    writer = gf.new_stream()
+    late_fill(a, 7.0).enqueue_on(writer)  # the producer's pending, slow write
+    b = gf.from_dlpack(DlpackOnly(a) if protocol == "dlpack" else CaiOnly(a))
+    assert np.array_equal(await gf.to_host(b), np.full(N, 7, F32))
+
+
+@pytest.mark.anyio
+async def test_the_producer_side_can_be_ordered_after_gpuflows_writes() -> None:
+    fake = FakeLib()
+    a = await gf.zeros(N, F32)
+    b = gf.from_dlpack(a)
+    late_fill(b, 7.0).enqueue_on(gf.new_stream())  # gpuflow writes the import, slowly
+    out = await gf.zeros(N, F32)
+    fake.late_copy(b, out, seconds=0)  # taken back through DLPack: after gpuflow's write
+    assert np.array_equal(await gf.to_host(out), np.full(N, 7, F32))
+
+
+def test_a_cai_producer_is_released_only_after_gpuflows_uses() -> None:
+    backing = gf.full(N, 3.0, F32).sync()
+    producer = CaiOnly(backing)
+    released = weakref.ref(producer)
+    b = gf.from_dlpack(producer)
+    out, reader = gf.zeros(N, F32).sync(), gf.new_stream()
+    start = time.monotonic()
+    late_copy(b, out).enqueue_on(reader)  # gpuflow reads it, slowly
+    del producer, backing, b  # the user drops everything but the read in flight
+    gc.collect()
+    assert released() is not None, "the producer was released while gpuflow reads its memory"
+    assert not idle(reader)  # (the read is indeed still running)
+    wait_until(lambda: released() is None, "the producer is released")
+    assert time.monotonic() - start >= SLOW - EARLY
+    assert np.array_equal(gf.to_host(out).sync_on(reader), np.full(N, 3, F32))
+
+
+def test_a_dlpack_producers_memory_lives_until_gpuflows_uses_are_done() -> None:
+    src = gf.full(N, 3.0, F32).sync()
+    buffer = src._alloc.buffer
+    b = gf.from_dlpack(src)
+    out, reader = gf.zeros(N, F32).sync(), gf.new_stream()
+    start = time.monotonic()
+    late_copy(b, out).enqueue_on(reader)
+    del src, b
+    gc.collect()
+    assert not buffer.freed and not idle(reader)
+    wait_until(lambda: buffer.freed, "the producer's memory is freed once gpuflow is done")
+    assert time.monotonic() - start >= SLOW - EARLY
+    assert np.array_equal(gf.to_host(out).sync_on(reader), np.full(N, 3, F32))
+
+
+def test_read_only_memory_is_only_read() -> None:
+    a = gf.full(N, 2.0, F32).sync()
+    ro = gf.from_dlpack(CaiOnly(a, data=(a.ptr, True)))
+    assert ro.readonly and not a.readonly
+    with pytest.raises(gf.UsageError, match="read-only"):
+        add(ro, 1.0).sync()
+    with pytest.raises(gf.UsageError, match="read-only"):
+        gf.copy(a, out=ro).sync()
+    assert np.array_equal(gf.to_host(gf.copy(ro)).sync(), np.full(N, 2, F32))
+    assert ro.__cuda_array_interface__["data"][1] is True
+    assert _dlpack.read_capsule(ro.__dlpack__(max_version=(1, 0))).readonly
+
+
+def test_from_dlpack_refuses_host_memory() -> None:
+    class HostArray:
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            raise AssertionError("the device is checked first")
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (3, 0)  # kDLCUDAHost: pinned host memory
+
+    with pytest.raises(gf.UsageError, match=r"host memory.*gf\.from_host"):
+        gf.from_dlpack(np.arange(4.0))
+    with pytest.raises(gf.UsageError, match="host memory"):
+        gf.from_dlpack(HostArray())
+
+
+def test_from_dlpack_refuses_memory_of_a_device_it_does_not_use() -> None:
+    class Elsewhere:
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            raise AssertionError("the device is checked first")
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 9)
+
+    with pytest.raises(gf.UsageError, match="device 9, which gpuflow does not use"):
+        gf.from_dlpack(Elsewhere())
+
+
+def test_from_dlpack_refuses_a_dtype_it_cannot_pass_and_leaves_the_capsule() -> None:
+    a = gf.zeros(N, np.uint16).sync()
+    shape = (ctypes.c_int64 * 1)(N)
+    managed = _dlpack.DLManagedTensor()  # what a producer of bfloat16 hands over
+    t = managed.dl_tensor
+    t.data, t.device, t.ndim = a.ptr, _dlpack.DLDevice(2, a.device), 1
+    t.dtype = _dlpack.DLDataType(4, 16, 1)  # kDLBfloat
+    t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    capsule = _new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    with pytest.raises(gf.UsageError, match="bfloat16 has no gpuflow dtype"):
+        gf.from_dlpack(capsule)
+    assert capsule_name(capsule) == "dltensor"  # still the producer's
+
+
+def test_from_dlpack_refuses_what_it_cannot_wrap() -> None:
+    a = gf.zeros((4, 4), F32).sync()
+    with pytest.raises(gf.UsageError, match="not C-contiguous"):
+        gf.from_dlpack(CaiOnly(a, strides=(4, 16)))  # Fortran order
+    assert gf.from_dlpack(CaiOnly(a, strides=(16, 4))).ptr == a.ptr  # C order, spelt out
+    with pytest.raises(gf.UsageError, match="masked"):
+        gf.from_dlpack(CaiOnly(a, mask=a))
+    with pytest.raises(gf.UsageError, match="not"):
+        gf.from_dlpack(CaiOnly(a, data=(4096, False)))  # no device memory there
+    with pytest.raises(gf.UsageTypeError, match="__dlpack__ or __cuda_array_interface__"):
+        gf.from_dlpack(3)
+
+
+@pytest.mark.sim_only
+def test_sim_addresses_and_handles_map_back() -> None:
+    # a property of the simulator: a foreign pointer is a view of a live
+    # buffer, past its end or after its free it is refused; a stream handle is
+    # its stream
+    be = backend()
+    a = gf.arange(N, dtype=F32).sync()
+    view = be.foreign_buffer(a.ptr + 16, 32, a.device)
+    assert np.array_equal(view.data.view(F32), np.arange(4, 12, dtype=F32))
+    with pytest.raises(gf.UsageError, match="past the end"):
+        be.foreign_buffer(a.ptr + 16, a.nbytes, a.device)
+    with pytest.raises(gf.UsageError, match="device 1"):
+        be.foreign_buffer(a.ptr, 16, 1)
+    s = gf.new_stream()
+    assert be.foreign_stream(handle(s), 0) == (s._raw, 0)
+    buffer = a._alloc.buffer
+    ptr = a.ptr
+    del a
+    gc.collect()
+    wait_until(lambda: buffer.freed, "the buffer is freed")
+    with pytest.raises(gf.UsageError, match="not in a live buffer"):
+        be.foreign_buffer(ptr, 16, 0)
+
+
+# -- foreign streams -----------------------------------------------------------------------
+
+
+class StreamProtocol:
+    """cuda.core's way: ``__cuda_stream__() -> (version, handle)``."""
+
+    def __init__(self, h: int) -> None:
+        self._h = h
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._h)
+
+
+class TorchLikeStream:
+    """torch.cuda.Stream's way: ``cuda_stream`` and ``device``."""
+
+    def __init__(self, h: int, device: int) -> None:
+        self.cuda_stream = h
+        self.device = device
+
+
+class CupyLikeStream:
+    """cupy.cuda.Stream's way: ``ptr`` and ``device_id``."""
+
+    def __init__(self, h: int, device: int) -> None:
+        self.ptr = h
+        self.device_id = device
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("form", ["gpuflow", "int", "protocol", "torch", "cupy"])
+async def test_wait_stream_orders_after_the_foreign_work(form: str) -> None:
+    fake = FakeLib()
+    gpuflow_stream = gf.new_stream()
+    if form == "gpuflow":
+        fake.current = handle(gpuflow_stream)
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0)  # a write gpuflow knows nothing of
+    h = fake.stream()
+    stream = {
+        "gpuflow": gpuflow_stream,
+        "int": h,
+        "protocol": StreamProtocol(h),
+        "torch": TorchLikeStream(h, 0),
+        "cupy": CupyLikeStream(h, 0),
+    }[form]
+    out = await gf.to_host(gf.wait_stream(stream).map(lambda _: x))
+    assert np.array_equal(out, np.full(N, 5, F32))
+
+
+@pytest.mark.anyio
+async def test_awaiting_wait_stream_lets_the_event_loop_run() -> None:
+    fake = FakeLib()
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0, seconds=0.5)
+    running: list[bool] = []
+    done = False
+
+    async def ticker() -> None:
+        while not done:
+            running.append(not fake.idle())
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await gf.wait_stream(fake.own)
+        finished = fake.idle()
+        done = True
+    assert finished  # the wait really waited for the foreign work
+    assert any(running)  # and other tasks ran while that work was still running
+
+
+@pytest.mark.anyio
+async def test_wait_stream_composes_with_zip_and_then() -> None:
+    fake = FakeLib()
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0)
+    both = gf.zip(gf.wait_stream(fake.own), gf.full(N, 1.0, F32))
+    out = await gf.to_host(both.then(lambda _: add(x, 1.0)))  # 5 + 1 only after the write
+    assert np.array_equal(out, np.full(N, 6, F32))
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_wait_stream_is_cancelled_at_once() -> None:
+    fake = FakeLib()
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0, seconds=0.5)
+    with anyio.move_on_after(0.05) as scope:
+        await gf.wait_stream(fake.own)
+    assert scope.cancelled_caught
+    assert not fake.idle()  # the await ended before the foreign work did
+    await gf.wait_stream(fake.own)  # (x must outlive the write gpuflow knows nothing of)
+
+
+@pytest.mark.parametrize("default", [0, 1, 2])
+def test_wait_stream_on_a_default_stream(default: int) -> None:
+    fake = FakeLib()
+    fake.current = default  # its work goes to the default stream of device 0
+    x = gf.zeros(N, F32).sync()
+    fake.late_fill_untracked(x.ptr, 5.0)
+    out = gf.to_host(gf.wait_stream(default).map(lambda _: x)).sync()
+    assert np.array_equal(out, np.full(N, 5, F32))
+
+
+def test_wait_stream_refuses_what_is_not_a_stream() -> None:
+    class BadProtocol:
+        def __cuda_stream__(self) -> str:
+            return "stream"
+
+    with pytest.raises(gf.UsageTypeError, match="needs a stream"):
+        gf.wait_stream("stream")
+    with pytest.raises(gf.UsageTypeError, match="needs a stream"):
+        gf.wait_stream(True)
+    with pytest.raises(gf.UsageError, match="not -5"):
+        gf.wait_stream(-5)
+    with pytest.raises(gf.UsageTypeError, match="__cuda_stream__"):
+        gf.wait_stream(BadProtocol())
+    with pytest.raises(gf.UsageError, match="graph capture"):
+        gf.wait_stream(gf.new_stream()).capture()
+
+
+@pytest.mark.sim_only
+def test_wait_stream_refuses_a_handle_that_is_no_stream() -> None:
+    # sim: an unknown handle is refused (on CUDA using one is undefined)
+    with pytest.raises(gf.UsageError, match="not a live stream"):
+        gf.wait_stream(0x1234).sync()
+
+
+# -- foreign code on gpuflow's stream -------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_foreign_code_runs_on_gpuflows_stream_in_a_pipeline(lib: FakeLib) -> None:
+    runs_on: list[int] = []
+    seen: list[int] = []
+
+    def step(x: gf.DeviceArray) -> gf.DeviceArray:
+        seen.append(lib.stream())
+        lib.late_scale(x, 2.0)  # slow read-modify-write on its current stream
+        return x
+
+    def on_stream(ctx: gf.ExecutionContext, x: gf.DeviceArray) -> gf.DeviceOperation[Any]:
+        runs_on.append(handle(ctx.stream))
+        return gf.foreign(step, x)
+
+    op = (
+        gf.full(N, 3.0, F32)
+        .then(lambda x: gf.with_context(lambda ctx: on_stream(ctx, x)))
+        .then(lambda x: add(x, 10.0))  # gpuflow again, after the foreign step
+    )
+    assert np.array_equal(await gf.to_host(op), np.full(N, 16, F32))
+    assert seen == runs_on  # the foreign code's current stream was the run's
+
+
+@pytest.mark.anyio
+async def test_foreign_code_is_ordered_after_gpuflows_uses_of_its_arguments(
+    lib: FakeLib,
+) -> None:
+    x = await gf.zeros(N, F32)
+    late_fill(x, 7.0).enqueue_on(gf.new_stream())  # pending, slow, on another stream
+
+    def overwrite(x: gf.DeviceArray) -> None:
+        # a write gpuflow learns of only because x is an argument of foreign():
+        # through a raw pointer, fast, after the slow write
+        lib.late_fill_untracked(x.ptr, 1.0, seconds=0)
+
+    await gf.foreign(overwrite, x)
+    assert np.array_equal(await gf.to_host(x), np.ones(N, F32))
+
+
+@pytest.mark.anyio
+async def test_foreign_results_come_back_as_device_arrays(lib: FakeLib) -> None:
+    src = await gf.full(N, 2.0, F32)
+
+    def step() -> tuple[Any, Any, str, np.ndarray]:
+        return DlpackOnly(src), CaiOnly(src), "meta", np.ones(3)
+
+    a, b, meta, host = await gf.foreign(step)
+    assert isinstance(a, gf.DeviceArray) and isinstance(b, gf.DeviceArray)
+    assert a.ptr == b.ptr == src.ptr
+    assert meta == "meta" and isinstance(host, np.ndarray)  # the rest is passed through
+    assert np.array_equal(await gf.to_host(a), np.full(N, 2, F32))
+
+
+def test_foreign_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(gf.UsageTypeError, match="callable"):
+        gf.foreign(3)  # type: ignore[arg-type]
+    with pytest.raises(gf.UsageError, match="graph capture"):
+        gf.foreign(lambda: None).capture()
+    with pytest.raises(gf.UsageTypeError, match="callable"):
+        gf.lowlevel.register_stream_adapter(3)  # type: ignore[arg-type]
+
+
+# -- python -m gpuflow info ------------------------------------------------------------------
+
+
+def test_info_reports_backend_devices_and_libraries(tmp_path: Path) -> None:
+    package_root = Path(gf.__file__).parent.parent
+    path = os.pathsep.join(p for p in (str(package_root), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "info"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=120, env=dict(os.environ, PYTHONPATH=path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert f"gpuflow {gf.__version__}" in out
+    cuda_devices = gf._backends.cuda_probe()[0]
+    if cuda_devices:
+        assert "backend: cuda" in out
+        assert f"CUDA devices: {cuda_devices}" in out
+        assert "compute capability" in out
+    else:
+        assert "backend: sim" in out and "no CUDA device" in out
+        assert "gpuflow sim device 0" in out
+    for name, module in (("PyTorch", "torch"), ("CuPy", "cupy")):
+        installed = find_spec(module) is not None
+        assert (f"{name}: not installed" in out) != installed
+
+
+# -- PyTorch and CuPy (on a CUDA device) ------------------------------------------------------
+
+
+@pytest.mark.cuda_only
+def test_torch_sees_the_same_pointer_both_ways() -> None:
+    torch = pytest.importorskip("torch")
+    a = gf.arange(N, dtype=F32).sync()
+    t = torch.from_dlpack(a)
+    assert t.data_ptr() == a.ptr and t.device == torch.device("cuda", a.device)
+    assert np.array_equal(t.cpu().numpy(), np.arange(N, dtype=F32))
+    assert torch.as_tensor(a, device="cuda").data_ptr() == a.ptr  # __cuda_array_interface__
+    x = torch.arange(N, dtype=torch.float32, device="cuda") * 2
+    b = gf.from_dlpack(x)
+    assert b.ptr == x.data_ptr()
+    assert np.array_equal(gf.to_host(b).sync(), np.arange(N, dtype=F32) * 2)
+
+
+@pytest.mark.cuda_only
+def test_torch_memory_lives_while_gpuflow_reads_it() -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.full((N,), 3.0, device="cuda")
+    torch.cuda.synchronize()
+    b = gf.from_dlpack(x)
+    out, reader = gf.zeros(N, F32).sync(), gf.new_stream()
+    late_copy(b, out).enqueue_on(reader)
+    del x, b
+    gc.collect()
+    # PyTorch's allocator hands a freed block out again at once: released early,
+    # x's memory would hold -1 before the slow read reads it
+    y = torch.full((N,), -1.0, device="cuda")
+    assert np.array_equal(gf.to_host(out).sync_on(reader), np.full(N, 3, F32))
+    del y
+
+
+@pytest.mark.cuda_only
+def test_an_export_to_torch_lives_until_torch_is_done() -> None:
+    torch = pytest.importorskip("torch")
+    a = gf.full(N, 4.0, F32).sync()
+    t = torch.from_dlpack(a)
+    del a
+    gc.collect()
+    assert float(t.sum()) == 4.0 * N  # the memory outlived the gpuflow array
+
+
+@pytest.mark.cuda_only
+def test_cupy_sees_the_same_pointer_both_ways() -> None:
+    cupy = pytest.importorskip("cupy")
+    a = gf.arange(N, dtype=F32).sync()
+    c = cupy.from_dlpack(a)
+    assert c.data.ptr == a.ptr
+    assert np.array_equal(cupy.asnumpy(c), np.arange(N, dtype=F32))
+    assert cupy.asarray(a).data.ptr == a.ptr  # __cuda_array_interface__
+    x = cupy.arange(N, dtype=cupy.float32) * 2
+    b = gf.from_dlpack(x)
+    assert b.ptr == x.data.ptr
+    assert np.array_equal(gf.to_host(b).sync(), np.arange(N, dtype=F32) * 2)
+
+
+@pytest.mark.cuda_only
+@pytest.mark.anyio
+async def test_a_gpuflow_torch_gpuflow_pipeline() -> None:
+    torch = pytest.importorskip("torch")
+    w = torch.full((N,), 2.0, device="cuda")
+    torch.cuda.synchronize()  # (w is made on PyTorch's own stream)
+    seen: list[int] = []
+    runs_on: list[int] = []
+
+    def torch_step(x: gf.DeviceArray) -> Any:
+        seen.append(torch.cuda.current_stream().cuda_stream)
+        t = torch.from_dlpack(x)  # after the slow gpuflow write: the same stream
+        return torch.relu(t - 3.0) + t * w
+
+    def on_stream(ctx: gf.ExecutionContext, x: gf.DeviceArray) -> gf.DeviceOperation[Any]:
+        runs_on.append(handle(ctx.stream))
+        return gf.foreign(torch_step, x)
+
+    op = (
+        gf.zeros(N, F32)
+        .then(lambda x: late_fill(x, 5.0, seconds=0.2))
+        .then(lambda x: gf.with_context(lambda ctx: on_stream(ctx, x)))
+        .then(lambda y: add(y, 1.0))
+    )
+    out = await gf.to_host(op)
+    assert np.array_equal(out, np.full(N, (5 - 3) + 5 * 2 + 1, F32))
+    assert seen == runs_on
+
+
+@pytest.mark.cuda_only
+@pytest.mark.anyio
+async def test_awaiting_a_busy_torch_stream_keeps_the_loop_ticking() -> None:
+    torch = pytest.importorskip("torch")
+    stream = torch.cuda.Stream()
+    # how many cycles of torch.cuda._sleep make 300 ms on this GPU
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        begin.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+    end.synchronize()
+    cycles = int(10_000_000 * 300 / begin.elapsed_time(end))
+    with torch.cuda.stream(stream):
+        begin.record()
+        torch.cuda._sleep(cycles)  # the "forward pass": 300 ms of GPU work
+        end.record()
+    ticks: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        while not done:
+            ticks.append(time.perf_counter())
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.sleep(0)
+        await gf.wait_stream(stream)
+        finished = end.query()
+        done = True
+    assert finished  # the wait waited for the busy work ...
+    assert begin.elapsed_time(end) >= 200  # ... which was busy for at least 200 ms
+    gaps = np.diff(ticks)
+    assert len(ticks) >= 10 and gaps.max() < 0.05  # and the loop kept ticking meanwhile
