@@ -51,7 +51,7 @@ class Raw:
     def __init__(self, device: int) -> None:
         from cuda.bindings import driver as cu
 
-        from gpuflow._backends._nvrtc import compile_source
+        from gpuflow._backends._nvrtc import compile_source  # the same NVRTC path as gpuflow
 
         self.cu = cu
         ok(cu.cuInit(0), "cuInit")
@@ -203,7 +203,7 @@ def f(n: int) -> float:
 
 
 def g(n: int) -> None:
-    from gpuflow._backends import _cuda
+    from gpuflow._backends import _cuda  # its signal modes are the backend's, not public
 
     async def main(op: gf.DeviceOperation[Any]) -> float:
         for _ in range(300):

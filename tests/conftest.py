@@ -25,6 +25,7 @@ from gpuflow import testing
 
 def _cuda_devices() -> int:
     try:
+        # which backends the suite runs on is decided before any runtime exists
         from gpuflow._backends._cuda import cuda_device_count
     except ImportError:
         return 0

@@ -27,7 +27,7 @@ import pytest
 
 import gpuflow as gf
 from gpuflow import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
-from gpuflow._backends._cuda import CudaBackend
+from gpuflow._backends._cuda import CudaBackend  # the backend itself is under test
 from gpuflow.lowlevel import PointerArg
 
 pytestmark = pytest.mark.cuda_only

@@ -101,7 +101,7 @@ def test_init_takes_a_backend_instance() -> None:
 def test_backends_are_found_by_name_in_a_registry() -> None:
     import uuid
 
-    from gpuflow._backends._sim import SimBackend
+    from gpuflow._backends._sim import SimBackend  # a backend to register
 
     made: list[int | None] = []
 

@@ -104,7 +104,7 @@ extern "C" __global__ void twice_h(const __half* x, __half* y, int n) {
 
 
 def test_toolkit_headers_are_found_where_the_toolkit_is_installed() -> None:
-    from gpuflow._backends._nvrtc import include_dirs
+    from gpuflow._backends._nvrtc import include_dirs  # the search path itself is under test
 
     if not include_dirs():
         # no toolkit headers on this machine: a clear compile error, naming the header
