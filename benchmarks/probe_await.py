@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 
 import gpuflow as gf
+
 # the probe times the bridge's own steps, so it instruments private machinery
 from gpuflow import _bridge
 from gpuflow._runtime import get_runtime

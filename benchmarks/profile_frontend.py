@@ -21,6 +21,7 @@ import anyio
 import numpy as np
 
 import gpuflow as gf
+
 # a null backend (below) and the default policy measure the front end alone
 from gpuflow._backends import _base
 from gpuflow._policy import DEFAULT_POLICY
