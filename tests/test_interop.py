@@ -467,6 +467,16 @@ async def test_an_export_outlives_the_array_until_the_consumers_work_is_done() -
     assert testing.use_after_free_count() == 0
 
 
+def test_an_array_exported_again_and_again_keeps_one_event_a_consumer_stream() -> None:
+    fake = FakeLib()
+    a, out = gf.full(N, 4.0, F32).sync(), gf.zeros(N, F32).sync()
+    for _ in range(3):
+        fake.late_copy(a, out, seconds=0)
+    # the hazard state: the latest use of each stream covers the earlier ones
+    assert len(a._alloc.foreign) == 1
+    assert np.array_equal(gf.to_host(out).sync(), np.full(N, 4, F32))
+
+
 def test_a_capsule_dropped_unconsumed_releases_the_memory() -> None:
     a = gf.full(N, 1.0, F32).sync()
     buffer = a._alloc.buffer  # the backend's buffer, to see when it is freed
@@ -510,6 +520,21 @@ async def test_the_first_use_of_an_import_waits_for_the_producers_work(protocol:
     late_fill(a, 7.0).enqueue_on(writer)  # the producer's pending, slow write
     b = gf.from_dlpack(DlpackOnly(a) if protocol == "dlpack" else CaiOnly(a))
     assert np.array_equal(await gf.to_host(b), np.full(N, 7, F32))
+
+
+@pytest.mark.anyio
+async def test_an_import_does_not_wait_for_the_uses_of_another() -> None:
+    first, second = await gf.full(N, 1.0, F32), await gf.full(N, 2.0, F32)
+    a = gf.from_dlpack(CaiOnly(first))
+    reader, out = gf.new_stream(), await gf.zeros(N, F32)
+    late_copy(a, out).enqueue_on(reader)  # a long use of the first import ...
+    del a  # ... whose producer is released after it
+    gc.collect()
+    b = gf.from_dlpack(CaiOnly(second))
+    assert np.array_equal(await gf.to_host(b), np.full(N, 2, F32))
+    assert not idle(reader)  # the second import's use did not wait for the first's
+    read = await gf.to_host(gf.wait_stream(reader).map(lambda _: out))
+    assert np.array_equal(read, np.ones(N, F32))
 
 
 @pytest.mark.anyio
