@@ -1,9 +1,10 @@
 """One suite for every backend and every event loop.
 
 Every test runs on ``sim`` (always) and on ``cuda`` (where a CUDA device is
-present; skipped, never failed, elsewhere).  Async tests run under asyncio
-and Trio through AnyIO's pytest plugin.  After each test the runtime must be
-quiescent: nothing pending, no lease held, no use after free seen.
+present; skipped, never failed, elsewhere).  Async tests run under asyncio,
+uvloop (where installed) and Trio through AnyIO's pytest plugin.  After each
+test the runtime must be quiescent: nothing pending, no lease held, no use
+after free seen.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from importlib.util import find_spec
 
 import pytest
 
@@ -32,9 +34,21 @@ def _cuda_devices() -> int:
 CUDA_DEVICES = _cuda_devices()
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+#: The event loops every async test runs under: asyncio, uvloop (an asyncio
+#: loop many services run on) where it is installed, and Trio.  Tests that
+#: name the loop take AnyIO's ``anyio_backend_name`` ("asyncio" for uvloop
+#: too) and ``anyio_backend_options``.
+UVLOOP = [pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")]
+LOOPS = [
+    pytest.param("asyncio", id="asyncio"),
+    *(UVLOOP if find_spec("uvloop") else []),
+    pytest.param("trio", id="trio"),
+]
+
+
+@pytest.fixture(params=LOOPS)
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    return request.param
 
 
 @pytest.fixture(

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import gpuflow as gf
@@ -32,7 +33,8 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
     )  # fmt: skip
     assert Path(where.stdout.strip()).parent == site / "gpuflow"
 
-    cmd = ["-m", "gpuflow", "bench", "--backend", device_backend, "--quick", "--only", "throughput"]
+    cmd = ["-m", "gpuflow", "bench", "--backend", device_backend, "--quick", "--only", "throughput",
+           "--trace", "run.json"]
     proc = subprocess.run(
         [sys.executable, *cmd], cwd=work, env=env, capture_output=True, text=True, timeout=100
     )
@@ -41,5 +43,11 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
     report = json.loads((work / "bench.json").read_text())
     assert report["backend"] == device_backend
     names = [r["name"] for r in report["rows"]]
-    assert names == ["awaited ops per second (asyncio)", "awaited ops per second (trio)"]
+    loops = ["asyncio", "uvloop", "trio"] if find_spec("uvloop") else ["asyncio", "trio"]
+    assert names == [f"awaited ops per second ({loop})" for loop in loops]
     assert all(r["unit"] == "op/s" and r["value"] > 0 for r in report["rows"])
+    # --trace: a timeline of every run; each loop awaited at least 3 x 64 x 20 kernels
+    events = json.loads((work / "run.json").read_text())["traceEvents"]
+    runs = [e for e in events if e.get("cat") == "gpuflow.run"]
+    assert len(runs) >= len(loops) * 3 * 64 * 20
+    assert {e["name"] for e in runs} == {"kernel empty"}

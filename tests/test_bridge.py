@@ -5,6 +5,10 @@ schedules a flush for the end of the turn; the runs submitted after it in
 that turn are signalled by the flush, one signal per stream.  Whatever ends
 a turn early (a cancellation, a loop that closes before its flush runs), no
 run is left without a signal.
+
+These tests drive the dispatcher and the loop adapters themselves, so they
+import the private modules that hold them (``_bridge``, ``_runtime``,
+``_loops``).
 """
 
 from __future__ import annotations
@@ -126,17 +130,17 @@ def test_runs_left_by_a_loop_that_never_flushed_are_signalled() -> None:
     dead = _DroppingLoop()
     first, second, third = Submission(0), Submission(0), Submission(0)
     K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)
-    dispatcher.submit(stream._raw, first, dead)  # signals, schedules a flush
+    dispatcher.submit(stream.raw, first, dead)  # signals, schedules a flush
     assert len(dead.dropped) == 1
     K.slow_fill(x, 2.0, 0.01).enqueue_on(stream)
-    dispatcher.submit(stream._raw, second, dead)  # left for the flush
+    dispatcher.submit(stream.raw, second, dead)  # left for the flush
     _wait_done(first)
     stream.synchronize()
     time.sleep(0.05)
     assert not second.done  # no signal covers it yet
     # the next loop of this thread signals what the dead one left, then its own run
     live = _DroppingLoop()
-    dispatcher.submit(stream._raw, third, live)
+    dispatcher.submit(stream.raw, third, live)
     _wait_done(second)
     _wait_done(third)
     assert second.error is None and third.error is None
@@ -149,8 +153,8 @@ def test_an_explicit_flush_signals_a_deferred_run() -> None:
     stream = gf.new_stream()
     loop = _DroppingLoop()
     a, b = Submission(0), Submission(0)
-    dispatcher.submit(stream._raw, a, loop)
-    dispatcher.submit(stream._raw, b, loop)
+    dispatcher.submit(stream.raw, a, loop)
+    dispatcher.submit(stream.raw, b, loop)
     _wait_done(a)
     time.sleep(0.05)
     assert not b.done
@@ -201,7 +205,7 @@ def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.Monke
     query = rt.backend.query
 
     def failing(raw: Any) -> bool:
-        if raw is stream._raw:
+        if raw is stream.raw:
             raise gf.DeviceError("cuStreamQuery failed (a transient error)")
         return query(raw)
 
@@ -229,13 +233,18 @@ def test_no_loop_is_running_here() -> None:
 
 
 @pytest.mark.anyio
-async def test_the_loop_adapter_is_the_running_loops(anyio_backend: str) -> None:
+async def test_the_loop_adapter_is_the_running_loops(
+    anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
     from gpuflow._loops import current_loop, running_loop_name  # the machinery itself
 
-    assert running_loop_name() == anyio_backend
+    assert running_loop_name() == anyio_backend_name
     loop = current_loop()
     assert current_loop() is loop  # chosen once for the loop, not per call
     assert loop.target is anyio.lowlevel.current_token().native_token
+    if anyio_backend_name == "asyncio":  # the uvloop runs really are on uvloop
+        on_uvloop = type(loop.target).__module__.startswith("uvloop")
+        assert on_uvloop == anyio_backend_options.get("use_uvloop", False)
     woken: list[str] = []
     wake, park = loop.parker()
 

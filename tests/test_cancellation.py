@@ -448,7 +448,9 @@ async def _run_case(case: Any, other_device: int) -> int:
 
 
 @pytest.mark.timeout(max(120, SOAK_EXAMPLES // 4))  # a soak of thousands of cases takes minutes
-def test_random_pipelines_cancelled_at_random_points(anyio_backend: str) -> None:
+def test_random_pipelines_cancelled_at_random_points(
+    anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
     other_device = max(gf.open_device_group().devices)
     threads_before = threading.active_count()
 
@@ -460,7 +462,10 @@ def test_random_pipelines_cancelled_at_random_points(anyio_backend: str) -> None
     )
     @given(case=_CASES)
     def check(case: Any) -> None:
-        completed = anyio.run(_run_case, case, other_device, backend=anyio_backend)
+        completed = anyio.run(
+            _run_case, case, other_device,
+            backend=anyio_backend_name, backend_options=anyio_backend_options,
+        )  # fmt: skip
         event(f"{len(case[1]) - completed} of {len(case[1])} jobs cancelled")
         gc.collect()
         testing.assert_quiescent(timeout=5)  # runs resolved, no lease, no use after free

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import anyio
@@ -118,3 +119,12 @@ def test_backends_are_found_by_name_in_a_registry() -> None:
         gf.lowlevel.register_backend("auto", factory)
     with pytest.raises(gf.UsageError, match=r"one of 'auto', 'cuda', 'sim'.*not 'nope'"):
         gf.init_device_contexts(backend="nope")
+
+
+def test_every_device_reports_its_architecture_and_no_fault() -> None:
+    be = gf.lowlevel.current_backend_object()
+    for d in range(gf.device_count()):
+        assert re.fullmatch(r"sm_\d+", be.device_arch(d))
+        assert be.device_fault(d) is None
+    with pytest.raises(gf.UsageError, match=f"device {gf.device_count()} does not exist"):
+        be.device_arch(gf.device_count())

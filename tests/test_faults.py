@@ -24,8 +24,7 @@ import pytest
 
 import gpuflow as gf
 from gpuflow import testing
-from gpuflow._backends import _codes as codes
-from gpuflow._runtime import get_runtime
+from gpuflow._backends import _codes as codes  # the table itself is under test
 
 F32 = np.float32
 
@@ -46,10 +45,7 @@ def fault_deadline() -> float:
 
 def warm(module: gf.Module) -> gf.Module:
     """Compile the module's device code now, not inside a timed window."""
-    be = gf.lowlevel.current_backend_object()
-    arch = getattr(be, "device_arch", None)
-    if arch is not None:
-        module.binary_for(arch(0))
+    module.binary_for(gf.lowlevel.current_backend_object().device_arch(0))
     return module
 
 # on cuda every test here runs in a child process of its own (conftest.py)
@@ -84,8 +80,8 @@ def test_error_hierarchy_and_driver_codes() -> None:
     assert issubclass(gf.DeviceError, gf.GpuflowError)
     for cls in (gf.DeviceFaultError, gf.OutOfMemoryError, gf.LaunchError):
         assert issubclass(cls, gf.DeviceError)
-    for cls in (gf.CompileError, gf.UsageError):
-        assert issubclass(cls, gf.GpuflowError) and not issubclass(cls, gf.DeviceError)
+    for other in (gf.CompileError, gf.UsageError):
+        assert issubclass(other, gf.GpuflowError) and not issubclass(other, gf.DeviceError)
     err = gf.DeviceFaultError(
         "kernel faulted", code=700, name="CUDA_ERROR_ILLEGAL_ADDRESS", device=1
     )
@@ -309,7 +305,7 @@ async def test_reset_recovers_repeatedly() -> None:
 @pytest.mark.sim_only
 @pytest.mark.anyio
 async def test_sim_host_signals_fire_on_a_driver_thread() -> None:
-    be: Any = get_runtime().backend
+    be: Any = gf.lowlevel.current_backend_object()
     events: list[tuple[str, threading.Thread]] = []
 
     class Recording(collections.deque):  # type: ignore[type-arg]
@@ -343,12 +339,12 @@ async def test_sim_host_signals_fire_on_a_driver_thread() -> None:
 
 @pytest.mark.sim_only
 def test_sim_poisons_freed_memory_and_detects_use_after_free() -> None:
-    be: Any = get_runtime().backend
+    be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
     x = gf.full(16, 1.0, F32).sync_on(s)
-    buf = x._alloc.buffer
+    buf: Any = x._alloc.buffer  # the sim buffer itself (its bytes are under test)
     assert (buf.data[: x.nbytes].view(F32) == 1).all()
-    be.free(buf, s._raw)  # what a premature free would do
+    be.free(buf, s.raw)  # what a premature free would do
     s.synchronize()
     assert (buf.data == 0xFF).all()
     assert np.isnan(buf.data[: x.nbytes].view(F32)).all()
@@ -367,11 +363,11 @@ def test_sim_poisons_freed_memory_and_detects_use_after_free() -> None:
 
 @pytest.mark.sim_only
 def test_sim_detects_a_read_after_free() -> None:
-    be: Any = get_runtime().backend
+    be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
     x = gf.arange(8, dtype=np.int64).sync_on(s)
-    buf = x._alloc.buffer
-    be.free(buf, s._raw)
+    buf: Any = x._alloc.buffer  # the sim buffer itself (its bytes are under test)
+    be.free(buf, s.raw)
     try:
         freed = rf"copy from {re.escape(repr(buf))}.*use after free"
         with pytest.raises(gf.DeviceFaultError, match=freed):
@@ -383,13 +379,13 @@ def test_sim_detects_a_read_after_free() -> None:
 
 @pytest.mark.sim_only
 def test_sim_fresh_memory_is_garbage_not_zeros() -> None:
-    be: Any = get_runtime().backend
+    be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
-    buf = be.alloc(0, 64, s._raw)
+    buf = be.alloc(0, 64, s.raw)
     try:
         assert (buf.data == 0xFF).all()
     finally:
-        be.free(buf, s._raw)
+        be.free(buf, s.raw)
         s.synchronize()
 
 
@@ -420,7 +416,7 @@ def test_sim_a_free_poisons_the_buffer_once_its_stream_reaches_it() -> None:
 def test_sim_a_dropped_array_leaves_poison_not_its_values() -> None:
     s = gf.new_stream()
     x = gf.zeros(16, F32).sync_on(s)
-    buf = x._alloc.buffer
+    buf: Any = x._alloc.buffer  # the sim buffer itself (its bytes are under test)
     assert (buf.data[: x.nbytes].view(F32) == 0).all()
     del x  # the last reference: gpuflow frees the memory in stream order
     gc.collect()

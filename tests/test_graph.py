@@ -406,3 +406,13 @@ def test_to_dot_quotes_labels() -> None:
     nodes, _ = parse_dot(gf.with_context(odd_name).to_dot())
     (label,) = (lab for lab, _ in nodes.values())
     assert label == r"with_context say \"hi\" \\ bye"
+
+
+def test_a_graph_exposes_its_executable_handle_on_cuda_only(device_backend: str) -> None:
+    x, y, z = arrays(1.0, 0.0, 0.0)
+    graph = chain(x, y, z).capture()
+    if device_backend == "cuda":
+        assert gf.lowlevel.graph_exec_handle(graph) > 0
+    else:
+        with pytest.raises(gf.UsageError, match="sim backend have no CUDA handle"):
+            gf.lowlevel.graph_exec_handle(graph)

@@ -321,3 +321,29 @@ async def test_kernels_of_one_module_on_two_devices() -> None:
     y = await gf.arange(8, dtype=F32)
     with pytest.raises(gf.UsageError, match=r"device 0.*device 1"):
         await m.scale(K.cfg(8), y, 3.0, 8).run(policy)
+
+
+def test_dropping_a_module_while_a_kernel_runs_stalls_no_collection() -> None:
+    """Unloading a CUDA module waits until the device is idle, so gpuflow never
+    unloads one from a finalizer: a garbage collection (in an event loop, in
+    the dispatcher) must not wait for the GPU work in flight."""
+    import gc
+    import time
+    import uuid
+
+    # a module of its own (a source no other test compiles), loaded by a launch
+    tag = uuid.uuid4().hex
+    src = f'extern "C" __global__ void own_{tag}(int* c) {{ c[0] += 1; }}'
+    mod = gf.compile(src, references={f"own_{tag}": lambda c: c.__setitem__(0, c[0] + 1)})
+    counter = K.counter()
+    getattr(mod, f"own_{tag}")(gf.LaunchConfig(1, 1), counter).sync()
+    assert K.read_count(counter) == 1
+    x = gf.zeros(64, F32).sync()
+    stream = gf.new_stream()
+    K.slow_fill(x, 1.0, 1.0).enqueue_on(stream)  # a second of GPU work
+    t0 = time.monotonic()
+    del mod
+    gc.collect()
+    took = time.monotonic() - t0
+    assert took < 0.5, f"the collection waited {took:.2f} s for the GPU"
+    stream.synchronize()

@@ -47,15 +47,6 @@ EARLY = 0.01
 DEADLINE = 20.0
 
 
-def raw_stream(stream: gf.Stream) -> Any:
-    """The backend's own handle of ``stream``.
-
-    :class:`gpuflow.lowlevel.Backend` takes raw handles and ``Stream`` has no
-    public accessor for its handle; the tests use it only to ask the backend
-    directly whether a stream is idle, a view independent of gpuflow's
-    bookkeeping.
-    """
-    return stream._raw
 
 
 class _On:
@@ -137,7 +128,7 @@ class Probe(gf.DeviceOperation[None]):
     def busy(self) -> bool:
         """Whether the backend reports work still running on the run's stream."""
         assert self.stream is not None, "the probe has not run"
-        return not gf.lowlevel.current_backend_object().query(raw_stream(self.stream))
+        return not gf.lowlevel.current_backend_object().query(self.stream.raw)
 
     def look(self) -> bool | None:
         """After a full collection: is the object alive?  ``None`` when the

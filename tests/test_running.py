@@ -93,11 +93,11 @@ async def test_await_and_run_with_a_policy() -> None:
 
 
 @pytest.mark.anyio
-async def test_sync_inside_an_event_loop_raises_usage_error(anyio_backend: str) -> None:
+async def test_sync_inside_an_event_loop_raises_usage_error(anyio_backend_name: str) -> None:
     op = gf.value(1)
     with pytest.raises(gf.UsageError, match="await") as info:
         op.sync()
-    assert anyio_backend in str(info.value)
+    assert anyio_backend_name in str(info.value)
     with pytest.raises(gf.UsageError, match="await"):
         op.sync(gf.SingleStream(0))
     with pytest.raises(gf.UsageError, match="await"):

@@ -400,7 +400,9 @@ async def test_a_stream_handed_to_a_waiter_being_cancelled_is_passed_on() -> Non
     assert testing.leases_held() == 0
 
 
-async def test_lease_waiter_in_another_event_loop_is_woken(anyio_backend: str) -> None:
+async def test_lease_waiter_in_another_event_loop_is_woken(
+    anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
     held: dict[int, gf.Stream] = {}
     release = [anyio.Event() for _ in range(POOL)]
     result: list[gf.Stream] = []
@@ -410,7 +412,7 @@ async def test_lease_waiter_in_another_event_loop_is_woken(anyio_backend: str) -
             async with gf.open_stream_lease() as lease:
                 result.append(lease.stream)
 
-        anyio.run(want, backend=anyio_backend)
+        anyio.run(want, backend=anyio_backend_name, backend_options=anyio_backend_options)
 
     async with anyio.create_task_group() as tg:
         for i in range(POOL):

@@ -30,7 +30,7 @@ WRONG_TYPES: list[tuple[str, Callable[[], Any], str]] = [
     ("a kernel given a host array", lambda: K.module().scale(K.cfg(4), np.ones(4), 2.0, 4),
      "needs a DeviceArray"),
     ("a kernel given too few arguments", lambda: K.module().scale(K.cfg(4)), "takes 3 arguments"),
-    ("a kernel given no LaunchConfig", lambda: K.module().count(4, 5), "LaunchConfig"),
+    ("a kernel given no LaunchConfig", lambda: K.module().count(4, 5), "LaunchConfig"),  # type: ignore[arg-type]
     ("sync() with a non-policy", lambda: gf.value(1).sync(policy=3), "SchedulingPolicy"),  # type: ignore[arg-type]
 ]
 

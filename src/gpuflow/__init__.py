@@ -43,6 +43,7 @@ from ._operation import with_context as with_context
 from ._operation import zip as zip
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
+from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
 from ._runtime import current_backend as current_backend
 from ._runtime import current_device as current_device
@@ -56,5 +57,6 @@ from ._scope import StreamLease as StreamLease
 from ._scope import open_device_group as open_device_group
 from ._scope import open_stream_lease as open_stream_lease
 from ._stream import Stream as Stream
+from ._trace import trace as trace
 
 __version__ = "0.1.0.dev0"

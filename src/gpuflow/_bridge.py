@@ -23,7 +23,7 @@ import collections
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -42,6 +42,10 @@ _IDLE_GRACE_S = 1.0
 #: to, its non-blocking post, and the idempotent wake-up to run there.
 Poster = Callable[[Callable[[], object]], object]
 Waiter = tuple[Any, Poster, Callable[[], object]]
+
+
+#: Makes "done" and "take the callbacks" one step against add_done_callback.
+_callbacks_lock = threading.Lock()
 
 
 class Submission:
@@ -63,20 +67,23 @@ class Submission:
         self.on_done: list[Callable[[BaseException | None], None]] | None = None
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Call ``fn(error)`` on the dispatcher thread when the work is done
-        (at once, here, if it already is).  ``fn`` must not block or raise."""
-        if self.on_done is None:
-            self.on_done = []
-        self.on_done.append(fn)
-        if self.done:
-            self.on_done.remove(fn)
-            fn(self.error)
+        """Call ``fn(error)`` once, on the dispatcher thread when the work is
+        done (at once, here, if it already is).  Safe from any thread, also
+        while the work completes.  ``fn`` must not block or raise."""
+        with _callbacks_lock:
+            if not self.done:
+                if self.on_done is None:
+                    self.on_done = []
+                self.on_done.append(fn)
+                return
+        fn(self.error)
 
     def _finish(self, error: BaseException | None) -> list[Waiter]:
         self.error = error
         self.keep = []
-        self.done = True
-        callbacks, self.on_done = self.on_done, None
+        with _callbacks_lock:  # a callback added meanwhile runs once, here or there
+            self.done = True
+            callbacks, self.on_done = self.on_done, None
         for fn in callbacks or ():
             try:
                 fn(error)
@@ -137,7 +144,7 @@ class _Lane:
     ``n``-th mark recorded.
     """
 
-    __slots__ = ("appended", "completed", "device", "marks", "subs")
+    __slots__ = ("appended", "completed", "device", "marks", "since", "subs")
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -145,6 +152,8 @@ class _Lane:
         self.marks: collections.deque[int] = collections.deque()
         self.appended = 0
         self.completed = 0
+        #: when the lane last saw a submission finish, or was made (see lanes)
+        self.since = time.monotonic()
 
     def mark(self) -> bool:
         """Record a signal covering everything appended; False if one already does."""
@@ -255,6 +264,15 @@ class Dispatcher:
         """Submissions handed over whose work has not been seen to finish."""
         return self._pending
 
+    @property
+    def lanes(self) -> Mapping[Any, _Lane]:
+        """The streams with submissions not yet seen to finish, each with its
+        lane: ``len(lane.subs)`` pending submissions, none seen to finish
+        since ``lane.since`` (:func:`time.monotonic`).  A stream with nothing
+        pending has no lane.  Read without the lock, for heuristics such as
+        scheduling: a snapshot that may be stale at once; never modify it."""
+        return self._lanes
+
     def fail_device(self, device: int, error: BaseException) -> None:
         """Fail every pending submission of ``device`` (a fault, a reset)."""
         done: list[tuple[Submission, BaseException | None]] = []
@@ -305,6 +323,7 @@ class Dispatcher:
                 time.sleep(WATCHDOG_S)
             done: list[tuple[Submission, BaseException | None]] = []
             signalled: list[tuple[Any, int]] = []
+            now = time.monotonic()
             with self._lock:
                 idle = []
                 for raw, lane in self._lanes.items():
@@ -317,6 +336,8 @@ class Dispatcher:
                         q = lane.subs
                         for _ in range(upto - lane.completed):
                             done.append((q.popleft(), None))
+                        if upto != lane.completed:
+                            lane.since = now
                         lane.completed = upto
                     if not lane.subs and not lane.marks:
                         idle.append(raw)

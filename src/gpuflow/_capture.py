@@ -78,9 +78,10 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     cap_stream = stream or new_stream(device)
     policy = _CapturePolicy(device, 3)
     # the capture starts after everything already enqueued on the device's
-    # pool, so that replays never race with work that made the inputs
+    # pool and the streams the default policy added to it, so that replays
+    # never race with work that made the inputs
     be = rt.backend
-    for s in rt.pool(device):
+    for s in rt.streams(device):
         if s != cap_stream:
             be.wait_event(cap_stream._raw, be.record_event(s._raw))
     sub = Submission(device)

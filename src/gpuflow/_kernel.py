@@ -148,13 +148,20 @@ def parse_kernels(source: str) -> dict[str, tuple[Param, ...]]:
     return kernels
 
 
+#: A grid or block size: an int (NumPy's too) or a sequence of one to three.
+Dims = int | np.integer[Any] | Sequence[int | np.integer[Any]]
+
+
 class LaunchConfig:
     """Grid and block dimensions (ints or up to 3-tuples) and dynamic shared memory bytes."""
 
     __slots__ = ("block", "grid", "shmem")
 
     def __init__(
-        self, grid: int | Sequence[int], block: int | Sequence[int], shmem: int = 0
+        self,
+        grid: Dims,
+        block: Dims,
+        shmem: int = 0,
     ) -> None:
         self.grid = self._dims(grid, "grid")
         self.block = self._dims(block, "block")
@@ -163,7 +170,7 @@ class LaunchConfig:
         self.shmem = shmem
 
     @staticmethod
-    def _dims(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    def _dims(v: Dims, what: str) -> tuple[int, int, int]:
         if isinstance(v, int | np.integer):
             t: tuple[Any, ...] = (v,)
         elif isinstance(v, Sequence):

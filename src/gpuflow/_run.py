@@ -13,11 +13,13 @@ inside them through a context variable, so that they can wait for it.
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.lowlevel
 
+from . import _trace
 from ._bridge import Submission
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
@@ -133,8 +135,45 @@ def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return _sync(op, stream, None)
 
 
+_syncs_lock = threading.Lock()
+
+
+def _traced(
+    op: DeviceOperation[Any], how: str, stream: Stream, sub: Submission
+) -> _trace.TracedRun:
+    traced = _trace.begin(op, how, stream)
+    sub.add_done_callback(traced.gpu_done)  # before anyone else can finish it
+    return traced
+
+
 def _sync(op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None) -> Any:
     _rt, sub, ctx = _start(op, stream, policy)
+    traced = _traced(op, "sync", stream, sub) if _trace.active else None
+    # a blocking run is never handed to the dispatcher: count it on its
+    # stream, so that the default policy sees that stream as busy meanwhile
+    with _syncs_lock:
+        stream._syncs += 1
+    try:
+        out = _sync_run(op, stream, sub, ctx, traced)
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
+        raise
+    finally:
+        with _syncs_lock:
+            stream._syncs -= 1
+    if traced is not None:
+        traced.ended(None)
+    return out
+
+
+def _sync_run(
+    op: DeviceOperation[Any],
+    stream: Stream,
+    sub: Submission,
+    ctx: ExecutionContext,
+    traced: _trace.TracedRun | None,
+) -> Any:
     try:
         out = op.execute(ctx)
     except BaseException:
@@ -144,6 +183,8 @@ def _sync(op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | N
         finally:
             sub._finish(None)
         raise
+    if traced is not None:
+        traced.enqueued()
     try:
         stream.synchronize()
     finally:
@@ -153,10 +194,17 @@ def _sync(op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | N
 
 def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     rt, sub, ctx = _start(op, stream, None)
+    traced = _traced(op, "enqueue_on", stream, sub) if _trace.active else None
     try:
         out = op.execute(ctx)
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
+        raise
     finally:
         rt.dispatcher.submit(stream._raw, sub)
+    if traced is not None:
+        traced.ended(None)
     if is_pending(out):
         if has_map(out):
             raise UsageError(
@@ -174,21 +222,30 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
     rt = get_runtime()
     stream, policy = _choose(rt, policy)
     rt, sub, ctx = _start(op, stream, policy)
+    traced = _traced(op, "await", stream, sub) if _trace.active else None
     try:
         out = op.execute(ctx)
-    except BaseException:
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
         try:
             rt.dispatcher.submit(stream._raw, sub)
         except Exception:  # the original failure is the one to report
             pass
         raise
+    if traced is not None:
+        traced.enqueued()
     dispatcher = rt.dispatcher
     dispatcher.submit(stream._raw, sub, loop)
     try:
         await sub.wait(loop)
-    except BaseException:
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
         # cancelled before the loop's flush: the signal must not wait for a
         # loop turn that may never come
         dispatcher.flush()
         raise
+    if traced is not None:
+        traced.ended(None)
     return resolve(out)

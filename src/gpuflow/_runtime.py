@@ -42,6 +42,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._generations = {d: 0 for d in devices}
         self._pools: dict[int, list[Stream]] = {}
+        #: per device: the pool, then the streams grow() added (append only)
+        self._streams: dict[int, list[Stream]] = {}
         #: stream-lease bookkeeping per (device, generation), owned by _scope
         self.lease_pools: dict[tuple[int, int], Any] = {}
         #: every live stream of this runtime, by its handle (__cuda_stream__)
@@ -54,8 +56,12 @@ class Runtime:
             self._make_pool(d)
 
     def _make_pool(self, device: int) -> None:
-        self._pools[device] = [self.adopt(device, self.backend.create_stream(device))
-                               for _ in range(self.streams_per_device)]  # fmt: skip
+        pool = [
+            self.adopt(device, self.backend.create_stream(device))
+            for _ in range(self.streams_per_device)
+        ]
+        self._pools[device] = pool
+        self._streams[device] = list(pool)
 
     def adopt(self, device: int, raw: Any) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
@@ -113,11 +119,33 @@ class Runtime:
         return device
 
     def pool(self, device: int) -> list[Stream]:
+        """The ``streams_per_device`` streams made with the device's context:
+        what round robin deals and stream leases take."""
         try:
             return self._pools[device]
         except KeyError:
             self.check_device(device)
             raise
+
+    def streams(self, device: int) -> list[Stream]:
+        """The pool followed by the streams :meth:`grow` added; the list only
+        grows (in place), until a reset of the device replaces it."""
+        try:
+            return self._streams[device]
+        except KeyError:
+            self.check_device(device)
+            raise
+
+    def grow(self, device: int, limit: int) -> Stream | None:
+        """Add a stream to ``device``'s streams unless it has ``limit`` already;
+        the new stream, or None.  Added streams live as long as the pool."""
+        with self._lock:
+            streams = self._streams.get(device)
+            if streams is None or len(streams) >= limit or not self.live:
+                return None
+            s = self.adopt(device, self.backend.create_stream(device))
+            streams.append(s)
+            return s
 
     def check_fault(self, device: int) -> None:
         fault = self.backend.device_fault(device)
@@ -139,7 +167,8 @@ class Runtime:
             )
             # raises (and changes nothing of ours) where the driver refuses
             self.backend.reset_device(device)
-            old = self._pools.pop(device, [])
+            self._pools.pop(device, None)
+            old = self._streams.pop(device, [])
             self._generations[device] += 1
             self._make_pool(device)
         for s in old:

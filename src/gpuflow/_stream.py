@@ -25,13 +25,16 @@ class Stream:
     :func:`gpuflow.wait_stream` and the array protocols.
     """
 
-    __slots__ = ("__weakref__", "_device", "_generation", "_raw", "_runtime")
+    __slots__ = ("__weakref__", "_device", "_generation", "_raw", "_runtime", "_syncs")
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
         self._runtime = runtime
         self._device = device
         self._raw = raw
         self._generation = runtime.generation(device)
+        #: blocking runs (``sync``, ``sync_on``) on this stream now: the
+        #: dispatcher never sees them, a scheduling policy should
+        self._syncs = 0
 
     @property
     def device(self) -> int:
@@ -45,6 +48,13 @@ class Stream:
         from an event loop's thread: ``await`` the operation instead.
         """
         self._runtime.backend.synchronize(self._raw)
+
+    @property
+    def raw(self) -> Any:
+        """The backend's own stream object, for code that calls the backend
+        directly (:mod:`gpuflow.lowlevel`): operations enqueue on
+        ``ctx.stream.raw`` through ``ctx.backend``."""
+        return self._raw
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(version, CUstream address)``."""

@@ -12,12 +12,12 @@ from ._backends._base import Backend as Backend
 from ._backends._base import PointerArg as PointerArg
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
-from ._errors import UsageError
 from ._interop import ImportedAllocation as ImportedAllocation
 from ._interop import StreamAdapter as StreamAdapter
 from ._interop import register_stream_adapter as register_stream_adapter
 from ._operation import Graph
-from ._runtime import get_runtime
+from ._runtime import current_device, get_runtime
+from ._stream import Stream
 
 
 def current_backend_object() -> Backend:
@@ -25,9 +25,14 @@ def current_backend_object() -> Backend:
     return get_runtime().backend
 
 
+def pool_streams(device: int | None = None) -> list[Stream]:
+    """The pool streams of ``device`` (default: the current one) now: the
+    ``streams_per_device`` made at initialisation, then those the default
+    policy (:class:`gpuflow.StreamPoolLeastLoaded`) added under load."""
+    rt = get_runtime()
+    return list(rt.streams(rt.check_device(current_device() if device is None else device)))
+
+
 def graph_exec_handle(graph: Graph[object]) -> int:
     """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
-    handle = getattr(graph._rec.raw, "exec", None)
-    if handle is None:
-        raise UsageError("graph_exec_handle() needs a graph captured on the cuda backend")
-    return int(handle)
+    return get_runtime().backend.graph_handle(graph._rec.raw)

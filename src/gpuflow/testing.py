@@ -23,7 +23,7 @@ def pending_runs() -> int:
 def use_after_free_count() -> int:
     """How many device accesses to freed memory the ``sim`` backend has caught
     (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
-    return int(getattr(get_runtime().backend, "use_after_free", 0))
+    return get_runtime().backend.use_after_free_count()
 
 
 def assert_quiescent(timeout: float = 5.0) -> None:

@@ -2,8 +2,8 @@
 that the test suite catches every one.
 
 Each mutation below is a bug that once slipped past a green suite, or one
-worth guarding in the same places: the run, bridge, hazard, scope and
-simulator code.  For each, this script copies ``src/`` to a temporary
+worth guarding in the same places: the run, bridge, hazard, scope, policy
+and simulator code.  For each, this script copies ``src/`` to a temporary
 directory, applies the mutation (an exact, unique text replacement: if the
 code moved, the script says so rather than testing nothing), runs the tests
 that should catch it on ``sim`` against the copy, and reports whether they
@@ -166,6 +166,34 @@ MUTATIONS = [
         "            self.fail_device(device, err)\n",
         "        pass\n",
         ("tests/test_faults.py",),
+    ),
+    Mutation(
+        "M15",
+        "the default policy deals streams whatever is pending on them (round robin)",
+        "_policy.py",
+        "            if lane is None:\n"
+        "                if not s._syncs:\n"
+        "                    return s  # idle\n",
+        "            if True:\n"
+        "                if True:\n"
+        "                    return s  # idle\n",
+        ("tests/test_policy.py",),
+    ),
+    Mutation(
+        "M16",
+        "the default policy never grows the pool, however stalled",
+        "_policy.py",
+        "        if len(streams) < self._max:\n",
+        "        if False:\n",
+        ("tests/test_policy.py",),
+    ),
+    Mutation(
+        "M17",
+        "the default policy does not see blocking runs in flight",
+        "_run.py",
+        "        stream._syncs += 1\n",
+        "        pass\n",
+        ("tests/test_policy.py",),
     ),
     Mutation(
         "I1",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -97,14 +97,59 @@ class Activity(NamedTuple):
     end: float
 
 
+class DeviceState(Protocol):
+    """What every backend keeps per device: its sticky fault, if any."""
+
+    @property
+    def fault(self) -> DeviceFaultError | None: ...
+
+
+D = TypeVar("D", bound=DeviceState)
+
+
 class Backend(abc.ABC):
-    """A device backend.  One instance serves every device of the process."""
+    """A device backend.  One instance serves every device of the process.
+
+    What the two backends share lives here once: looking a device up (with
+    one message for a device that is not there) and reporting its sticky
+    fault.  Everything the front end asks of a backend is a method of this
+    class, never an attribute found by duck typing.
+    """
 
     name: ClassVar[str]
 
     @property
     @abc.abstractmethod
     def device_count(self) -> int: ...
+
+    def _lookup(self, devices: Sequence[D], device: int) -> D:
+        """``devices[device]``, or UsageError for an ordinal that is not there."""
+        if isinstance(device, int) and not isinstance(device, bool) and 0 <= device < len(devices):
+            return devices[device]
+        raise UsageError(
+            f"device {device!r} does not exist: the {self.name} backend has {len(devices)}"
+        )
+
+    @abc.abstractmethod
+    def _device_state(self, device: int) -> DeviceState:
+        """The per-device state of ``device`` (through :meth:`_lookup`)."""
+
+    def device_fault(self, device: int) -> DeviceFaultError | None:
+        """The sticky fault of ``device``, if one has been seen."""
+        return self._device_state(device).fault
+
+    @abc.abstractmethod
+    def device_arch(self, device: int) -> str:
+        """The ``sm_XY`` device code of ``device`` is compiled for."""
+
+    def graph_handle(self, graph: Any) -> int:
+        """The address of a captured graph's executable form (``CUgraphExec``)."""
+        raise UsageError(f"graphs of the {self.name} backend have no CUDA handle")
+
+    def use_after_free_count(self) -> int:
+        """How many device accesses to freed memory the backend caught (0 where
+        it cannot see them: on CUDA, compute-sanitizer is the detector)."""
+        return 0
 
     @abc.abstractmethod
     def device_name(self, device: int) -> str: ...
@@ -274,10 +319,6 @@ class Backend(abc.ABC):
         raise UsageError(f"backend {self.name!r} keeps no record of device activity")
 
     # -- faults ---------------------------------------------------------------
-    @abc.abstractmethod
-    def device_fault(self, device: int) -> DeviceFaultError | None:
-        """The sticky fault of ``device``, if one has been seen."""
-
     @abc.abstractmethod
     def reset_device(self, device: int) -> None:
         """Clear a sticky fault; every stream, buffer and kernel of the device

@@ -288,12 +288,19 @@ class SimBackend(Backend):
         return DeviceDescription(self.device_name(device), None, self._dev(device).memory_limit)
 
     def _dev(self, device: int) -> _SimDevice:
-        try:
-            return self._devices[device]
-        except IndexError:
-            raise UsageError(
-                f"device {device} does not exist: the sim backend has {len(self._devices)}"
-            ) from None
+        return self._lookup(self._devices, device)
+
+    _device_state = _dev
+
+    def device_arch(self, device: int) -> str:
+        """The simulated device is an H200's architecture: kernels are checked
+        by NVRTC for it, and run as their NumPy references."""
+        self._dev(device)
+        return "sm_90"
+
+    def use_after_free_count(self) -> int:
+        with self.cond:
+            return self.use_after_free
 
     def _set_fault(
         self, device: _SimDevice, what: str, exc: BaseException, generation: int
@@ -328,9 +335,6 @@ class SimBackend(Backend):
                             device=other.index,
                         )
             self.cond.notify_all()
-
-    def device_fault(self, device: int) -> DeviceFaultError | None:
-        return self._dev(device).fault
 
     def reset_device(self, device: int) -> None:
         dev = self._dev(device)

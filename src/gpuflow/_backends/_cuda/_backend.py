@@ -31,7 +31,6 @@ import struct
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -119,9 +118,12 @@ class CudaBackend(Backend):
         self._n = Native()
         self._tls = ThreadState()
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
-        self._modules: weakref.WeakValueDictionary[tuple[int, bytes], CudaModule] = (
-            weakref.WeakValueDictionary()
-        )
+        # Loaded modules stay loaded while the backend lives: cuModuleUnload
+        # waits until the device is idle, and a finalizer calling it would
+        # stall whatever thread collects the garbage (an event loop's, the
+        # dispatcher's) until every kernel in flight is done.  They are
+        # unloaded by close(), a point the program chose.
+        self._modules: dict[tuple[int, bytes], CudaModule] = {}
         self._module_lock = threading.Lock()
         self._gsem, self._gsem_addr = self._n.new_sem()
         self._stream_lock = threading.Lock()
@@ -197,6 +199,18 @@ class CudaBackend(Backend):
             cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             threshold,
         )
+        # never reuse memory freed on another stream by making the allocating
+        # stream wait for that stream's work: an allocation on an idle stream
+        # would queue behind long (or abandoned) work elsewhere.  Reuse that
+        # needs no new dependency (the free is done, or already ordered) stays.
+        self._call(
+            dev,
+            "cuMemPoolSetAttribute",
+            cu.cuMemPoolSetAttribute,
+            pool,
+            cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            0,
+        )
         (side,) = self._call(dev, "cuStreamCreate", cu.cuStreamCreate, _STREAM_NON_BLOCKING)
         dev.side = int(side)
 
@@ -223,14 +237,9 @@ class CudaBackend(Backend):
                 )
 
     def _dev(self, device: int) -> Dev:
-        try:
-            if device < 0:
-                raise IndexError
-            return self._devices[device]
-        except (IndexError, TypeError):
-            raise UsageError(
-                f"device {device} does not exist: the cuda backend has {len(self._devices)}"
-            ) from None
+        return self._lookup(self._devices, device)
+
+    _device_state = _dev
 
     def _live(self, stream: CudaStream) -> Dev:
         """The stream's device, after the fault and stale-handle checks of an enqueue."""
@@ -941,6 +950,9 @@ class CudaBackend(Backend):
     def graph_node_count(self, graph: Any) -> int:
         return int(graph.nodes)
 
+    def graph_handle(self, graph: Any) -> int:
+        return int(graph.exec)
+
     def launch_graph(self, graph: Any, stream: Any) -> None:
         dev = self._live(stream)
         if graph.token is not graph.dev.token:
@@ -951,9 +963,6 @@ class CudaBackend(Backend):
             raise error_for(rc, "cuGraphLaunch", dev)
 
     # -- faults ---------------------------------------------------------------------------
-    def device_fault(self, device: int) -> DeviceFaultError | None:
-        return self._dev(device).fault
-
     def reset_device(self, device: int) -> None:
         dev = self._dev(device)
         cu = self._cu
@@ -1016,5 +1025,10 @@ class CudaBackend(Backend):
                 self._enable_peers(other)
 
     def close(self) -> None:
-        """Wake a dispatcher blocked in :meth:`wait_signals`; handles go with the process."""
+        """Wake a dispatcher blocked in :meth:`wait_signals`; unload the modules
+        (this waits until the device is idle); other handles go with the process."""
         self.wake()
+        with self._module_lock:
+            modules, self._modules = list(self._modules.values()), {}
+        for mod in modules:
+            mod.unload()

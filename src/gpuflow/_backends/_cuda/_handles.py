@@ -153,7 +153,8 @@ class CudaBuffer:
 
 
 class CudaModule:
-    """A loaded CUmodule; unloaded when its last kernel handle goes."""
+    """A loaded CUmodule, cached by its backend and unloaded when the backend
+    closes (never by a finalizer: an unload waits until the device is idle)."""
 
     __slots__ = ("__weakref__", "backend", "dev", "handle", "token")
 
@@ -161,18 +162,20 @@ class CudaModule:
         self.backend = backend
         self.dev = dev
         self.handle = handle
-        self.token = dev.token
+        self.token: Token | None = dev.token
 
-    def __del__(self) -> None:
+    def unload(self) -> None:
+        """Unload the module (once); a failure is a warning."""
         dev = self.dev
-        if self.token is not dev.token or dev.fault is not None:
+        token, self.token = self.token, None
+        if token is not dev.token or dev.fault is not None:
             return  # gone with the context, or a faulted context: leak
         try:
             self.backend._cur(dev)
             (err,) = driver().cuModuleUnload(self.handle)
             if int(err):
                 warn_unless_fault(int(err), "cuModuleUnload", dev, f"unloading {self!r}")
-        except Exception as exc:  # a finalizer must not raise
+        except Exception as exc:  # closing goes on with the other modules
             warnings.warn(f"gpuflow: unloading {self!r} failed: {exc!r}", stacklevel=2)
 
     def __repr__(self) -> str:

@@ -1,0 +1,354 @@
+"""The timeline: every run recorded, written as Chrome trace-event JSON.
+
+``with gf.trace("run.json"):`` records the runs started inside the block,
+and ``GPUFLOW_TRACE=run.json`` records a whole program (written when the
+interpreter exits).  The file opens in https://ui.perfetto.dev and
+``chrome://tracing``.  While a trace records, gpuflow's operations are also
+NVTX ranges (domain ``gpuflow``, around each run's enqueue) when the
+``nvtx`` package is installed, so that Nsight Systems shows them beside the
+kernels they launched.
+
+When no trace records, a run pays one global check (:data:`active` is an
+empty tuple) and nothing else.
+
+What a trace holds:
+
+* one process per device, one track in it per stream (``stream 1``,
+  ``stream 2``... in the order the trace first saw them); on it one complete
+  event (``"ph": "X"``, category ``gpuflow.run``) per run, named after the
+  operation, from when the stream could start it (the run was enqueued, or
+  the stream finished its previous run, whichever is later: a stream's
+  slices never overlap) to when gpuflow saw the GPU finish it.  ``args``:
+  ``op`` (its repr), ``device``, ``stream``, ``how`` it ran (``await``,
+  ``sync``, ``enqueue_on``), ``outcome`` (``ok``, ``cancelled``, ``fault``,
+  ``error``; ``unfinished`` if the trace was written first), ``gpu`` (how
+  the GPU side ended: ``ok``, ``fault``, ``unfinished``) and its times in
+  microseconds since the trace began: ``enqueued_us`` (the run began
+  enqueueing), ``enqueue_end_us``, ``gpu_done_us``, ``resumed_us`` (the
+  awaiting task ran again, or was cancelled);
+* a ``host`` process, one track per thread that started runs: the host side
+  of each enqueue (an ``X`` event, ``gpuflow.enqueue``); for each awaited
+  run, the wake-up from the GPU being done to the task running again (an
+  async slice, ``gpuflow.wake``), or an instant marker (``cancelled ...``)
+  where the task stopped waiting first.
+
+Recording is thread-safe: runs start on any thread, completions arrive on
+the dispatcher's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import itertools
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ._errors import DeviceFaultError, UsageTypeError
+
+#: The environment variable that records a whole program into the file it names.
+ENV = "GPUFLOW_TRACE"
+
+#: The traces recording now: empty when none is (the one check a run pays).
+active: tuple[Recorder, ...] = ()
+
+_lock = threading.Lock()
+_ids = itertools.count(1)
+#: the nvtx module once a trace has started: None before, False if not importable
+_nvtx: Any = None
+#: trace-event process ids: the program's threads, then one per device
+_HOST_PID = 1
+_DEVICE_PID = 100
+
+
+def _outcome(exc: BaseException | None) -> str:
+    if exc is None:
+        return "ok"
+    if isinstance(exc, DeviceFaultError):
+        return "fault"
+    if isinstance(exc, Exception):
+        return "error"
+    return "cancelled"  # the loop's cancellation (or an interrupt) is a BaseException
+
+
+class TracedRun:
+    """One run as the traces recording it see it; :mod:`._run` reports to it.
+
+    Its events are written once both its ends are known: the GPU's (the
+    submission finished, on whatever thread finished it) and its caller's
+    (the awaiting task resumed or was cancelled, ``sync`` or ``enqueue_on``
+    returned or raised).
+    """
+
+    __slots__ = (
+        "device", "done", "ends", "enq", "enq_end", "gpu", "how", "id", "name", "op",
+        "outcome", "recorders", "resumed", "start", "stream", "stream_key", "thread",
+    )  # fmt: skip
+
+    def __init__(
+        self, recorders: tuple[Recorder, ...], name: str, op: str, how: str, stream: Any
+    ) -> None:
+        self.recorders = recorders
+        self.id = next(_ids)
+        self.name = name
+        self.op = op
+        self.how = how
+        self.device: int = stream.device
+        self.stream = repr(stream)
+        self.stream_key: tuple[int, int] = (stream.device, id(stream._raw))
+        self.thread = threading.get_native_id()
+        self.enq = time.perf_counter_ns()
+        self.enq_end: int | None = None
+        self.done: int | None = None
+        self.start: dict[int, int] = {}  # per recorder: when its stream could start the run
+        self.resumed: int | None = None
+        self.gpu = "unfinished"  # how the GPU side ended
+        self.outcome = "ok"
+        self.ends = 2
+        nvtx = _nvtx
+        if nvtx:
+            nvtx.push_range(message=name, domain="gpuflow")
+
+    def enqueued(self) -> None:
+        """The operation has enqueued its work (or failed to): on the run's thread."""
+        self.enq_end = time.perf_counter_ns()
+        nvtx = _nvtx
+        if nvtx:
+            nvtx.pop_range(domain="gpuflow")
+
+    def gpu_done(self, error: BaseException | None) -> None:
+        """The run's submission finished (a completion callback, any thread)."""
+        with _lock:
+            # read under the lock: a stream's runs finish in the order taken
+            now = self.done = time.perf_counter_ns()
+            self.gpu = _outcome(error)
+            for r in self.recorders:
+                self.start[id(r)] = r._stream_slot(self.stream_key, self.enq, now)
+            self._end()
+
+    def ended(self, exc: BaseException | None) -> None:
+        """The caller is done with the run: it returned or raised ``exc``, or
+        (for an await) the task resumed or was cancelled."""
+        now = time.perf_counter_ns()
+        if self.enq_end is None:  # execute itself raised
+            self.enqueued()
+        with _lock:
+            if self.how == "await":
+                self.resumed = now
+            self.outcome = _outcome(exc)
+            self._end()
+
+    def _end(self) -> None:  # under _lock
+        self.ends -= 1
+        if self.ends == 0:
+            for r in self.recorders:
+                r._write_run(self)
+
+
+class Recorder:
+    """The events of one trace, kept in memory until :meth:`write`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.abspath(path)
+        self._t0 = time.perf_counter_ns()
+        self._closed = False
+        self._events: list[dict[str, Any]] = []
+        self._open: dict[int, TracedRun] = {}  # runs started, not yet written
+        self._tracks: dict[tuple[int, int], int] = {}  # (device, id(raw stream)) -> tid
+        self._track_end: dict[tuple[int, int], int] = {}
+        self._threads: dict[int, str] = {}
+
+    def _us(self, ns: int) -> float:
+        return (ns - self._t0) / 1e3
+
+    def _opened(self, run: TracedRun) -> None:
+        with _lock:
+            self._open[run.id] = run
+            if run.thread not in self._threads:
+                self._threads[run.thread] = threading.current_thread().name
+
+    def _track(self, key: tuple[int, int]) -> int:
+        tid = self._tracks.get(key)
+        if tid is None:
+            tid = self._tracks[key] = 1 + sum(k[0] == key[0] for k in self._tracks)
+        return tid
+
+    def _stream_slot(self, key: tuple[int, int], enq: int, done: int) -> int:
+        """When a run that stream ``key`` finished at ``done`` could start:
+        when it was enqueued, or when the stream finished its previous run
+        (under _lock, as it finishes: a stream finishes its runs in order)."""
+        end = self._track_end.get(key, enq)
+        self._track_end[key] = max(done, end)
+        return min(max(enq, end), done)
+
+    def _write_run(self, run: TracedRun, now: int | None = None) -> None:
+        """Append the events of ``run``; ``now`` when it is still unfinished
+        (under _lock)."""
+        if self._closed:
+            return
+        self._open.pop(run.id, None)
+        us = self._us
+        key = run.stream_key
+        done = run.done if run.done is not None else now
+        assert done is not None
+        start = run.start.get(id(self))
+        if start is None:  # still running: from when its stream could start it
+            start = min(max(run.enq, self._track_end.get(key, run.enq)), done)
+        gpu = run.gpu
+        outcome = run.outcome if run.outcome != "ok" else gpu
+        args: dict[str, Any] = {
+            "op": run.op,
+            "device": run.device,
+            "stream": run.stream,
+            "how": run.how,
+            "outcome": outcome,
+            "enqueued_us": us(run.enq),
+        }
+        if run.enq_end is not None:
+            args["enqueue_end_us"] = us(run.enq_end)
+        args["gpu"] = gpu
+        if run.done is not None:
+            args["gpu_done_us"] = us(run.done)
+        if run.resumed is not None:
+            args["resumed_us"] = us(run.resumed)
+        events = self._events
+        events.append({
+            "name": run.name, "cat": "gpuflow.run", "ph": "X",
+            "ts": us(start), "dur": (done - start) / 1e3,
+            "pid": _DEVICE_PID + run.device, "tid": self._track(key), "args": args,
+        })  # fmt: skip
+        host = {"pid": _HOST_PID, "tid": run.thread}
+        if run.enq_end is not None:
+            events.append({
+                "name": f"enqueue {run.name}", "cat": "gpuflow.enqueue", "ph": "X",
+                "ts": us(run.enq), "dur": (run.enq_end - run.enq) / 1e3,
+                "args": {"run": run.id}, **host,
+            })  # fmt: skip
+        if run.resumed is None:
+            return
+        if run.done is not None and run.done <= run.resumed:
+            wake = {"name": f"wake {run.name}", "cat": "gpuflow.wake", "id": run.id, **host}
+            events.append({**wake, "ph": "b", "ts": us(run.done), "args": {"outcome": outcome}})
+            events.append({**wake, "ph": "e", "ts": us(run.resumed)})
+        else:  # the task stopped waiting before the GPU was done
+            events.append({
+                "name": f"{run.outcome} {run.name}", "cat": "gpuflow.await", "ph": "i",
+                "s": "t", "ts": us(run.resumed), "args": {"run": run.id}, **host,
+            })  # fmt: skip
+
+    def write(self) -> None:
+        """Write the trace file (once): every run written so far, and those
+        not finished as ``unfinished`` slices up to now."""
+        now = time.perf_counter_ns()
+        with _lock:
+            for run in list(self._open.values()):
+                self._write_run(run, now)
+            self._closed = True
+            doc = {
+                "traceEvents": self._metadata() + self._events,
+                "displayTimeUnit": "ms",
+                "otherData": {"producer": "gpuflow"},
+            }
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+
+    def _metadata(self) -> list[dict[str, Any]]:
+        def meta(what: str, pid: int, tid: int | None, **args: Any) -> dict[str, Any]:
+            event = {"name": what, "ph": "M", "pid": pid, "args": args}
+            if tid is not None:
+                event["tid"] = tid
+            return event
+
+        out = [meta("process_name", _HOST_PID, None, name="host"),
+               meta("process_sort_index", _HOST_PID, None, sort_index=0)]
+        for d in sorted({key[0] for key in self._tracks}):
+            out.append(meta("process_name", _DEVICE_PID + d, None, name=f"gpuflow device {d}"))
+            out.append(meta("process_sort_index", _DEVICE_PID + d, None, sort_index=1 + d))
+        for (d, _raw), tid in self._tracks.items():
+            out.append(meta("thread_name", _DEVICE_PID + d, tid, name=f"stream {tid}"))
+            out.append(meta("thread_sort_index", _DEVICE_PID + d, tid, sort_index=tid))
+        for tid, name in self._threads.items():
+            out.append(meta("thread_name", _HOST_PID, tid, name=name))
+        return out
+
+
+def begin(op: Any, how: str, stream: Any) -> TracedRun:
+    """Record a run of ``op`` on ``stream`` that starts now (``how``: "await",
+    "sync", "enqueue_on"); call only while :data:`active` is not empty."""
+    recorders = active
+    run = TracedRun(recorders, op._label(), repr(op), how, stream)
+    for r in recorders:
+        r._opened(run)
+    return run
+
+
+def _load_nvtx() -> None:
+    global _nvtx
+    if _nvtx is None:
+        try:
+            _nvtx = importlib.import_module("nvtx")
+        except ImportError:
+            _nvtx = False
+
+
+def start(path: str | os.PathLike[str]) -> Recorder:
+    """Start recording into a new trace that :func:`stop` writes to ``path``."""
+    global active
+    rec = Recorder(path)
+    with _lock:
+        _load_nvtx()
+        active = (*active, rec)
+    return rec
+
+
+def stop(rec: Recorder) -> None:
+    """Stop recording into ``rec`` and write its file."""
+    global active
+    with _lock:
+        active = tuple(r for r in active if r is not rec)
+    rec.write()
+
+
+@contextmanager
+def trace(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Record every run started inside the block into a timeline at ``path``.
+
+    The file (Chrome trace-event JSON) is written when the block is left,
+    however it is left; open it in https://ui.perfetto.dev or
+    ``chrome://tracing``.  Runs still on the device then are written as
+    ``unfinished``.  Traces may nest or overlap (each gets every run started
+    while it records).  ``GPUFLOW_TRACE=path.json`` records a whole program.
+    While a trace records, gpuflow's operations are also NVTX ranges (domain
+    ``gpuflow``) when the ``nvtx`` package is installed.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageTypeError(f"gf.trace(path) needs a file path, not {type(path).__name__}")
+    rec = start(path)
+    try:
+        yield
+    finally:
+        stop(rec)
+
+
+def _write_at_exit(rec: Recorder) -> None:
+    try:
+        stop(rec)
+    except Exception as exc:  # at exit: say why, never raise
+        warnings.warn(f"gpuflow: could not write the trace {rec.path!r}: {exc!r}", stacklevel=1)
+
+
+def _from_environment() -> None:
+    path = os.environ.get(ENV)
+    if path:
+        atexit.register(_write_at_exit, start(path))
+
+
+_from_environment()

@@ -1,0 +1,65 @@
+"""Every program in examples/ runs, as a user would run it, and says what it should.
+
+Each runs in a subprocess on the backend under test; an example that needs
+PyTorch or CuPy is skipped where that library is missing (and says so).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+#: example -> (libraries it needs, lines its output must contain)
+EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "graph_replay.py": ((), ("captured a graph of 3 nodes", "replay 2: input 3 -> output 9")),
+    "asyncio_service.py": ((), ("request value=6 gpu=10 ms -> ok 50319360",
+                                "request value=200 gpu=500 ms -> timeout")),
+    "trio_multi_gpu.py": ((), ("device 0: sum of squares", "the group failed after",
+                               ": the input was bad")),
+    "torch_interop.py": (("torch",), ("one buffer, two views", "pipeline: correct",
+                                      "ticks while the forward pass ran")),
+    "cupy_interop.py": (("cupy",), ("cupy sees the same memory", "pipeline: correct",
+                                    "awaited CuPy's stream")),
+}
+
+
+def test_every_example_is_tested() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(
+        name for name in EXPECT if (EXAMPLES / name).exists()
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_the_example_runs(name: str, device_backend: str) -> None:
+    path = EXAMPLES / name
+    if not path.exists():
+        pytest.skip(f"{name} is not written yet")
+    needs, lines = EXPECT[name]
+    # without its library, or on sim, such an example says it skips, and exits 0
+    skips = (device_backend == "sim" and bool(needs)) or any(
+        importlib.util.find_spec(lib) is None for lib in needs
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(path), "--backend", device_backend],
+        capture_output=True, text=True, timeout=100, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.splitlines()[0] == f"backend: {device_backend}" or out.startswith(
+        f"backend: {device_backend},"
+    ), out[:200]
+    if skips:
+        assert out.splitlines()[-1].startswith("skipped: "), out
+        return
+    for line in lines:
+        assert line in out, out
+    assert out.rstrip().endswith("ok"), out[-500:]

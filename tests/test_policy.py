@@ -1,0 +1,223 @@
+"""The default scheduling policy, ``StreamPoolLeastLoaded``: no head-of-line blocking.
+
+A run must not queue on a pool stream behind work that cannot be recalled
+(what a cancelled await left running) while another stream could take it.
+What the policy chose is observed through the stream a run saw
+(``ctx.stream``) or through ``policy.next_stream``; that new runs did not
+wait for the abandoned work is observed structurally: they finished while
+that work was still pending (``gf.testing.pending_runs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from typing import Any
+
+import anyio
+import kernels as K
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow import testing
+
+pytestmark = pytest.mark.anyio
+
+F32 = np.float32
+N = 64
+#: conftest initialises the default pool: four streams a device
+POOL = 4
+#: long enough that everything the test does meanwhile fits, however loaded the machine
+SLOW = 0.6
+
+
+def probe(seen: list[gf.Stream], then: gf.DeviceOperation[Any] | None = None) -> Any:
+    """An operation that records the stream it runs on (then runs ``then``)."""
+
+    def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+        seen.append(ctx.stream)
+        return gf.value(None) if then is None else then
+
+    return gf.with_context(fn)
+
+
+async def abandon(seen: list[gf.Stream], seconds: float = SLOW) -> None:
+    """Await ``seconds`` of GPU work on the default policy and give up on it at
+    once: the work goes on running on the stream recorded in ``seen``."""
+    x = await gf.zeros(N, F32)
+    with anyio.move_on_after(0.005) as scope:
+        await probe(seen, K.slow_fill(x, 1.0, seconds))
+    assert scope.cancelled_caught
+
+
+async def until_stalled(policy: gf.StreamPoolLeastLoaded) -> None:
+    """Let busy streams go ``stall_s`` without finishing anything."""
+    await anyio.sleep(policy.stall_s * 2)
+
+
+def default_policy() -> gf.StreamPoolLeastLoaded:
+    from gpuflow._policy import DEFAULT_POLICY  # the instance runs use, not a copy
+
+    assert isinstance(DEFAULT_POLICY, gf.StreamPoolLeastLoaded)
+    return DEFAULT_POLICY
+
+
+async def test_the_default_is_least_loaded_and_round_robin_stays_available() -> None:
+    assert isinstance(default_policy(), gf.SchedulingPolicy)
+    assert isinstance(gf.StreamPoolRoundRobin(), gf.SchedulingPolicy)
+    with pytest.raises(gf.UsageError, match="max_streams"):
+        gf.StreamPoolLeastLoaded(max_streams=0)
+    with pytest.raises(gf.UsageError, match="stall_s"):
+        gf.StreamPoolLeastLoaded(stall_s=0)
+
+
+async def test_when_every_stream_is_idle_runs_rotate_over_the_pool() -> None:
+    pool = gf.lowlevel.pool_streams()
+    assert len(pool) == POOL
+    seen: list[gf.Stream] = []
+    for _ in range(2 * POOL + 1):
+        await probe(seen)
+    first = pool.index(seen[0])
+    assert seen == [pool[(first + i) % POOL] for i in range(2 * POOL + 1)]
+
+
+async def test_new_runs_go_to_idle_streams_not_behind_abandoned_work() -> None:
+    busy: list[gf.Stream] = []
+    await abandon(busy)
+    await abandon(busy)
+    assert len(set(busy)) == 2  # the second abandoned run avoided the first's stream
+    seen: list[gf.Stream] = []
+    m = K.module()
+    x = await gf.zeros(N, np.int32)
+    with anyio.fail_after(SLOW / 2):
+        for _ in range(2 * POOL):
+            await probe(seen, m.add_i32(K.cfg(N), x, 1, N))
+    # every new run took an idle stream, in turn, and finished while the
+    # abandoned work was still running (round robin would have put half of
+    # them behind it)
+    assert set(seen) == set(gf.lowlevel.pool_streams()) - set(busy)
+    assert testing.pending_runs() == 2
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(N, 2 * POOL, np.int32))
+
+
+async def test_with_every_stream_busy_the_least_loaded_is_chosen() -> None:
+    pool = gf.lowlevel.pool_streams()
+    x = await gf.zeros(N, F32)
+    for stream, runs in zip(pool, [3, 1, 2, 2], strict=True):
+        for _ in range(runs):
+            K.slow_fill(x, 1.0, SLOW / 4).enqueue_on(stream)
+    # nothing stalled yet (stall_s is long): the fewest pending runs wins,
+    # wherever the rotation starts
+    patient = gf.StreamPoolLeastLoaded(stall_s=60)
+    assert [patient.next_stream(0) for _ in range(POOL)] == [pool[1]] * POOL
+    # everything stalled, and the pool may not grow: still the least loaded
+    fixed = gf.StreamPoolLeastLoaded(max_streams=POOL)
+    await until_stalled(fixed)
+    assert [fixed.next_stream(0) for _ in range(POOL)] == [pool[1]] * POOL
+    assert len(gf.lowlevel.pool_streams()) == POOL
+
+
+async def test_a_blocking_sync_in_flight_makes_its_stream_busy() -> None:
+    pool = gf.lowlevel.pool_streams()
+    x = await gf.zeros(N, F32)
+    started = threading.Event()
+
+    def blocking() -> None:
+        started.set()
+        K.slow_fill(x, 1.0, SLOW / 2).sync_on(pool[2])
+
+    seen: list[gf.Stream] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, blocking)
+        await anyio.to_thread.run_sync(started.wait)
+        await anyio.sleep(0.02)  # the thread is inside sync_on now
+        for _ in range(2 * POOL):
+            await probe(seen)
+    assert pool[2] not in seen
+
+
+async def test_every_stream_stalled_grows_the_pool_up_to_its_bound() -> None:
+    policy = default_policy()
+    busy: list[gf.Stream] = []
+    for _ in range(POOL):
+        await abandon(busy)
+    assert set(busy) == set(gf.lowlevel.pool_streams())
+    await until_stalled(policy)
+    seen: list[gf.Stream] = []
+    with anyio.fail_after(SLOW / 2):
+        await probe(seen)  # a new stream, not a queue behind the abandoned work
+        await probe(seen)  # the new stream again: idle now, the pool stays at five
+    grown = gf.lowlevel.pool_streams()
+    assert len(grown) == POOL + 1 and seen == [grown[POOL]] * 2
+    assert testing.pending_runs() == POOL
+    # round robin and stream leases keep to the streams_per_device of the pool
+    rr = gf.StreamPoolRoundRobin()
+    assert {rr.next_stream(0) for _ in range(2 * POOL)} == set(busy)
+    async with contextlib.AsyncExitStack() as stack:
+        leases = [await stack.enter_async_context(gf.open_stream_lease()) for _ in range(POOL)]
+        assert {lease.stream for lease in leases} == set(busy)
+        with anyio.move_on_after(0.05) as waited:
+            async with gf.open_stream_lease():
+                pass
+        assert waited.cancelled_caught  # a fifth lease waits: the added stream is not leased
+    # a bound of five: with the fifth stream stalled too, no sixth
+    bounded = gf.StreamPoolLeastLoaded(max_streams=POOL + 1)
+    x = await gf.zeros(N, F32)
+    K.slow_fill(x, 1.0, SLOW / 2).enqueue_on(grown[POOL])
+    await until_stalled(bounded)
+    assert bounded.next_stream(0) in grown
+    assert len(gf.lowlevel.pool_streams()) == POOL + 1
+
+
+async def test_inside_a_stream_lease_runs_stay_on_the_lease_however_busy() -> None:
+    x = await gf.zeros(N, F32)
+    seen: list[gf.Stream] = []
+    async with gf.open_stream_lease() as lease:
+        K.slow_fill(x, 1.0, 0.1).enqueue_on(lease.stream)
+        await anyio.sleep(0.05)  # the lease's stream stalls; every other one is idle
+        await probe(seen)
+        await gf.zip(probe(seen), probe(seen))
+        leased = lease.stream
+    assert seen == [leased] * 3
+
+
+async def mixed_deadlines(policy: gf.SchedulingPolicy | None) -> tuple[int, int]:
+    """A small service: 8 tasks serve requests back to back for 0.8 s; one in
+    eight (a seeded draw) runs 0.3 s of GPU work, the rest a short kernel;
+    each request is abandoned after 0.1 s.  ``(fast requests, how many missed)``,
+    once the abandoned work has finished too."""
+    m = K.module()
+    draw = random.Random(3).random
+    counts = [0, 0]
+    # each request writes an array of its own: no request waits for another's data
+    slow = gf.zeros(N, F32).then(lambda x: K.slow_fill(x, 1.0, 0.3))
+    fast = gf.zeros(N, np.int32).then(lambda c: m.add_i32(K.cfg(N), c, 1, N))
+
+    async def worker() -> None:
+        while time.perf_counter() < end:
+            is_slow = draw() < 1 / 8
+            with anyio.move_on_after(0.1) as scope:
+                await (slow if is_slow else fast).run(policy)
+            if not is_slow:
+                counts[0] += 1
+                counts[1] += scope.cancelled_caught
+
+    end = time.perf_counter() + 0.8
+    async with anyio.create_task_group() as tg:
+        for _ in range(8):
+            tg.start_soon(worker)
+    while testing.pending_runs():  # the abandoned work, still running
+        await anyio.sleep(0.01)
+    return counts[0], counts[1]
+
+
+async def test_mixed_deadlines_round_robin_misses_far_more_than_the_default() -> None:
+    rr_requests, rr = await mixed_deadlines(gf.StreamPoolRoundRobin())
+    requests, ours = await mixed_deadlines(None)
+    # round robin deals a quarter of the fast requests to each stream, many
+    # of them behind abandoned slow work; the default keeps them off it
+    assert rr >= 10, f"round robin missed only {rr} of {rr_requests}: the load did not reproduce"
+    assert ours * 4 <= rr, f"default missed {ours} of {requests}, round robin {rr} of {rr_requests}"
