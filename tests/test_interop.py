@@ -15,6 +15,11 @@ PyTorch's allocator hands freed memory out again at once.
 The PyTorch and CuPy tests need a CUDA device and the library (skipped
 otherwise); ``cuda.core`` (a test dependency) reads gpuflow's DLPack export
 with its own parser, on both backends.
+
+Private modules, where the machinery under test is theirs: ``_dlpack`` reads
+and consumes capsules (FakeLib, the checks of versions, dtypes and flags);
+``DeviceArray._alloc`` shows the hazard state and the backend's buffer, to see
+when it is freed.
 """
 
 from __future__ import annotations
@@ -148,8 +153,8 @@ def backend() -> gf.lowlevel.Backend:
 
 def idle(s: gf.Stream) -> bool:
     """The backend's own word on whether ``s`` has finished its work (not gpuflow's
-    bookkeeping); ``_raw`` is the backend's handle, which Stream keeps private."""
-    return backend().query(s._raw)
+    bookkeeping)."""
+    return backend().query(s.raw)
 
 
 # a consumer's view of capsules, through the C API (prototypes of our own)
@@ -399,11 +404,11 @@ def test_dlpack_refuses_what_it_cannot_do() -> None:
     with pytest.raises(gf.UsageError, match="0 is ambiguous"):
         a.__dlpack__(stream=0)
     with pytest.raises(gf.UsageTypeError, match="stream must be an int"):
-        a.__dlpack__(stream="default")
+        a.__dlpack__(stream="default")  # type: ignore[arg-type]
     with pytest.raises(gf.UsageTypeError, match="max_version"):
-        a.__dlpack__(max_version="1.0")
+        a.__dlpack__(max_version="1.0")  # type: ignore[arg-type]
     with pytest.raises(gf.UsageTypeError, match="copy"):
-        a.__dlpack__(copy="yes")
+        a.__dlpack__(copy="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio
@@ -467,9 +472,19 @@ async def test_an_export_outlives_the_array_until_the_consumers_work_is_done() -
     assert testing.use_after_free_count() == 0
 
 
+def test_an_array_exported_again_and_again_keeps_one_event_a_consumer_stream() -> None:
+    fake = FakeLib()
+    a, out = gf.full(N, 4.0, F32).sync(), gf.zeros(N, F32).sync()
+    for _ in range(3):
+        fake.late_copy(a, out, seconds=0)
+    # the hazard state: the latest use of each stream covers the earlier ones
+    assert len(a._alloc.foreign) == 1
+    assert np.array_equal(gf.to_host(out).sync(), np.full(N, 4, F32))
+
+
 def test_a_capsule_dropped_unconsumed_releases_the_memory() -> None:
     a = gf.full(N, 1.0, F32).sync()
-    buffer = a._alloc.buffer  # the backend's buffer, to see when it is freed
+    buffer: Any = a._alloc.buffer  # the backend's buffer, to see when it is freed
     capsule = a.__dlpack__()
     del a
     gc.collect()
@@ -485,7 +500,7 @@ def test_a_consumer_whose_stream_is_gone_before_it_lets_go_leaks_rather_than_dan
     # sim: a destroyed stream's handle is refused (on CUDA using one is undefined)
     be = backend()
     a = gf.full(N, 1.0, F32).sync()
-    buffer = a._alloc.buffer
+    buffer: Any = a._alloc.buffer
     consumer = be.create_stream(0)  # another library's stream
     capsule = a.__dlpack__(stream=be.stream_handle(consumer), max_version=(1, 0))
     owner = _dlpack.take_capsule(capsule, _dlpack.read_capsule(capsule))
@@ -510,6 +525,21 @@ async def test_the_first_use_of_an_import_waits_for_the_producers_work(protocol:
     late_fill(a, 7.0).enqueue_on(writer)  # the producer's pending, slow write
     b = gf.from_dlpack(DlpackOnly(a) if protocol == "dlpack" else CaiOnly(a))
     assert np.array_equal(await gf.to_host(b), np.full(N, 7, F32))
+
+
+@pytest.mark.anyio
+async def test_an_import_does_not_wait_for_the_uses_of_another() -> None:
+    first, second = await gf.full(N, 1.0, F32), await gf.full(N, 2.0, F32)
+    a = gf.from_dlpack(CaiOnly(first))
+    reader, out = gf.new_stream(), await gf.zeros(N, F32)
+    late_copy(a, out).enqueue_on(reader)  # a long use of the first import ...
+    del a  # ... whose producer is released after it
+    gc.collect()
+    b = gf.from_dlpack(CaiOnly(second))
+    assert np.array_equal(await gf.to_host(b), np.full(N, 2, F32))
+    assert not idle(reader)  # the second import's use did not wait for the first's
+    read = await gf.to_host(gf.wait_stream(reader).map(lambda _: out))
+    assert np.array_equal(read, np.ones(N, F32))
 
 
 @pytest.mark.anyio
@@ -542,7 +572,7 @@ def test_a_cai_producer_is_released_only_after_gpuflows_uses() -> None:
 
 def test_a_dlpack_producers_memory_lives_until_gpuflows_uses_are_done() -> None:
     src = gf.full(N, 3.0, F32).sync()
-    buffer = src._alloc.buffer
+    buffer: Any = src._alloc.buffer
     b = gf.from_dlpack(src)
     out, reader = gf.zeros(N, F32).sync(), gf.new_stream()
     start = time.monotonic()
@@ -628,15 +658,15 @@ def test_sim_addresses_and_handles_map_back() -> None:
     # its stream
     be = backend()
     a = gf.arange(N, dtype=F32).sync()
-    view = be.foreign_buffer(a.ptr + 16, 32, a.device)
+    view: Any = be.foreign_buffer(a.ptr + 16, 32, a.device)
     assert np.array_equal(view.data.view(F32), np.arange(4, 12, dtype=F32))
     with pytest.raises(gf.UsageError, match="past the end"):
         be.foreign_buffer(a.ptr + 16, a.nbytes, a.device)
     with pytest.raises(gf.UsageError, match="device 1"):
         be.foreign_buffer(a.ptr, 16, 1)
     s = gf.new_stream()
-    assert be.foreign_stream(handle(s), 0) == (s._raw, 0)
-    buffer = a._alloc.buffer
+    assert be.foreign_stream(handle(s), 0) == (s.raw, 0)
+    buffer: Any = a._alloc.buffer
     ptr = a.ptr
     del a
     gc.collect()

@@ -122,7 +122,8 @@ def _after_consumer(alloc: Allocation, consumer: Stream) -> None:
             stacklevel=1,
         )
         return
-    alloc.after_foreign(event)
+    key = (consumer.device, rt.backend.stream_handle(consumer._raw))
+    alloc.after_foreign(key, event)
 
 
 def _order_for_consumer(
@@ -133,12 +134,15 @@ def _order_for_consumer(
     if handle is None:
         return functools.partial(_keep, alloc)
     consumer, own = _foreign.stream_for(rt, handle, device)
+    # the interop stream only ever waits (gpuflow's import tracks its own
+    # uses): made a writer, it would carry frees that later imports wait for
+    arrival = own and rt.is_interop(consumer)
     be = rt.backend
     with hazard_lock:
-        if own:
+        if own and not arrival:
             alloc.before_write(consumer)
         else:
-            for event in alloc.foreign:
+            for event in alloc.foreign.values():
                 be.wait_event(consumer._raw, event)
             for s in {alloc.writer, *alloc.readers}:
                 be.wait_event(consumer._raw, be.record_event(s._raw))
@@ -160,9 +164,9 @@ def _device_arg(dl_device: Any) -> tuple[int, int]:
 def _device_copy(
     rt: Runtime, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]
 ) -> Allocation:
-    """A new allocation holding a copy, made on the device's interop stream."""
+    """A new allocation holding a copy, made on the stream of the last write."""
     device = alloc.buffer.device
-    s = rt.interop_stream(device)
+    s = alloc.writer
     be = rt.backend
     nbytes = math.prod(shape) * dtype.itemsize
     copy = Allocation(be, be.alloc(device, nbytes, s._raw), s)

@@ -14,8 +14,7 @@ know how long another library's stream lives.
 Other libraries' arrays arrive on each device's private *interop stream*
 (:meth:`Runtime.interop_stream`): an imported array's producer makes its
 pending work visible there, and gpuflow's first use of the array waits for
-it.  Nothing else runs on it, so waiting for it never waits for unrelated
-work.
+it.  Only such waits run there, so waiting for it waits for arrivals only.
 """
 
 from __future__ import annotations

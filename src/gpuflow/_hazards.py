@@ -15,6 +15,8 @@ Another library's use of the memory (an array exported through DLPack, once
 its consumer lets go of it) is known only as an event on that library's
 stream (:meth:`Allocation.after_foreign`): every later use, and the free,
 waits for it; it counts as a write, since the consumer may have written.
+One event a stream is kept (a later one covers an earlier one), so an array
+exported again and again keeps a bounded set.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+from collections.abc import Hashable, Mapping
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,6 +47,8 @@ capture_log: ContextVar[dict[int, tuple[Allocation, bool]] | None] = ContextVar(
 #: launch orders itself after several, in any order.
 hazard_lock = threading.RLock()
 
+_NO_FOREIGN: Mapping[Hashable, Any] = MappingProxyType({})
+
 
 class Allocation:
     """One device buffer and its hazard state.  Freed in stream order on GC.
@@ -62,16 +68,18 @@ class Allocation:
         self.writer: Stream = stream  # the allocation itself is ordered on it
         self.synced: set[Stream] = {stream}  # streams already ordered after the last write
         self.readers: set[Stream] = set()
-        #: events of other libraries' uses since the last write, each a write
-        #: for ordering (``synced`` streams have waited for them)
-        self.foreign: tuple[Any, ...] = ()
+        #: events of other libraries' uses since the last write, the latest of
+        #: each of their streams, each a write for ordering (``synced`` streams
+        #: have waited for them); replaced, never changed in place
+        self.foreign: Mapping[Hashable, Any] = _NO_FOREIGN
         self.readonly = False  # memory another library lent read-only
 
-    def after_foreign(self, event: Any) -> None:
-        """Another library used the memory, up to ``event`` (recorded on its
-        stream): every later use and the free wait for it.  Any thread."""
+    def after_foreign(self, stream: Hashable, event: Any) -> None:
+        """Another library used the memory on ``stream`` (any key naming it), up
+        to ``event`` recorded there: every later use and the free wait for it.
+        Any thread."""
         with hazard_lock:
-            self.foreign = (*self.foreign, event)
+            self.foreign = {**self.foreign, stream: event}
             self.synced = set()
 
     def before_read(self, stream: Stream) -> None:
@@ -82,7 +90,7 @@ class Allocation:
         with hazard_lock:
             if stream not in self.synced:
                 be = self.backend
-                for ev in self.foreign:
+                for ev in self.foreign.values():
                     be.wait_event(stream._raw, ev)
                 be.wait_event(stream._raw, be.record_event(self.writer._raw))
                 self.synced.add(stream)
@@ -96,7 +104,7 @@ class Allocation:
         with hazard_lock:
             be = self.backend
             if stream not in self.synced:
-                for ev in self.foreign:
+                for ev in self.foreign.values():
                     be.wait_event(stream._raw, ev)
             for s in {self.writer, *self.readers}:
                 if s != stream:
@@ -104,7 +112,7 @@ class Allocation:
             self.writer = stream
             self.synced = {stream}
             self.readers = set()
-            self.foreign = ()
+            self.foreign = _NO_FOREIGN
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -117,7 +125,7 @@ class Allocation:
             rt = stream._runtime
             if not rt.live or stream._generation != rt.generation(stream.device):
                 return  # the context is gone with its memory: leak, never dangle
-            for ev in self.foreign:
+            for ev in self.foreign.values():
                 be.wait_event(stream._raw, ev)
             for s in self.readers:
                 if s != stream:

@@ -9,7 +9,7 @@
   ``__cuda_array_interface__`` producer's ``stream`` is waited for there
   with an event.  The array's allocation starts with that stream as its
   last writer, so gpuflow's first use of it on any stream waits for the
-  producer's work, and nothing else.
+  producer's work (and for earlier arrivals, never for other imports' uses).
 * :func:`wait_stream` is an operation that makes the run's stream wait for
   the work enqueued so far on another library's stream: awaited alone, it
   is how an event loop awaits a PyTorch forward pass without blocking.
@@ -24,8 +24,9 @@ Lifetimes of imports: gpuflow never frees another library's memory.  An
 or the ``__cuda_array_interface__`` producer object); when the last gpuflow
 array of it goes, the owner is released in stream order, after every use
 gpuflow enqueued: a run of its own keeps it, after the waits a free would
-have, and the dispatcher thread drops it (a DLPack producer's deleter runs
-there) once the GPU is past them.  The producer may drop its own
+have (on a stream that used it, never on the interop stream), and the
+dispatcher thread drops it (a DLPack producer's deleter runs there) once the
+GPU is past them.  The producer may drop its own
 references at any time meanwhile.
 """
 
@@ -85,7 +86,11 @@ class ImportedAllocation(Allocation):
             if not rt.live or stream._generation != rt.generation(stream.device):
                 _leaked.append(owner)  # the context is gone: leak, never dangle
                 return
-            for ev in self.foreign:
+            if rt.is_interop(stream) and (self.readers or self.foreign):
+                # not written since the import: wait on a stream that used it,
+                # never on the interop stream, which later imports wait for
+                stream = next(iter(self.readers), None) or rt.pool(stream.device)[0]
+            for ev in self.foreign.values():
                 be.wait_event(stream._raw, ev)
             for s in self.readers:
                 if s != stream:

@@ -66,35 +66,44 @@ class Runtime:
     def adopt(self, device: int, raw: Any) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
         s = Stream(self, device, raw)
+        try:
+            handle = self.backend.stream_handle(raw)
+        except Exception:  # a backend without handles: no other library can name it
+            return s
         with self._handles_lock:
-            self._by_handle[self.backend.stream_handle(raw)] = s
+            self._by_handle[handle] = s
         return s
 
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
         return self._by_handle.get(handle)
 
+    def is_interop(self, stream: Stream) -> bool:
+        """Whether ``stream`` is a device's interop stream (never makes one)."""
+        return self._interop.get((stream.device, stream._generation)) is stream
+
     def interop_stream(self, device: int) -> Stream:
         """The private stream of ``device`` on which other libraries' arrays arrive.
 
-        Nothing else is enqueued on it, so waiting for it waits for nothing
-        unrelated; one a device (and context generation), made on first use.
+        What is enqueued on it is waits for other libraries' pending work
+        (and host copies of DLPack exports to the host): gpuflow never makes
+        it the last writer of memory it frees, so waiting for it waits for
+        arrivals only.  One a device (and context generation), made on first use.
         """
         key = (device, self.generation(device))
         s = self._interop.get(key)
-        if s is None:
-            self.check_device(device)
-            raw = self.backend.create_stream(device)
-            with self._handles_lock:
-                s = self._interop.get(key)
-                if s is None:
-                    for stale in [k for k in self._interop if k[0] == device]:
-                        del self._interop[stale]  # made before a reset: invalid now
-                    s = self._interop[key] = Stream(self, device, raw)
-                    self._by_handle[self.backend.stream_handle(raw)] = s
-                    raw = None
-            if raw is not None:  # another thread made it first
-                self.backend.destroy_stream(raw)
+        if s is not None:
+            return s
+        self.check_device(device)
+        made = self.adopt(device, self.backend.create_stream(device))
+        with self._handles_lock:
+            s = self._interop.get(key)
+            if s is None:
+                for stale in [k for k in self._interop if k[0] == device]:
+                    del self._interop[stale]  # made before a reset: invalid now
+                s = self._interop[key] = made
+                return s
+        self.backend.destroy_stream(made._raw)  # another thread made it first
         return s
 
     def generation(self, device: int) -> int:

@@ -199,7 +199,7 @@ MUTATIONS = [
         "I1",
         "an export does not make another library's stream wait for gpuflow's uses",
         "_export.py",
-        "            for event in alloc.foreign:\n"
+        "            for event in alloc.foreign.values():\n"
         "                be.wait_event(consumer._raw, event)\n"
         "            for s in {alloc.writer, *alloc.readers}:\n"
         "                be.wait_event(consumer._raw, be.record_event(s._raw))\n",
@@ -218,7 +218,7 @@ MUTATIONS = [
         "I3",
         "a consumer that lets go of an export leaves no event to wait for",
         "_export.py",
-        "    alloc.after_foreign(event)\n",
+        "    alloc.after_foreign(key, event)\n",
         "    pass\n",
         ("tests/test_interop.py",),
     ),
@@ -286,7 +286,7 @@ MUTATIONS = [
         "I10",
         "a read after another library's use does not wait for it",
         "_hazards.py",
-        "                for ev in self.foreign:\n"
+        "                for ev in self.foreign.values():\n"
         "                    be.wait_event(stream._raw, ev)\n"
         "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n",
         "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n",
@@ -296,10 +296,18 @@ MUTATIONS = [
         "I11",
         "a free does not wait for another library's use",
         "_hazards.py",
-        "            for ev in self.foreign:\n"
+        "            for ev in self.foreign.values():\n"
         "                be.wait_event(stream._raw, ev)\n"
         "            for s in self.readers:\n",
         "            for s in self.readers:\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I12",
+        "an import's release waits on the interop stream, which later imports wait for",
+        "_interop.py",
+        "                stream = next(iter(self.readers), None) or rt.pool(stream.device)[0]\n",
+        "                pass\n",
         ("tests/test_interop.py",),
     ),
 ]
