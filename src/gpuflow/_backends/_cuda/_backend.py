@@ -633,6 +633,7 @@ class CudaBackend(Backend):
         if fns is None:
             cubin = compile_source(BUILTIN_SOURCE, dev.arch, ())
             (mod,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
+            self._load_functions(dev, mod)
             fns = {}
             for fname in BUILTIN_NAMES:
                 (f,) = self._call(
@@ -719,6 +720,7 @@ class CudaBackend(Backend):
                 (h,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
                 mod = CudaModule(self, dev, int(h))
                 self._modules[key] = mod
+                self._load_functions(dev, h)
         self._cur(dev)
         (f,) = check(
             self._cu.cuModuleGetFunction(mod.handle, name.encode()),
@@ -727,6 +729,24 @@ class CudaBackend(Backend):
             message=f'kernel {name!r} not found in its module (is it declared extern "C"?)',
         )
         return CudaKernel(dev, name, f, mod)
+
+    def _load_functions(self, dev: Dev, module: Any) -> None:
+        """Load every kernel of a module now, not at its first launch.
+
+        Under CUDA's lazy loading (the default) the first launch of a kernel
+        loads it, and loading may wait until the device is idle: seen on the
+        H200, an empty kernel's first launch on an idle stream waited 0.95 s
+        for a kernel spinning on another stream.  gpuflow promises that
+        independent streams overlap, so the whole module loads when gpuflow
+        loads it (once per module and device).
+        """
+        cu = self._cu
+        (count,) = self._call(dev, "cuModuleGetFunctionCount", cu.cuModuleGetFunctionCount, module)
+        (funcs,) = self._call(
+            dev, "cuModuleEnumerateFunctions", cu.cuModuleEnumerateFunctions, count, module
+        )
+        for f in funcs:
+            self._call(dev, "cuFuncLoad", cu.cuFuncLoad, f)
 
     def launch(
         self,
