@@ -986,17 +986,19 @@ async def test_a_gpuflow_torch_gpuflow_pipeline() -> None:
 async def test_awaiting_a_busy_torch_stream_keeps_the_loop_ticking() -> None:
     torch = pytest.importorskip("torch")
     stream = torch.cuda.Stream()
-    # how many cycles of torch.cuda._sleep make 300 ms on this GPU
+    # how many cycles of torch.cuda._sleep make 400 ms on this GPU (measured
+    # after a first call: the first ran at other clocks on the H200)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):
+        with torch.cuda.stream(stream):
+            begin.record()
+            torch.cuda._sleep(50_000_000)
+            end.record()
+        end.synchronize()
+    cycles = int(50_000_000 * 400 / begin.elapsed_time(end))
     with torch.cuda.stream(stream):
         begin.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-    end.synchronize()
-    cycles = int(10_000_000 * 300 / begin.elapsed_time(end))
-    with torch.cuda.stream(stream):
-        begin.record()
-        torch.cuda._sleep(cycles)  # the "forward pass": 300 ms of GPU work
+        torch.cuda._sleep(cycles)  # the "forward pass": 400 ms of GPU work
         end.record()
     ticks: list[float] = []
     done = False
