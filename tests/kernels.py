@@ -87,6 +87,19 @@ extern "C" __global__ void stamped_wait(long long* t, long long ns) {
 }
 """
 
+#: ``gf_wait_ns(ns)``: a device function that waits ``ns`` of wall-clock time
+#: (``%globaltimer``), for kernels that must be slow on purpose.  The memory
+#: clobber keeps the compiler from moving loads and stores across the wait.
+WAIT_NS = r"""
+__device__ __forceinline__ void gf_wait_ns(long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start) :: "memory");
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now) :: "memory");
+    } while (now - start < (unsigned long long)ns);
+}
+"""
+
 # volatile: a plain store through a null pointer is undefined behaviour that
 # NVRTC deletes outright (the kernel would then do nothing)
 FAULT_SOURCE = r"""

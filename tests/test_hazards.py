@@ -32,14 +32,7 @@ SLOW = 0.15
 
 # The memory clobber keeps the compiler from moving loads and stores across
 # the wait, so "read, wait, write" and "wait, read" happen in that order.
-SOURCE = r"""
-__device__ __forceinline__ void gf_wait_ns(long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start) :: "memory");
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now) :: "memory");
-    } while (now - start < (unsigned long long)ns);
-}
+SOURCE = K.WAIT_NS + r"""
 
 // a slow reader: waits ns nanoseconds, then copies src into dst
 extern "C" __global__ void late_copy(const float* src, float* dst, int n, long long ns) {

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import kernels as K
 import numpy as np
 import pytest
 
@@ -57,14 +58,7 @@ DEADLINE = 20.0
 
 # The memory clobber keeps the compiler from moving loads and stores across
 # the wait, so "wait, write" and "read, wait, write" happen in that order.
-SOURCE = r"""
-__device__ __forceinline__ void gf_wait_ns(long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start) :: "memory");
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now) :: "memory");
-    } while (now - start < (unsigned long long)ns);
-}
+SOURCE = K.WAIT_NS + r"""
 
 // a slow write: waits ns nanoseconds, then writes v
 extern "C" __global__ void late_fill(float* x, float v, int n, long long ns) {
