@@ -13,9 +13,13 @@ import the private modules that hold them (``_bridge``, ``_runtime``,
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -259,3 +263,28 @@ async def test_the_loop_adapter_is_the_running_loops(
     t.join()
     assert woken == ["posted"]
     wake()  # a second wake-up is harmless
+
+
+def test_a_process_that_exits_completes_its_pending_runs_first() -> None:
+    # what a run keeps is released (and its callbacks run) before the
+    # interpreter goes away, not from a daemon thread during finalization
+    code = r"""
+import gpuflow as gf, kernels as K
+from gpuflow.lowlevel import Submission
+gf.init_device_contexts(backend="sim")
+x = gf.zeros(16, "float32").sync()
+stream = gf.new_stream()
+K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
+sub = Submission(0)
+sub.add_done_callback(lambda err: print("released before exit", flush=True))
+from gpuflow._runtime import get_runtime
+get_runtime().dispatcher.submit(stream.raw, sub)
+print("exiting", flush=True)
+"""
+    tests = str(Path(__file__).parent)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, tests]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["exiting", "released", "before", "exit"], proc.stdout

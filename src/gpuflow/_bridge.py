@@ -288,6 +288,14 @@ class Dispatcher:
             self._closed = True
         self._backend.wake()
 
+    def drain(self, timeout: float) -> None:
+        """Close, and wait up to ``timeout`` s for the thread to complete every
+        pending run (and so run their callbacks and release what they kept)."""
+        self.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _deliver(self, done: list[tuple[Submission, BaseException | None]]) -> None:
         # coalesced: one post per loop, however many of its tasks finished
         posts: dict[int, tuple[Any, Poster, list[Callable[[], object]]]] = {}

@@ -8,6 +8,7 @@ initialise lazily.  The current device is a context variable, so each task
 
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from collections.abc import Iterator
@@ -227,6 +228,22 @@ def init_device_contexts(
     if old is not None:
         old.close(backend=old.backend is not be)
     return be.name
+
+
+#: How long a process that exits waits for the GPU work still pending.
+EXIT_DRAIN_S = 5.0
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    # What pending runs keep (another library's memory, whose DLPack deleter
+    # may need a live interpreter) is released by the dispatcher thread when
+    # the GPU is done: let it finish before the interpreter goes away, rather
+    # than from a daemon thread during finalization (on the H200, PyTorch's
+    # deleter called then aborted the process at exit).
+    rt = _runtime
+    if rt is not None:
+        rt.dispatcher.drain(EXIT_DRAIN_S)
 
 
 def get_runtime() -> Runtime:
