@@ -170,7 +170,7 @@ def test_devices_streams_and_kernel_loading(cuda: Cuda) -> None:
     assert be.query(s) is True  # a fresh stream is idle
     for k in KERNELS:
         be.load_kernel(0, MOD, k)
-    with pytest.raises(gf.DeviceError):
+    with pytest.raises(gf.DeviceError, match="'nope' not found in its module"):
         be.load_kernel(0, MOD, "nope")
     be.destroy_stream(s)
     be.destroy_stream(s)  # twice: no error
@@ -398,7 +398,7 @@ def test_signals_counted_per_stream_timed_out_and_woken(
 def test_out_of_memory_is_raised_and_not_sticky(cuda: Cuda) -> None:
     be = cuda.be
     s = be.create_stream(0)
-    with pytest.raises(OutOfMemoryError) as info:
+    with pytest.raises(OutOfMemoryError, match="OUT_OF_MEMORY") as info:
         be.alloc(0, 10 * 2**40, s)
     assert info.value.code == 2
     buf = be.alloc(0, 1 << 20, s)
@@ -412,7 +412,7 @@ def test_out_of_memory_is_raised_and_not_sticky(cuda: Cuda) -> None:
 def test_bad_launch_configuration_is_raised_and_not_sticky(cuda: Cuda) -> None:
     be, k = cuda.be, cuda.k
     s = be.create_stream(0)
-    with pytest.raises(LaunchError):
+    with pytest.raises(LaunchError, match="INVALID_VALUE"):
         be.launch(k["empty"], (1, 1, 1), (2048, 1, 1), 0, [], s)
     be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, [], s)
     be.synchronize(s)
@@ -436,7 +436,7 @@ def test_graph_capture_of_two_streams_replays_with_its_signal(
     pa: list[Arg] = [ptr(p, np.float32, n), np.int32(n)]
     qa: list[Arg] = [ptr(q, np.float32, n), np.int32(n)]
     be.begin_capture(s1)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="already being captured"):
         be.begin_capture(s1)
     for _ in range(3):
         be.launch(k["add1"], blocks(n), (256, 1, 1), 0, pa, s1)
@@ -642,10 +642,10 @@ def test_a_sticky_fault_then_a_reset() -> None:
     assert fault is not None, "query never reported the fault"
     assert (fault.code, fault.name) == (700, "CUDA_ERROR_ILLEGAL_ADDRESS")
     assert be.device_fault(0) is fault
-    with pytest.raises(DeviceFaultError) as info:
+    with pytest.raises(DeviceFaultError, match="ILLEGAL_ADDRESS") as info:
         be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, (), s)
     assert info.value.code == 700
-    with pytest.raises(DeviceFaultError):
+    with pytest.raises(DeviceFaultError, match="ILLEGAL_ADDRESS"):
         be.synchronize(s)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -670,7 +670,7 @@ def test_a_sticky_fault_then_a_reset() -> None:
         # the device stays faulted, loudly for new work and silently for cleanup
         assert refused.code == 700, refused.name
         assert be.device_fault(0) is not None
-        with pytest.raises(DeviceFaultError):
+        with pytest.raises(DeviceFaultError, match="ILLEGAL_ADDRESS"):
             be.create_stream(0)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -679,7 +679,7 @@ def test_a_sticky_fault_then_a_reset() -> None:
         assert not w, [str(x.message) for x in w]
         return
     assert be.device_fault(0) is None  # the reset cleared the fault
-    with pytest.raises(UsageError):  # the old stream and kernel belong to the old context
+    with pytest.raises(UsageError, match="reset"):  # the old stream and kernel: the old context
         be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, (), s)
     s2 = be.create_stream(0)
     add1 = be.load_kernel(0, MOD, "add1")

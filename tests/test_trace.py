@@ -132,7 +132,7 @@ async def test_cancelled_and_failed_runs_are_marked(tmp_path: Path) -> None:
     with gf.trace(path):
         with anyio.move_on_after(0.02):
             await K.slow_fill(x, 1.0, 0.2)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="not today"):
             await gf.with_context(broken)
         await quiet()
         with anyio.move_on_after(0.02):  # still on the device when the trace ends
@@ -157,7 +157,8 @@ async def test_a_faulted_run_is_marked(tmp_path: Path) -> None:
     fault = K.fault_module().null_write(gf.LaunchConfig(1, 32), 32)
     try:
         with gf.trace(path):
-            with pytest.raises(gf.DeviceFaultError), anyio.fail_after(5):
+            with pytest.raises(gf.DeviceFaultError, match=r"ILLEGAL_ADDRESS|faulted"), \
+                    anyio.fail_after(5):
                 await fault
     finally:
         if gf.current_backend() == "sim":  # cuda keeps the fault for the process (a child)
