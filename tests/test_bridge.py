@@ -54,9 +54,12 @@ async def test_tasks_woken_together_share_signals(monkeypatch: pytest.MonkeyPatc
     counters = [await gf.zeros(1, np.int32) for _ in range(tasks)]
     signals = count_signals(monkeypatch)
 
+    # the pool's four streams, whatever the default policy would add under load
+    pool = gf.StreamPoolRoundRobin()
+
     async def worker(c: gf.DeviceArray) -> None:
         for _ in range(rounds):
-            await K.module().count(gf.LaunchConfig(1, 1), c)
+            await K.module().count(gf.LaunchConfig(1, 1), c).run(pool)
 
     async with anyio.create_task_group() as tg:
         for c in counters:
