@@ -72,9 +72,10 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     if name == "cuda" and request.node.get_closest_marker("sim_only"):
         pytest.skip("exercises a property of the simulator itself")
     gf.init_device_contexts(backend=name, num_devices=2 if name == "sim" else None)
-    # the replaced runtime is garbage now; on CUDA, unloading its modules waits
-    # for the device to be idle, so a collection during the test would stall
-    # until the test's own GPU work is done: collect it before the test starts
+    # the replaced runtime is garbage now; on CUDA a finalizer of its driver
+    # objects may wait for the device to be idle (seen on the H200), so a
+    # collection during the test could stall until the test's own GPU work is
+    # done: collect it before that work starts
     gc.collect()
     yield name
     gc.collect()
