@@ -1,9 +1,11 @@
 """Where one ``await op`` spends its time, on the backend in use.
 
-Timestamps from both threads on one clock (``perf_counter``):
-front end and launch | signal enqueue | GPU + host function + dispatcher wake
-| dispatcher Python up to the post | loop wake-up and task resume.
-Then cProfile of the loop thread over awaits and over a 132-step then-chain.
+Timestamps on one clock (``perf_counter``), all in the loop's thread:
+front end up to the submit | signal enqueue (pipe, epoll registration, the
+close host function) | GPU + host function + the loop's selector waking |
+completion in the loop (lock, close, fault query, finishing the run) |
+task resume.  Then cProfile of the loop thread over awaits and over a
+132-step then-chain.
 
 Run: python benchmarks/probe_await.py [cuda|sim|auto] [--samples N]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import io
 import pstats
 import statistics
@@ -24,45 +27,40 @@ import anyio
 import gpuflow as gf
 
 # the probe times the bridge's own steps, so it instruments private machinery
-from gpuflow import _bridge
 from gpuflow._runtime import get_runtime
 
 pc = time.perf_counter
 
 
 def instrument(marks: dict[str, float]) -> None:
-    """Note in ``marks`` when the dispatcher wakes, posts, and a run is submitted."""
-    rt = get_runtime()
-    be = rt.backend
-    orig_wait = be.wait_signals
-
-    def wait_signals(t: float | None) -> None:
-        orig_wait(t)
-        marks.setdefault("wake", pc())
-
-    be.wait_signals = wait_signals  # type: ignore[method-assign, assignment]
-    orig_post = _bridge.post
-
-    def post(*a: Any) -> None:
-        marks.setdefault("post", pc())
-        orig_post(*a)
-
-    _bridge.post = post  # type: ignore[assignment]
-    disp = rt.dispatcher
-    orig_submit = disp.submit
+    """Note in ``marks`` when a run is submitted, when its loop sees the
+    signal fire, and when the woken task has been told."""
+    disp = get_runtime().dispatcher
+    orig_submit, orig_ready, orig_deliver = disp.submit, disp._on_ready, disp._deliver
 
     def submit(raw: Any, sub: Any, *rest: Any) -> None:
         marks["submit0"] = pc()
         orig_submit(raw, sub, *rest)
         marks["submit1"] = pc()
 
+    def on_ready(reader: Any) -> None:
+        marks.setdefault("ready", pc())
+        orig_ready(reader)
+
+    def deliver(*a: Any) -> None:
+        orig_deliver(*a)
+        marks.setdefault("woken", pc())
+
+    # instance attributes: the bridge looks these up on the dispatcher at each call
     disp.submit = submit  # type: ignore[method-assign, assignment]
+    disp._on_ready = on_ready  # type: ignore[method-assign]
+    disp._deliver = deliver  # type: ignore[method-assign, assignment]
 
 
 async def segments(
     op: gf.DeviceOperation[Any], marks: dict[str, float], n: int
 ) -> dict[str, list[float]]:
-    names = ("front", "signal", "gpu+wake", "dispatch", "resume", "total")
+    names = ("front", "signal", "gpu+wake", "complete", "resume", "total")
     seg: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(200):
         await op
@@ -72,13 +70,13 @@ async def segments(
         await op
         t1 = pc()
         m = dict(marks)
-        if not ("wake" in m and "post" in m and m["submit1"] <= m["wake"] <= m["post"]):
-            continue
+        if not ("ready" in m and "woken" in m and m["submit1"] <= m["ready"] <= m["woken"]):
+            continue  # completed some other way (the watchdog, a counted signal)
         seg["front"].append(m["submit0"] - t0)
         seg["signal"].append(m["submit1"] - m["submit0"])
-        seg["gpu+wake"].append(m["wake"] - m["submit1"])
-        seg["dispatch"].append(m["post"] - m["wake"])
-        seg["resume"].append(t1 - m["post"])
+        seg["gpu+wake"].append(m["ready"] - m["submit1"])
+        seg["complete"].append(m["woken"] - m["ready"])
+        seg["resume"].append(t1 - m["woken"])
         seg["total"].append(t1 - t0)
     return seg
 
@@ -104,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     one = gf.SingleStream()
     n = args.samples
 
-    for lib in ("asyncio", "trio"):
-        seg = anyio.run(segments, op, marks, n, backend=lib)
+    loops: list[tuple[str, str, dict[str, Any]]] = [("asyncio", "asyncio", {})]
+    if importlib.util.find_spec("uvloop") is not None:
+        loops.append(("uvloop", "asyncio", {"use_uvloop": True}))
+    loops.append(("trio", "trio", {}))
+    for lib, name, options in loops:
+        seg = anyio.run(segments, op, marks, n, backend=name, backend_options=options)
         print(f"{backend} {lib}: " + ", ".join(
             f"{k} {statistics.median(v) * 1e6:.1f} us" for k, v in seg.items()
         ) + f"  ({len(seg['total'])} of {n} samples)", flush=True)

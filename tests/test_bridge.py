@@ -1,10 +1,14 @@
-"""The completion bridge: signals shared by the runs of one loop turn.
+"""The completion bridge: the GPU wakes the loop; signals shared by a turn.
 
-The first run a loop submits in one turn enqueues its signal at once and
-schedules a flush for the end of the turn; the runs submitted after it in
-that turn are signalled by the flush, one signal per stream.  Whatever ends
-a turn early (a cancellation, a loop that closes before its flush runs), no
-run is left without a signal.
+An awaited run is signalled by a pipe whose write end the GPU closes and
+whose read end the loop watches: the loop's own thread completes the run and
+wakes the task, with no post from another thread.  The first run a loop
+submits in one turn enqueues its signal at once and schedules a flush for
+the end of the turn; the runs submitted after it in that turn are signalled
+by the flush, one signal per stream.  Whatever ends a turn early (a
+cancellation, a loop that closes before its flush runs, a loop that never
+runs again), no run is left without a signal, and no file descriptor is
+left open.
 
 These tests drive the dispatcher and the loop adapters themselves, so they
 import the private modules that hold them (``_bridge``, ``_runtime``,
@@ -34,18 +38,115 @@ from gpuflow._runtime import get_runtime
 F32 = np.float32
 
 
-def count_signals(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Record every signal the backend is asked to enqueue (the stream it goes on)."""
+def count_signals(monkeypatch: pytest.MonkeyPatch, kind: str = "") -> list[Any]:
+    """Record every signal the backend is asked to enqueue (the stream it goes
+    on), of both kinds, or of one (``"fd"`` or ``"counted"``)."""
     backend = get_runtime().backend
     calls: list[Any] = []
-    enqueue = backend.enqueue_signal
+    enqueue, enqueue_close = backend.enqueue_signal, backend.enqueue_close
 
     def counted(raw: Any) -> None:
         calls.append(raw)
         enqueue(raw)
 
-    monkeypatch.setattr(backend, "enqueue_signal", counted)
+    def closing(raw: Any, fd: int) -> bool:
+        calls.append(raw)
+        return enqueue_close(raw, fd)
+
+    if kind != "fd":
+        monkeypatch.setattr(backend, "enqueue_signal", counted)
+    if kind != "counted":
+        monkeypatch.setattr(backend, "enqueue_close", closing)
     return calls
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_until(cond: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+needs_proc = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc"
+)
+
+
+@pytest.mark.anyio
+async def test_the_gpu_wakes_the_loop_with_no_post_from_another_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuflow import _bridge  # the post a dispatcher thread would make
+
+    x = await gf.zeros(64, F32)
+    fd_signals = count_signals(monkeypatch, "fd")
+    counted = count_signals(monkeypatch, "counted")
+    posts: list[Any] = []
+    real_post = _bridge.post
+
+    def recorded(*args: Any) -> None:
+        posts.append(args)
+        real_post(*args)
+
+    monkeypatch.setattr(_bridge, "post", recorded)
+    seen_on: list[int] = []
+    finish = Submission._finish
+
+    def noted(sub: Submission, err: BaseException | None) -> Any:
+        seen_on.append(threading.get_ident())
+        return finish(sub, err)
+
+    monkeypatch.setattr(Submission, "_finish", noted)
+    for i in range(20):
+        await K.slow_fill(x, float(i), 0.001)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 19.0, F32))
+    assert len(fd_signals) >= 20 and counted == [] and posts == []
+    assert set(seen_on) == {threading.get_ident()}  # completed in the loop's own thread
+
+
+@needs_proc
+@pytest.mark.anyio
+async def test_awaits_leave_no_file_descriptor_open() -> None:
+    counters = [await gf.zeros(1, np.int32) for _ in range(32)]
+    before = open_fds()  # the loop's reader is open by now
+
+    async def worker(c: gf.DeviceArray) -> None:
+        for _ in range(10):
+            await K.module().count(gf.LaunchConfig(1, 1), c)
+
+    async with anyio.create_task_group() as tg:
+        for c in counters:
+            tg.start_soon(worker, c)
+    for c in counters:
+        assert int((await gf.to_host(c))[0]) == 10
+    wait_until(lambda: open_fds() <= before, f"{open_fds() - before} descriptors left open")
+
+
+@pytest.mark.anyio
+async def test_past_the_pipe_limit_runs_signal_through_the_dispatcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuflow import _bridge  # the limit itself
+
+    monkeypatch.setattr(_bridge, "MAX_FD_SIGNALS", 1)
+    counted = count_signals(monkeypatch, "counted")
+    arrays = [await gf.zeros(16, F32) for _ in range(16)]
+    pool = gf.StreamPoolRoundRobin()
+
+    async def worker(a: gf.DeviceArray) -> None:
+        for r in range(4):
+            await K.slow_fill(a, float(r + 1), 0.002).run(pool)
+
+    async with anyio.create_task_group() as tg:
+        for a in arrays:
+            tg.start_soon(worker, a)
+    for a in arrays:
+        np.testing.assert_array_equal(await gf.to_host(a), np.full(16, 4.0, F32))
+    assert counted, "every run took a pipe although the limit is one in flight"
 
 
 @pytest.mark.anyio
@@ -104,10 +205,23 @@ async def _await(op: gf.DeviceOperation[Any]) -> None:
 
 class _DroppingLoop:
     """A loop (as gpuflow's loop adapters present one) that ends before
-    running what was scheduled on it."""
+    running what was scheduled on it.  By default it cannot watch file
+    descriptors (so its runs signal the dispatcher thread); with
+    ``watches=True`` it accepts a reader and never calls it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, watches: bool = False, ended: bool = False) -> None:
         self.dropped: list[Any] = []
+        self.watched: list[int] = []
+        self._watches = watches
+        self.ended = ended
+
+    def watch(self, fd: int, on_ready: Any) -> None:
+        if not self._watches:
+            raise NotImplementedError
+        self.watched.append(fd)
+
+    def finished(self) -> bool:
+        return self.ended
 
     @property
     def target(self) -> Any:
@@ -179,6 +293,33 @@ def keep_until_done(sentinel: _Sentinel) -> gf.DeviceOperation[None]:
         return gf.value(None)
 
     return gf.with_context(enqueue)
+
+
+@needs_proc
+def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same() -> None:
+    # a loop that stopped (not closed) with a cancelled run in flight: the
+    # watchdog completes what the GPU finished, a tick later than the loop would
+    dispatcher = get_runtime().dispatcher
+    stream = gf.new_stream()
+    x = gf.zeros(16, F32).sync()
+    stopped = _DroppingLoop(watches=True)
+    before = open_fds()
+    sentinel = _Sentinel()
+    alive = weakref.ref(sentinel)
+    sub = Submission(0)
+    sub.keep.append(sentinel)
+    del sentinel
+    K.slow_fill(x, 3.0, 0.05).enqueue_on(stream)
+    dispatcher.submit(stream.raw, sub, stopped)
+    assert len(stopped.watched) == 1  # the loop was given its reader
+    assert alive() is not None and not sub.done
+    _wait_done(sub)
+    assert sub.error is None and alive() is None
+    # its read end waits for the loop (the fd number is the loop's to reuse);
+    # once the loop has ended, the watchdog closes it and the reader too
+    stopped.ended = True
+    wait_until(lambda: open_fds() <= before, "the ended loop's descriptors stayed open")
+    np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 3.0, F32))
 
 
 def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None:

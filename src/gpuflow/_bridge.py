@@ -1,25 +1,41 @@
 """The completion bridge: the GPU wakes the awaiting task.
 
-A run ends by enqueueing a native signal on its stream (the backend's
-``enqueue_signal``: on CUDA a ``sem_post`` host function that needs no GIL)
-and handing its :class:`Submission` to the :class:`Dispatcher`.  One
-dispatcher thread per runtime waits natively for signals, learns which
-submissions finished (signals arrive in stream order, so a FIFO per stream
-says which), releases what each retained, and posts to each waiting event
-loop through its AnyIO event-loop token with the *non-blocking* post
-(``call_soon_threadsafe`` / ``TrioToken.run_sync_soon``): completions that
-arrive together reach a loop in one wake-up.  A post to a loop that has
-finished is dropped quietly.
+A run ends by handing its :class:`Submission` to the :class:`Dispatcher`,
+which marks the point of the stream it must wait for with a native signal,
+one of two kinds:
 
-While work is pending the dispatcher also keeps a watchdog: a device that
-faulted never runs its host functions, so every ``WATCHDOG_S`` it queries the
-streams that have pending work, and a sticky fault fails every pending
-submission of that device with :class:`DeviceFaultError`.
+* **For a run a loop awaits: the GPU wakes the loop itself.**  The signal
+  is a pipe; a host function that is libc's ``close`` of its write end runs
+  when the GPU reaches it (no GIL, no thread of gpuflow), and the read end,
+  in an epoll set that the loop watches (``add_reader``, or a Trio system
+  task in ``wait_readable``), becomes readable.  The loop's own selector
+  returns, and in the loop's thread the dispatcher learns which submissions
+  finished, releases what each retained, and wakes their tasks directly.
+  Runs a loop submits in one turn share one signal per stream (the flush at
+  the end of the turn), and signals that fire together reach a loop in one
+  wake-up.
+* **For everything else** (``enqueue_on``, releases, a loop that cannot
+  watch file descriptors, or more than :data:`MAX_FD_SIGNALS` pipes in
+  flight): the backend's ``enqueue_signal``, a ``sem_post`` host function on
+  CUDA, wakes the one dispatcher thread, which posts to waiting loops with
+  their non-blocking post (``call_soon_threadsafe`` /
+  ``TrioToken.run_sync_soon``).  A post to a loop that has finished is
+  dropped quietly.
+
+While work is pending the dispatcher thread also keeps a watchdog: a device
+that faulted never runs its host functions, so every ``WATCHDOG_S`` it
+queries the streams that have pending work, and a sticky fault fails every
+pending submission of that device with :class:`DeviceFaultError`.  At the
+same ticks it completes pipe signals that fired but that their loop will
+not see soon (the loop ended, or has not run for a whole tick), so what a
+cancelled run kept is released even when nobody runs its loop again.
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import select
 import threading
 import time
 import warnings
@@ -37,6 +53,11 @@ WATCHDOG_S = 0.02
 #: After the last pending submission, keep the watchdog timer this long so
 #: that a busy program does not pay a wake-up per submission.
 _IDLE_GRACE_S = 1.0
+#: Pipe signals in flight at most (each holds two file descriptors until the
+#: GPU closes one): past it, runs signal through the dispatcher thread, so a
+#: program never runs out of file descriptors because of gpuflow.
+MAX_FD_SIGNALS = 256
+_EPOLL = getattr(select, "epoll", None)  # Linux; elsewhere every signal is a semaphore
 
 #: How a completion reaches a waiting task: the loop (or Trio token) to post
 #: to, its non-blocking post, and the idempotent wake-up to run there.
@@ -67,9 +88,10 @@ class Submission:
         self.on_done: list[Callable[[BaseException | None], None]] | None = None
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Call ``fn(error)`` once, on the dispatcher thread when the work is
-        done (at once, here, if it already is).  Safe from any thread, also
-        while the work completes.  ``fn`` must not block or raise."""
+        """Call ``fn(error)`` once, on the thread that sees the work done (the
+        awaiting loop's, or the dispatcher's; at once, here, if it already
+        is).  Safe from any thread, also while the work completes.  ``fn``
+        must not block or raise."""
         with _callbacks_lock:
             if not self.done:
                 if self.on_done is None:
@@ -135,16 +157,18 @@ class _Lane:
     """The submissions of one stream that the GPU has not been seen to finish.
 
     Each signal enqueued on the stream covers every submission appended
-    before it: ``marks`` holds, per signal in flight, how many submissions had
-    been appended when it was enqueued (strictly increasing, recorded under
-    the dispatcher's lock).  When signals fire, the last mark popped says how
-    many submissions are done.  Popping marks in the order they were recorded
-    is safe even when two threads enqueue their signals in the other order:
-    after ``n`` signals fired, the largest mark among them is at least the
-    ``n``-th mark recorded.
+    before it: its *mark* is how many had been appended when it was enqueued
+    (recorded under the dispatcher's lock, so marks grow in the order they
+    are recorded).  When a signal fires, every submission up to its mark is
+    done.  A pipe signal carries its own mark; a counted signal only says
+    how many fired, so ``marks`` keeps theirs FIFO, and popping them in the
+    order recorded is safe even when two threads enqueue their signals in
+    the other order: after ``n`` signals fired, the largest mark among them
+    is at least the ``n``-th mark recorded.
     """
 
-    __slots__ = ("appended", "completed", "device", "marks", "since", "subs")
+    __slots__ = ("appended", "completed", "covered", "device", "marks", "outstanding",
+                 "since", "subs")
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -152,35 +176,84 @@ class _Lane:
         self.marks: collections.deque[int] = collections.deque()
         self.appended = 0
         self.completed = 0
+        self.covered = 0  # the largest mark recorded
+        self.outstanding = 0  # pipe signals whose read end is still open
         #: when the lane last saw a submission finish, or was made (see lanes)
         self.since = time.monotonic()
 
-    def mark(self) -> bool:
-        """Record a signal covering everything appended; False if one already does."""
-        covered = self.marks[-1] if self.marks else self.completed
-        if covered == self.appended:
-            return False
-        self.marks.append(self.appended)
-        return True
+    def mark(self) -> int | None:
+        """Record a signal covering everything appended; None if one already does."""
+        if self.covered == self.appended:
+            return None
+        self.covered = self.appended
+        return self.appended
+
+    def advance(self, upto: int, now: float, done: list[tuple[Submission, None]]) -> int:
+        """Complete the submissions up to mark ``upto`` into ``done``; how many."""
+        n = upto - self.completed
+        if n <= 0:
+            return 0
+        q = self.subs
+        for _ in range(n):
+            done.append((q.popleft(), None))
+        self.completed = upto
+        self.since = now
+        return n
+
+    def idle(self) -> bool:
+        return not self.subs and not self.marks and not self.outstanding
+
+
+class _FdSignal:
+    """A pipe whose write end the GPU closes when it reaches this signal."""
+
+    __slots__ = ("fd", "lane", "mark", "raw", "seen", "taken")
+
+    def __init__(self, fd: int, lane: _Lane, mark: int, raw: Any) -> None:
+        self.fd = fd  # the read end: open until the signal is handled
+        self.lane = lane
+        self.mark = mark
+        self.raw = raw
+        self.seen = False  # the watchdog saw it fired and unhandled once
+        self.taken = False  # its submissions were completed
+
+
+class _Reader:
+    """What one event loop watches for gpuflow: one epoll set holding the
+    read ends of that loop's pipe signals (one registration with the loop,
+    however many signals are in flight)."""
+
+    __slots__ = ("epoll", "loop", "signals")
+
+    def __init__(self, epoll: Any, loop: Loop) -> None:
+        self.epoll = epoll
+        self.loop = loop
+        self.signals: dict[int, _FdSignal] = {}
+
+
+Done = list[tuple[Submission, BaseException | None]]
 
 
 class Dispatcher:
-    """The one thread that turns native signals into completed submissions.
+    """Turns native signals into completed submissions (module docstring).
 
     Awaited runs share signals: the first run a loop submits in one turn of
     that loop enqueues its signal at once (a lone await waits for nothing
     more) and schedules a flush for the end of the turn; runs that the same
     loop submits before the flush enqueue no signal of their own, the flush
     enqueues one per stream for all of them.  Sixty-four tasks woken together
-    thus cost a handful of host functions and dispatcher wake-ups, not 64.
+    thus cost a handful of host functions and wake-ups, not 64.
     """
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._lock = threading.Lock()
-        # only streams with pending submissions: a finished stream is dropped
+        # only streams with pending submissions or signals: an idle stream is dropped
         self._lanes: dict[Any, _Lane] = {}
         self._pending = 0
+        self._fd_signals = 0  # pipe signals whose read end is open
+        # per loop (its target): its reader, or None where it cannot watch fds
+        self._readers: dict[Any, _Reader | None] = {}
         self._closed = False
         self._armed = False  # the thread is on its watchdog timer, no wake needed
         self._thread: threading.Thread | None = None
@@ -190,10 +263,10 @@ class Dispatcher:
     def submit(self, raw_stream: Any, sub: Submission, loop: Loop | None = None) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is done.
 
-        With ``loop`` (the loop running in this thread), the signal may be
-        left to the flush that loop runs at the end of its turn; whoever
-        submits that way must call :meth:`flush` if it stops waiting for
-        ``sub`` before the loop gets there.
+        With ``loop`` (the loop running in this thread), the GPU wakes that
+        loop, and the signal may be left to the flush the loop runs at the
+        end of its turn; whoever submits that way must call :meth:`flush`
+        if it stops waiting for ``sub`` before the loop gets there.
         """
         local = self._local
         with self._lock:
@@ -213,13 +286,11 @@ class Dispatcher:
             defer = loop is not None and getattr(local, "flushing", None) is loop.target
             if defer:
                 local.dirty[raw_stream] = lane
-            else:
-                lane.mark()
         if wake:
             self._backend.wake()
         if defer:
             return
-        self._signal(raw_stream, lane.device)
+        self._signal(raw_stream, lane, loop)
         if loop is not None:
             if getattr(local, "dirty", None):
                 self.flush()  # left by a loop that ended before its flush ran
@@ -229,6 +300,7 @@ class Dispatcher:
                 pass
             else:
                 local.flushing = loop.target
+                local.loop = loop
                 local.dirty = {}
 
     def flush(self) -> None:
@@ -239,25 +311,154 @@ class Dispatcher:
         local.flushing = None
         dirty: dict[Any, _Lane] = getattr(local, "dirty", {})
         local.dirty = {}
+        loop: Loop | None = getattr(local, "loop", None)
         for raw, lane in dirty.items():
-            with self._lock:
-                if self._lanes.get(raw) is not lane or not lane.mark():
-                    continue  # failed meanwhile, or another signal covers it
             try:
-                self._signal(raw, lane.device)
+                self._signal(raw, lane, loop)
             except DeviceError:
                 pass  # a fault: the device's awaits fail with it
             except BaseException as exc:
                 warnings.warn(f"gpuflow: could not signal a stream: {exc!r}", stacklevel=1)
 
-    def _signal(self, raw_stream: Any, device: int) -> None:
-        """Enqueue the signal of the mark just recorded; a failure fails the device
+    # -- enqueueing signals ---------------------------------------------------
+    def _signal(self, raw: Any, lane: _Lane, loop: Loop | None) -> None:
+        """Mark everything submitted on ``lane`` so far with one signal (none
+        if a signal already covers it); a failure to enqueue fails the device
         (whose runs can no longer be seen to finish) and is raised."""
+        reader = self._reader(loop) if loop is not None else None
+        if reader is not None and self._fd_signals < MAX_FD_SIGNALS:
+            try:
+                r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:  # out of file descriptors: the other kind still works
+                pass
+            else:
+                self._signal_fd(raw, lane, reader, r, w)
+                return
+        with self._lock:
+            if self._lanes.get(raw) is not lane:
+                return  # failed meanwhile
+            m = lane.mark()
+            if m is None:
+                return
+            lane.marks.append(m)
         try:
-            self._backend.enqueue_signal(raw_stream)
+            self._backend.enqueue_signal(raw)
         except BaseException as exc:
-            self.fail_device(device, exc)
+            self.fail_device(lane.device, exc)
             raise
+
+    def _signal_fd(self, raw: Any, lane: _Lane, reader: _Reader, r: int, w: int) -> None:
+        """Mark ``lane`` with a pipe signal (a counted one where the stream
+        cannot take a pipe signal)."""
+        with self._lock:
+            m = lane.mark() if self._lanes.get(raw) is lane else None
+            if m is None:
+                os.close(r)
+                os.close(w)
+                return  # nothing to signal
+            sig = _FdSignal(r, lane, m, raw)
+            reader.signals[r] = sig
+            lane.outstanding += 1
+            self._fd_signals += 1
+            reader.epoll.register(r, select.EPOLLIN)
+        error: BaseException | None = None
+        try:
+            enqueued: bool | None = self._backend.enqueue_close(raw, w)
+        except BaseException as exc:
+            enqueued = None
+            error = exc
+        if enqueued:
+            return
+        # nothing was enqueued: both ends are ours to close
+        with self._lock:
+            del reader.signals[r]
+            self._close_signal(sig)
+            os.close(w)
+            # the stream cannot take a pipe signal: count one instead (a
+            # count with no mark behind it would complete a later lane early)
+            counted = error is None and self._lanes.get(raw) is lane
+            if counted:
+                lane.marks.append(m)
+        try:
+            if error is not None:
+                raise error
+            if counted:
+                self._backend.enqueue_signal(raw)
+        except BaseException as exc:
+            self.fail_device(lane.device, exc)
+            raise
+
+    def _reader(self, loop: Loop) -> _Reader | None:
+        """The reader of ``loop``, registered with it on first use (in its thread)."""
+        target = loop.target
+        try:
+            return self._readers[target]
+        except KeyError:
+            pass
+        reader: _Reader | None = None
+        if _EPOLL is not None:
+            epoll = _EPOLL()
+            made = reader = _Reader(epoll, loop)
+            try:
+                loop.watch(epoll.fileno(), lambda: self._on_ready(made))
+            except (NotImplementedError, RuntimeError):
+                epoll.close()
+                reader = None
+        with self._lock:
+            self._readers[target] = reader
+        return reader
+
+    # -- completing -------------------------------------------------------------
+    def _on_ready(self, reader: _Reader) -> None:
+        """In the loop's thread: some of its pipe signals fired.  Never raises."""
+        try:
+            try:
+                events = reader.epoll.poll(0)
+            except (OSError, ValueError):  # closed after its loop ended
+                return
+            done: Done = []
+            streams: dict[Any, int] = {}
+            now = time.monotonic()
+            with self._lock:
+                for fd, _ in events:
+                    sig = reader.signals.pop(fd, None)
+                    if sig is None:
+                        continue  # failed with its device meanwhile
+                    self._close_signal(sig)
+                    if not sig.taken:
+                        self._take(sig, now, done, streams)
+            if done:
+                self._complete(done, streams, reader.loop.target)
+        except BaseException as exc:
+            warnings.warn(f"gpuflow: completing runs in the loop failed: {exc!r}", stacklevel=1)
+
+    def _close_signal(self, sig: _FdSignal) -> None:
+        """Close a handled signal's read end (under the lock); retire its lane."""
+        os.close(sig.fd)  # also leaves the epoll set
+        self._fd_signals -= 1
+        lane = sig.lane
+        lane.outstanding -= 1
+        if lane.idle() and self._lanes.get(sig.raw) is lane:
+            del self._lanes[sig.raw]
+
+    def _take(self, sig: _FdSignal, now: float, done: Done, streams: dict[Any, int]) -> None:
+        """Complete what a fired pipe signal covers (under the lock)."""
+        sig.taken = True
+        lane = sig.lane
+        if self._lanes.get(sig.raw) is not lane:
+            return  # its device failed: its submissions went with it
+        n = lane.advance(sig.mark, now, done)  # type: ignore[arg-type]
+        if n:
+            self._pending -= n
+            streams[sig.raw] = lane.device
+        if lane.idle():
+            del self._lanes[sig.raw]
+
+    def _complete(self, done: Done, streams: Mapping[Any, int], here: Any = None) -> None:
+        """Finish submissions whose signals fired (outside the lock)."""
+        for raw in streams:
+            self._backend.signal_fired(raw)
+        self._deliver(self._confirm(done, list(streams.items())), here)
 
     @property
     def pending(self) -> int:
@@ -269,18 +470,29 @@ class Dispatcher:
         """The streams with submissions not yet seen to finish, each with its
         lane: ``len(lane.subs)`` pending submissions, none seen to finish
         since ``lane.since`` (:func:`time.monotonic`).  A stream with nothing
-        pending has no lane.  Read without the lock, for heuristics such as
-        scheduling: a snapshot that may be stale at once; never modify it."""
+        pending has no lane, or one with no submissions.  Read without the
+        lock, for heuristics such as scheduling: a snapshot that may be
+        stale at once; never modify it."""
         return self._lanes
 
     def fail_device(self, device: int, error: BaseException) -> None:
-        """Fail every pending submission of ``device`` (a fault, a reset)."""
-        done: list[tuple[Submission, BaseException | None]] = []
+        """Fail every pending submission of ``device`` (a fault, a reset).
+
+        Its pipe signals are dropped: their read ends are closed, and the
+        write ends that the GPU would have closed are leaked, never closed
+        here (a late close by the driver would close whatever reused the
+        number)."""
+        done: Done = []
         with self._lock:
             for raw in [r for r, lane in self._lanes.items() if lane.device == device]:
                 q = self._lanes.pop(raw).subs
                 done.extend((s, error) for s in q)
                 self._pending -= len(q)
+            for reader in self._readers.values():
+                if reader is None:
+                    continue
+                for fd in [fd for fd, s in reader.signals.items() if s.lane.device == device]:
+                    self._close_signal(reader.signals.pop(fd))
         self._deliver(done)
 
     def close(self) -> None:
@@ -296,29 +508,37 @@ class Dispatcher:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
-    def _deliver(self, done: list[tuple[Submission, BaseException | None]]) -> None:
-        # coalesced: one post per loop, however many of its tasks finished
+    def _deliver(self, done: Done, here: Any = None) -> None:
+        """Finish ``done`` and wake their tasks: those of loop ``here`` (the
+        loop running this) directly, the others with one post per loop."""
+        direct: list[Callable[[], object]] = []
         posts: dict[int, tuple[Any, Poster, list[Callable[[], object]]]] = {}
         for sub, err in done:
             for target, poster, fn in sub._finish(err):
+                if target is here:
+                    direct.append(fn)
+                    continue
                 entry = posts.get(id(target))
                 if entry is None:
                     posts[id(target)] = (target, poster, [fn])
                 else:
                     entry[2].append(fn)
+        for fn in direct:
+            fn()
         for target, poster, fns in posts.values():
             post(target, poster, fns)
 
+    # -- the dispatcher thread ----------------------------------------------------
     def _run(self) -> None:
         backend = self._backend
         last_check = time.monotonic()
         idle_since: float | None = None
         while True:
             with self._lock:
+                busy = self._pending or self._fd_signals
                 if self._closed and not self._pending:
                     return
-                pending = self._pending
-                if pending:
+                if busy:
                     idle_since = None
                 elif idle_since is None:
                     idle_since = time.monotonic()
@@ -329,37 +549,69 @@ class Dispatcher:
             except BaseException as exc:  # pragma: no cover - a backend bug
                 warnings.warn(f"gpuflow: waiting for signals failed: {exc!r}", stacklevel=1)
                 time.sleep(WATCHDOG_S)
-            done: list[tuple[Submission, BaseException | None]] = []
-            signalled: list[tuple[Any, int]] = []
+            done: Done = []
+            signalled: dict[Any, int] = {}
             now = time.monotonic()
             with self._lock:
                 idle = []
                 for raw, lane in self._lanes.items():
                     n = backend.take_signals(raw)
                     if n:
-                        signalled.append((raw, lane.device))
                         marks, upto = lane.marks, lane.completed
                         for _ in range(min(n, len(marks))):
-                            upto = marks.popleft()
-                        q = lane.subs
-                        for _ in range(upto - lane.completed):
-                            done.append((q.popleft(), None))
-                        if upto != lane.completed:
-                            lane.since = now
-                        lane.completed = upto
-                    if not lane.subs and not lane.marks:
+                            upto = max(upto, marks.popleft())
+                        self._pending -= lane.advance(upto, now, done)  # type: ignore[arg-type]
+                        signalled[raw] = lane.device
+                    if lane.idle():
                         idle.append(raw)
                 for raw in idle:
                     del self._lanes[raw]
-                self._pending -= len(done)
-                check = self._pending > 0 and time.monotonic() - last_check >= WATCHDOG_S
+                busy = self._pending or self._fd_signals
+                check = busy and now - last_check >= WATCHDOG_S
                 suspects = [(r, lane.device) for r, lane in self._lanes.items()] if check else []
             if done:
-                done = self._confirm(done, signalled)
-                self._deliver(done)
+                self._deliver(self._confirm(done, list(signalled.items())))
             if check:
                 last_check = time.monotonic()
                 self._watch(suspects)
+                self._reap()
+
+    def _reap(self) -> None:
+        """Complete pipe signals that fired but that their loop has not
+        handled for a whole tick (or will never: it ended); forget readers of
+        loops that ended once nothing of theirs is in flight."""
+        done: Done = []
+        streams: dict[Any, int] = {}
+        now = time.monotonic()
+        with self._lock:
+            readers = list(self._readers.items())
+        for target, reader in readers:
+            if reader is None:
+                continue
+            ended = reader.loop.finished()
+            with self._lock:
+                sigs = list(reader.signals.values())
+                if sigs:
+                    poller = select.poll()
+                    for sig in sigs:
+                        poller.register(sig.fd, select.POLLIN)
+                    fired = {fd for fd, _ in poller.poll(0)}
+                    for sig in sigs:
+                        if sig.fd not in fired:
+                            continue
+                        if ended:  # nobody else will: close it here
+                            del reader.signals[sig.fd]
+                            self._close_signal(sig)
+                        elif not sig.seen:
+                            sig.seen = True  # the loop may get to it: give it a tick
+                            continue
+                        if not sig.taken:
+                            self._take(sig, now, done, streams)
+                if ended and not reader.signals:
+                    del self._readers[target]
+                    reader.epoll.close()
+        if done:
+            self._complete(done, streams)
 
     def _confirm(
         self,

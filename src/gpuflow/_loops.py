@@ -1,17 +1,19 @@
 """Everything that depends on which event loop runs: one adapter per loop.
 
-gpuflow speaks to a running loop in three ways only: schedule a call at the
+gpuflow speaks to a running loop in four ways only: schedule a call at the
 end of the loop's current turn, from the loop's own thread (``call_soon``);
-post a call from any thread without blocking (``post``); and park the
-current task until such a call wakes it (``parker``).  :func:`current_loop`
-picks the adapter once per run, and nothing else in gpuflow asks which loop
-it is on.
+post a call from any thread without blocking (``post``); park the current
+task until such a call wakes it (``parker``); and have the loop itself call
+back whenever a file descriptor is readable (``watch``: how the GPU wakes a
+loop with no thread in between).  :func:`current_loop` picks the adapter
+once per run, and nothing else in gpuflow asks which loop it is on.
 
 * asyncio (and loops built on it, such as uvloop): ``loop.call_soon``,
-  ``loop.call_soon_threadsafe`` and a future.
+  ``loop.call_soon_threadsafe``, a future, and ``loop.add_reader``.
 * Trio: ``TrioToken.run_sync_soon`` for both kinds of call (it is safe from
-  any thread and never blocks), and ``wait_task_rescheduled`` /
-  ``reschedule`` to park and wake the task directly.
+  any thread and never blocks), ``wait_task_rescheduled`` / ``reschedule``
+  to park and wake the task directly, and a system task in
+  ``wait_readable`` (Trio has no reader callbacks).
 
 A post to a loop that has finished raises :class:`RuntimeError` (Trio's
 ``RunFinishedError`` is one): the caller drops it, since nobody waits there.
@@ -50,6 +52,15 @@ class Loop(Protocol):
         cancelled, which raises the loop's own cancellation.  ``wake`` is
         idempotent and harmless after a cancellation."""
 
+    def watch(self, fd: int, on_ready: Call) -> None:
+        """Call ``on_ready()`` in the loop each time ``fd`` is readable, until
+        the loop ends.  ``on_ready`` must not raise.  NotImplementedError
+        where the loop cannot watch file descriptors."""
+
+    def finished(self) -> bool:
+        """Whether the loop has ended: it will call nothing any more.  Safe
+        from any thread."""
+
 
 def _wake_future(fut: asyncio.Future[None]) -> Call:
     def wake() -> None:
@@ -75,12 +86,19 @@ class _Asyncio:
         fut: asyncio.Future[None] = self._loop.create_future()
         return _wake_future(fut), lambda: fut
 
+    def watch(self, fd: int, on_ready: Call) -> None:
+        self._loop.add_reader(fd, on_ready)  # NotImplementedError on a proactor loop
+
+    def finished(self) -> bool:
+        return self._loop.is_closed()
+
 
 class _Trio:
-    __slots__ = ("_token", "_trio", "call_soon", "post")
+    __slots__ = ("_ended", "_token", "_trio", "call_soon", "post")
 
     def __init__(self, trio: Any) -> None:
         self._trio = trio
+        self._ended = False
         self._token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks
@@ -109,6 +127,24 @@ class _Trio:
             await lowlevel.wait_task_rescheduled(abort)
 
         return wake, park
+
+    def watch(self, fd: int, on_ready: Call) -> None:
+        lowlevel = self._trio.lowlevel
+
+        async def watcher() -> None:
+            # a system task: cancelled only when the run ends, after every
+            # task of the program (a nursery could end sooner)
+            try:
+                while True:
+                    await lowlevel.wait_readable(fd)
+                    on_ready()
+            finally:
+                self._ended = True
+
+        lowlevel.spawn_system_task(watcher, name="gpuflow completions")
+
+    def finished(self) -> bool:
+        return self._ended
 
 
 class _Cache(threading.local):

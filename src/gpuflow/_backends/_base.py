@@ -11,11 +11,14 @@ Threading contract: every method may be called from any thread, concurrently.
 raise (report failures as warnings) and must prefer a leak to a dangling
 pointer.  Errors raised keep the driver's code (:class:`DeviceError`).
 
-The completion half of the bridge is split here: the backend provides a
-*native* signal per stream (``enqueue_signal``: when the GPU reaches it, the
-stream's signal count goes up and the dispatcher is woken, without the GIL
-on CUDA), and the front end's dispatcher thread turns counts into completed
-submissions, FIFO per stream.
+The completion half of the bridge is split here: the backend provides two
+*native* signals, both delivered without the GIL on CUDA.  ``enqueue_close``
+closes a file descriptor when the GPU reaches it, which makes the read end
+of a pipe that an event loop watches readable: the GPU wakes the loop with
+no thread of gpuflow in between.  ``enqueue_signal`` counts one signal for
+the stream and wakes the front end's dispatcher thread (for runs that no
+loop awaits).  The front end turns signals into completed submissions,
+FIFO per stream.
 """
 
 from __future__ import annotations
@@ -249,6 +252,21 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def wake(self) -> None:
         """Wake :meth:`wait_signals` without a signal."""
+
+    def enqueue_close(self, stream: Any, fd: int) -> bool:
+        """When the GPU reaches this point of ``stream``, close ``fd`` (once,
+        from a thread of the driver, never needing the GIL on a real device).
+        False, with nothing enqueued, where this point cannot be marked that
+        way (a stream being captured: a graph would close it at every
+        replay).  On a fault the close may never happen: ``fd`` is the
+        caller's to leak, never to close itself."""
+        return False
+
+    def signal_fired(self, stream: Any) -> None:
+        """A signal of ``stream`` was seen to fire outside :meth:`take_signals`:
+        deliver what must precede the completion of the work before it (on
+        CUDA, staged device-to-host copies).  Never raises."""
+        return None
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

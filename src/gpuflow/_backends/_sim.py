@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -247,7 +248,8 @@ class SimBackend(Backend):
         self._starts: list[int] = []
         self._live: weakref.WeakValueDictionary[int, SimBuffer] = weakref.WeakValueDictionary()
         self._wake_count = 0
-        self._driver_queue: collections.deque[SimStream] = collections.deque()
+        # what host signals do, run in order by the driver thread (under cond)
+        self._driver_queue: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
         self.use_after_free = 0
         self._stream_serials = itertools.count()
@@ -264,10 +266,8 @@ class SimBackend(Backend):
                     self.cond.wait()
                 if self._closed:
                     return
-                stream = self._driver_queue.popleft()
-                stream.signals += 1
-                self._wake_count += 1
-                self.cond.notify_all()
+                deliver = self._driver_queue.popleft()
+                deliver()
 
     def close(self) -> None:
         with self.cond:
@@ -636,12 +636,32 @@ class SimBackend(Backend):
 
     # -- completion signals ---------------------------------------------------
     def enqueue_signal(self, stream: Any) -> None:
+        def count() -> None:
+            stream.signals += 1
+            self._wake_count += 1
+            self.cond.notify_all()
+
         def signal() -> None:
             with self.cond:
-                self._driver_queue.append(stream)
+                self._driver_queue.append(count)
                 self.cond.notify_all()
 
         self._enqueue(stream, "host signal", signal)
+
+    def enqueue_close(self, stream: Any, fd: int) -> bool:
+        def close() -> None:
+            with self.cond:
+                self._driver_queue.append(lambda: os.close(fd))
+                self.cond.notify_all()
+
+        with self.cond:  # checked and enqueued at once: a capture cannot begin between
+            if stream.device.fault is not None:
+                raise stream.device.fault
+            if stream.capture is not None:
+                return False
+            stream.queue.append(("host signal", close))
+            self.cond.notify_all()
+        return True
 
     def wait_signals(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -850,6 +850,21 @@ class CudaBackend(Backend):
         if rc:
             raise error_for(rc, "cuLaunchHostFunc", dev)
 
+    def enqueue_close(self, stream: Any, fd: int) -> bool:
+        dev = self._live(stream)
+        if stream.capture is not None:
+            return False  # a host node would close the fd again at every replay
+        if self._tls.token is not dev.token:
+            self._cur(dev)
+        rc = self._n.launch_host_func(stream.handle, self._n.close_addr, fd)
+        if rc:
+            raise error_for(rc, "cuLaunchHostFunc", dev)
+        return True
+
+    def signal_fired(self, stream: Any) -> None:
+        if self._staging.d2h_pending:
+            self._staging.sweep_all()
+
     def wait_signals(self, timeout: float | None) -> None:
         n = self._n
         g = self._gsem_addr

@@ -5,10 +5,11 @@ operation (event record and wait, stream and event query, host functions,
 stream-ordered alloc/free, graph launch), and necessarily for
 ``cuLaunchHostFunc``: the bindings' wrapper takes the GIL when the host
 function fires (measured: 5 ms stream stalls).  Here the host function is
-libc's own ``sem_post``, called by the driver's thread with no Python
-involved; the dispatcher sleeps in ``sem_timedwait`` (ctypes releases the
-GIL).  A semaphore's memory lives as long as the process: a host function
-may post it after its stream and backend are gone.
+libc's own ``close`` (of a pipe an event loop watches) or ``sem_post`` (of
+the semaphore the dispatcher sleeps on in ``sem_timedwait``; ctypes releases
+the GIL), called by the driver's thread with no Python involved.  A
+semaphore's memory lives as long as the process: a host function may post
+it after its stream and backend are gone.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Native:
 
         libc = ctypes.CDLL(None, use_errno=True)
         self.sem_post_addr: int = ctypes.cast(libc.sem_post, vp).value or 0
+        # a host function of one pointer-sized argument: the fd travels as the pointer
+        self.close_addr: int = ctypes.cast(libc.close, vp).value or 0
         self.sem_init = libc.sem_init
         self.sem_init.argtypes = [vp, ci, ui]
         self.sem_init.restype = ci
