@@ -86,6 +86,35 @@ async def repeat(make: Callable[[], Any], count: int) -> None:
         await make()
 
 
+async def tasks64(op: gf.DeviceOperation[Any]) -> None:
+    async def worker() -> None:
+        for _ in range(100):
+            await op
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(64):
+            tg.start_soon(worker)
+
+
+def count_signals() -> list[int]:
+    """``[pipe signals, counted signals]`` enqueued from now on."""
+    be = get_runtime().backend
+    counts = [0, 0]
+    close, count = be.enqueue_close, be.enqueue_signal
+
+    def closing(raw: Any, fd: int) -> bool:
+        counts[0] += 1
+        return close(raw, fd)
+
+    def counted(raw: Any) -> None:
+        counts[1] += 1
+        count(raw)
+
+    be.enqueue_close = closing  # type: ignore[method-assign, assignment]
+    be.enqueue_signal = counted  # type: ignore[method-assign, assignment]
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("backend", nargs="?", default="auto", choices=["auto", "cuda", "sim"])
@@ -112,13 +141,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {statistics.median(v) * 1e6:.1f} us" for k, v in seg.items()
         ) + f"  ({len(seg['total'])} of {n} samples)", flush=True)
 
-    for what, make, count in (("await", lambda: op, 3000), ("chain", lambda: chain.run(one), 60)):
+    anyio.run(tasks64, op)
+    counts = count_signals()
+    t0 = pc()
+    anyio.run(tasks64, op)
+    dt = pc() - t0
+    print(f"64 tasks x 100 awaits (asyncio): {6400 / dt:.0f} op/s; signals: {counts[0]} pipe, "
+          f"{counts[1]} counted; pool streams: {len(gf.lowlevel.pool_streams(0))}", flush=True)
+    runs: list[tuple[str, Callable[[], Any]]] = [
+        ("await", lambda: anyio.run(repeat, lambda: op, 3000)),
+        ("chain", lambda: anyio.run(repeat, lambda: chain.run(one), 60)),
+        ("64 tasks x 100 awaits", lambda: anyio.run(tasks64, op)),
+    ]
+    for what, go in runs:
         pr = cProfile.Profile()
         pr.enable()
-        anyio.run(repeat, make, count)
+        go()
         pr.disable()
         s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
         print(f"== cProfile, loop thread, {what}\n" + "\n".join(s.getvalue().splitlines()[4:40]))
     return 0
 

@@ -223,15 +223,36 @@ class _Reader:
     read ends of that loop's pipe signals (one registration with the loop,
     however many signals are in flight)."""
 
-    __slots__ = ("epoll", "loop", "signals")
+    __slots__ = ("epoll", "loop", "signals", "spares")
 
     def __init__(self, epoll: Any, loop: Loop) -> None:
         self.epoll = epoll
         self.loop = loop
-        self.signals: dict[int, _FdSignal] = {}
+        self.signals: dict[int, _FdSignal] = {}  # read end -> signal in flight
+        # a pipe made ahead, its read end already in the set (used in the
+        # loop's thread only, until the loop ends)
+        self.spares: list[tuple[int, int]] = []
 
 
 Done = list[tuple[Submission, BaseException | None]]
+
+
+class _Turn(threading.local):
+    """Per thread: how the runs its loop submits share signals.
+
+    A run signals at once unless ``recent`` says that this loop signalled a
+    run that may still be in the current turn (cleared when a signal of the
+    loop fires, or a flush runs: both happen in a later turn).  Then it goes
+    into ``dirty`` and the first such run schedules the flush (``call_soon``)
+    that signals them all at the end of the turn, one signal per stream.  A
+    lone await thus signals at once and schedules nothing."""
+
+    recent: Any = None  # the loop (target) that signalled a run at once
+    loop: Loop | None = None  # its adapter
+    scheduled = False  # a flush is scheduled on that loop
+
+    def __init__(self) -> None:
+        self.dirty: dict[Any, _Lane] = {}  # raw stream -> lane, for the flush
 
 
 class Dispatcher:
@@ -239,10 +260,10 @@ class Dispatcher:
 
     Awaited runs share signals: the first run a loop submits in one turn of
     that loop enqueues its signal at once (a lone await waits for nothing
-    more) and schedules a flush for the end of the turn; runs that the same
-    loop submits before the flush enqueue no signal of their own, the flush
-    enqueues one per stream for all of them.  Sixty-four tasks woken together
-    thus cost a handful of host functions and wake-ups, not 64.
+    more); runs that the same loop submits after it in that turn enqueue no
+    signal of their own, a flush at the end of the turn enqueues one per
+    stream for all of them (:class:`_Turn`).  Sixty-four tasks woken
+    together thus cost a handful of host functions and wake-ups, not 64.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -257,8 +278,7 @@ class Dispatcher:
         self._closed = False
         self._armed = False  # the thread is on its watchdog timer, no wake needed
         self._thread: threading.Thread | None = None
-        # per thread: the loop whose flush is scheduled, and the lanes it will signal
-        self._local = threading.local()
+        self._turn = _Turn()
 
     def submit(self, raw_stream: Any, sub: Submission, loop: Loop | None = None) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is done.
@@ -268,7 +288,7 @@ class Dispatcher:
         end of its turn; whoever submits that way must call :meth:`flush`
         if it stops waiting for ``sub`` before the loop gets there.
         """
-        local = self._local
+        turn = self._turn
         with self._lock:
             lane = self._lanes.get(raw_stream)
             if lane is None:
@@ -283,38 +303,39 @@ class Dispatcher:
                     target=self._run, name="gpuflow-dispatcher", daemon=True
                 )
                 self._thread.start()
-            defer = loop is not None and getattr(local, "flushing", None) is loop.target
+            defer = loop is not None and turn.recent is loop.target
             if defer:
-                local.dirty[raw_stream] = lane
+                turn.dirty[raw_stream] = lane
         if wake:
             self._backend.wake()
         if defer:
+            assert loop is not None
+            if not turn.scheduled:
+                try:
+                    loop.call_soon(self.flush)
+                except RuntimeError:  # the loop is finishing: no end of turn to wait for
+                    self.flush()
+                else:
+                    turn.scheduled = True
             return
+        if turn.dirty:
+            self.flush()  # left by a loop that ended before its flush ran
         self._signal(raw_stream, lane, loop)
         if loop is not None:
-            if getattr(local, "dirty", None):
-                self.flush()  # left by a loop that ended before its flush ran
-            try:
-                loop.call_soon(self.flush)
-            except RuntimeError:  # the loop is finishing: every run signals alone
-                pass
-            else:
-                local.flushing = loop.target
-                local.loop = loop
-                local.dirty = {}
+            turn.recent = loop.target
+            turn.loop = loop
 
     def flush(self) -> None:
         """Enqueue the signals this thread's loop left for the end of its turn.
 
         Never raises: a failure to enqueue fails the device's pending runs."""
-        local = self._local
-        local.flushing = None
-        dirty: dict[Any, _Lane] = getattr(local, "dirty", {})
-        local.dirty = {}
-        loop: Loop | None = getattr(local, "loop", None)
+        turn = self._turn
+        turn.recent = None
+        turn.scheduled = False
+        dirty, turn.dirty = turn.dirty, {}
         for raw, lane in dirty.items():
             try:
-                self._signal(raw, lane, loop)
+                self._signal(raw, lane, turn.loop)
             except DeviceError:
                 pass  # a fault: the device's awaits fail with it
             except BaseException as exc:
@@ -326,13 +347,10 @@ class Dispatcher:
         if a signal already covers it); a failure to enqueue fails the device
         (whose runs can no longer be seen to finish) and is raised."""
         reader = self._reader(loop) if loop is not None else None
-        if reader is not None and self._fd_signals < MAX_FD_SIGNALS:
-            try:
-                r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:  # out of file descriptors: the other kind still works
-                pass
-            else:
-                self._signal_fd(raw, lane, reader, r, w)
+        if reader is not None:
+            pipe = reader.spares.pop() if reader.spares else self._new_pipe(reader)
+            if pipe is not None:
+                self._signal_fd(raw, lane, reader, *pipe)
                 return
         with self._lock:
             if self._lanes.get(raw) is not lane:
@@ -347,20 +365,30 @@ class Dispatcher:
             self.fail_device(lane.device, exc)
             raise
 
+    def _new_pipe(self, reader: _Reader) -> tuple[int, int] | None:
+        """A pipe whose read end is in ``reader``'s epoll set; None past the
+        limit or out of file descriptors (then the other kind of signal)."""
+        if self._fd_signals >= MAX_FD_SIGNALS:
+            return None
+        try:
+            r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        reader.epoll.register(r, select.EPOLLIN)  # readable once w is closed, not before
+        return r, w
+
     def _signal_fd(self, raw: Any, lane: _Lane, reader: _Reader, r: int, w: int) -> None:
         """Mark ``lane`` with a pipe signal (a counted one where the stream
         cannot take a pipe signal)."""
         with self._lock:
             m = lane.mark() if self._lanes.get(raw) is lane else None
             if m is None:
-                os.close(r)
-                os.close(w)
-                return  # nothing to signal
+                reader.spares.append((r, w))  # nothing to signal: keep it for the next
+                return
             sig = _FdSignal(r, lane, m, raw)
             reader.signals[r] = sig
             lane.outstanding += 1
             self._fd_signals += 1
-            reader.epoll.register(r, select.EPOLLIN)
         error: BaseException | None = None
         try:
             enqueued: bool | None = self._backend.enqueue_close(raw, w)
@@ -368,11 +396,18 @@ class Dispatcher:
             enqueued = None
             error = exc
         if enqueued:
+            # the next signal's pipe, made while the GPU works (never on the
+            # path from a submit to its signal's enqueue)
+            if not reader.spares:
+                pipe = self._new_pipe(reader)
+                if pipe is not None:
+                    reader.spares.append(pipe)
             return
         # nothing was enqueued: both ends are ours to close
         with self._lock:
             del reader.signals[r]
-            self._close_signal(sig)
+            self._drop_signal(sig)
+            os.close(r)
             os.close(w)
             # the stream cannot take a pipe signal: count one instead (a
             # count with no mark behind it would complete a later lane early)
@@ -416,25 +451,32 @@ class Dispatcher:
                 events = reader.epoll.poll(0)
             except (OSError, ValueError):  # closed after its loop ended
                 return
+            turn = self._turn
+            if not turn.scheduled:
+                turn.recent = None  # a new turn: the next run signals at once
             done: Done = []
             streams: dict[Any, int] = {}
+            handled: list[int] = []
             now = time.monotonic()
             with self._lock:
                 for fd, _ in events:
                     sig = reader.signals.pop(fd, None)
                     if sig is None:
                         continue  # failed with its device meanwhile
-                    self._close_signal(sig)
+                    self._drop_signal(sig)
+                    handled.append(fd)
                     if not sig.taken:
                         self._take(sig, now, done, streams)
             if done:
                 self._complete(done, streams, reader.loop.target)
+            for fd in handled:  # after the wake-ups: off the path to the task
+                os.close(fd)  # also leaves the epoll set
         except BaseException as exc:
             warnings.warn(f"gpuflow: completing runs in the loop failed: {exc!r}", stacklevel=1)
 
-    def _close_signal(self, sig: _FdSignal) -> None:
-        """Close a handled signal's read end (under the lock); retire its lane."""
-        os.close(sig.fd)  # also leaves the epoll set
+    def _drop_signal(self, sig: _FdSignal) -> None:
+        """Forget a handled signal (under the lock; the caller closes its read
+        end, after which its number may be reused); retire its lane."""
         self._fd_signals -= 1
         lane = sig.lane
         lane.outstanding -= 1
@@ -492,7 +534,8 @@ class Dispatcher:
                 if reader is None:
                     continue
                 for fd in [fd for fd, s in reader.signals.items() if s.lane.device == device]:
-                    self._close_signal(reader.signals.pop(fd))
+                    self._drop_signal(reader.signals.pop(fd))
+                    os.close(fd)
         self._deliver(done)
 
     def close(self) -> None:
@@ -601,7 +644,8 @@ class Dispatcher:
                             continue
                         if ended:  # nobody else will: close it here
                             del reader.signals[sig.fd]
-                            self._close_signal(sig)
+                            self._drop_signal(sig)
+                            os.close(sig.fd)
                         elif not sig.seen:
                             sig.seen = True  # the loop may get to it: give it a tick
                             continue
@@ -609,6 +653,10 @@ class Dispatcher:
                             self._take(sig, now, done, streams)
                 if ended and not reader.signals:
                     del self._readers[target]
+                    for r, w in reader.spares:  # never enqueued: both ends are ours
+                        os.close(r)
+                        os.close(w)
+                    reader.spares.clear()
                     reader.epoll.close()
         if done:
             self._complete(done, streams)
