@@ -108,6 +108,29 @@ async def test_the_gpu_wakes_the_loop_with_no_post_from_another_thread(
     assert set(seen_on) == {threading.get_ident()}  # completed in the loop's own thread
 
 
+@pytest.mark.anyio
+async def test_a_signal_completes_only_the_runs_submitted_before_it() -> None:
+    # on one stream: a short run, then (its signal already enqueued) a long
+    # one; the short run's signal must not complete the long one
+    one = gf.SingleStream()
+    x = await gf.zeros(64, F32)
+    y = await gf.zeros(64, F32)
+    backend = get_runtime().backend
+    idle_after: dict[str, bool] = {}
+
+    async def run(name: str, op: gf.DeviceOperation[Any]) -> None:
+        await op.run(one)
+        idle_after[name] = backend.query(one.stream.raw)  # its work is the stream's last
+
+    with anyio.fail_after(5):  # the long run waits for a flush: one must come
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "short", K.slow_fill(x, 1.0, 0.02))
+            await anyio.sleep(0.005)  # submitted by now, and still running
+            await run("long", K.slow_fill(y, 2.0, 0.2))
+    assert idle_after == {"short": False, "long": True}
+    np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
+
+
 @needs_proc
 @pytest.mark.anyio
 async def test_awaits_leave_no_file_descriptor_open() -> None:
