@@ -68,9 +68,10 @@ class StreamPoolLeastLoaded:
     What is pending is read from the completion dispatcher without a lock: a
     race with a completion makes a choice slightly stale, never wrong (any
     stream is correct; only latency differs).  Completions are seen by the
-    dispatcher thread, which may wait for the GIL for one switch interval
-    (5 ms) or more while other threads run Python: ``stall_s`` (20 ms by
-    default) stays well above that, so short work never looks stalled.
+    awaiting loop's thread or the dispatcher thread, either of which may be
+    busy (a loop running other tasks) or wait for the GIL for one switch
+    interval (5 ms) or more: ``stall_s`` (20 ms by default) stays well above
+    that, so short work never looks stalled.
     """
 
     __slots__ = ("_counter", "_max", "_stall")

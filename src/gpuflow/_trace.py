@@ -33,7 +33,7 @@ What a trace holds:
   where the task stopped waiting first.
 
 Recording is thread-safe: runs start on any thread, completions arrive on
-the dispatcher's.
+the awaiting loop's thread or the dispatcher's.
 """
 
 from __future__ import annotations
