@@ -695,3 +695,26 @@ def test_a_sticky_fault_then_a_reset() -> None:
     np.testing.assert_array_equal(to_host(be, buf, np.int32, n, s2), np.arange(0, 2 * n, 2))
     be.free(buf, s2)
     be.destroy_stream(s2)
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "32"), ("4", "4")])
+def test_streams_get_32_hardware_queues_unless_the_user_chose(
+    given: str | None, expected: str
+) -> None:
+    # read by the driver when the context is made: checked in a fresh process
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    if given is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = given
+    code = (
+        "import os, gpuflow as gf; gf.init_device_contexts(backend='cuda'); "
+        "print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [expected]

@@ -61,9 +61,9 @@ class StreamPoolLeastLoaded:
     no larger than ``streams_per_device`` turns growth off.  Many short runs
     with nothing stalled never grow the pool (they share completion signals
     per stream, which more streams would split).  On CUDA, streams beyond
-    the driver's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``: 8 unless
-    set, at most 32) share queues, where long work can still hold up
-    unrelated work.
+    the driver's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which
+    gpuflow sets to 32 unless the user set it) share queues, where long work
+    can still hold up unrelated work.
 
     What is pending is read from the completion dispatcher without a lock: a
     race with a completion makes a choice slightly stale, never wrong (any
