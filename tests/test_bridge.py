@@ -346,6 +346,27 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same() -> N
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 3.0, F32))
 
 
+def test_a_stream_with_only_a_signal_left_in_flight_counts_as_idle() -> None:
+    # a stopped loop's run completed by the watchdog leaves its signal's read
+    # end (and so the stream's lane) until the loop runs again: the default
+    # policy must still see the stream as idle, not as stalled
+    dispatcher = get_runtime().dispatcher
+    pool = gf.lowlevel.pool_streams()
+    x = gf.zeros(16, F32).sync()
+    sub = Submission(0)
+    stopped = _DroppingLoop(watches=True)
+    dispatcher.submit(pool[0].raw, sub, stopped)
+    _wait_done(sub)
+    assert pool[0].raw in dispatcher.lanes  # the signal's read end waits for its loop
+    for s in pool[1:]:
+        K.slow_fill(x, 1.0, 0.5).enqueue_on(s)
+    policy = gf.StreamPoolLeastLoaded()
+    time.sleep(policy.stall_s * 3)  # every busy stream stalls
+    assert {policy.next_stream(0) for _ in pool} == {pool[0]}
+    assert gf.lowlevel.pool_streams() == pool  # nothing stalled needed a new stream
+    stopped.ended = True  # the watchdog closes what it left
+
+
 def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None:
     # the stream is destroyed (its finalizer) while the dispatcher's watchdog
     # may be querying it

@@ -467,10 +467,14 @@ class Dispatcher:
                     handled.append(fd)
                     if not sig.taken:
                         self._take(sig, now, done, streams)
-            if done:
-                self._complete(done, streams, reader.loop.target)
-            for fd in handled:  # after the wake-ups: off the path to the task
-                os.close(fd)  # also leaves the epoll set
+            try:
+                if done:
+                    self._complete(done, streams, reader.loop.target)
+            finally:
+                # after the wake-ups (off the path to the task), and always: a
+                # read end left open would keep the loop's reader ready forever
+                for fd in handled:
+                    os.close(fd)  # also leaves the epoll set
         except BaseException as exc:
             warnings.warn(f"gpuflow: completing runs in the loop failed: {exc!r}", stacklevel=1)
 

@@ -110,7 +110,7 @@ class StreamPoolLeastLoaded:
         best_since = oldest = math.inf
         for s in streams[start:] + streams[:start] if start else streams:
             lane = lanes.get(s._raw)
-            if lane is None:
+            if lane is None or not lane.subs:  # no lane, or only signals left in flight
                 if not s._syncs:
                     return s  # idle
                 pending, since = s._syncs, math.inf
@@ -143,7 +143,7 @@ def _least_loaded_moving(
     least = 0
     for s in streams[start:] + streams[:start]:
         lane = lanes.get(s._raw)
-        if lane is None:
+        if lane is None or not lane.subs:
             if not s._syncs:
                 return s
             pending = s._syncs

@@ -178,9 +178,9 @@ MUTATIONS = [
         "B3",
         "a handled signal's read end is never closed (a descriptor leak)",
         "_bridge.py",
-        "            for fd in handled:  # after the wake-ups: off the path to the task\n"
-        "                os.close(fd)  # also leaves the epoll set\n",
-        "            pass\n",
+        "                for fd in handled:\n"
+        "                    os.close(fd)  # also leaves the epoll set\n",
+        "                pass\n",
         ("tests/test_bridge.py",),
     ),
     Mutation(
@@ -204,7 +204,7 @@ MUTATIONS = [
         "M15",
         "the default policy deals streams whatever is pending on them (round robin)",
         "_policy.py",
-        "            if lane is None:\n"
+        "            if lane is None or not lane.subs:  # no lane, or only signals left in flight\n"
         "                if not s._syncs:\n"
         "                    return s  # idle\n",
         "            if True:\n"
