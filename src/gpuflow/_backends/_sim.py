@@ -416,16 +416,21 @@ class SimBackend(Backend):
             )
         return SimView(buf, ptr - buf.ptr, nbytes)
 
-    def _enqueue(self, stream: SimStream, what: str, item: Item) -> None:
+    def _enqueue(self, stream: SimStream, what: str, item: Item, capturable: bool = True) -> bool:
+        """Enqueue ``item`` (or record it into the stream's capture); False,
+        with nothing enqueued, for an item that must not be captured."""
         with self.cond:
             fault = stream.device.fault
             if fault is not None:
                 raise fault
             if stream.capture is not None:
+                if not capturable:
+                    return False
                 stream.capture.items.append((what, item))
-                return
+                return True
             stream.queue.append((what, item))
             self.cond.notify_all()
+            return True
 
     def synchronize(self, stream: Any) -> None:
         with self.cond:
@@ -635,33 +640,30 @@ class SimBackend(Backend):
         self._enqueue(stream, f"kernel {kernel.name!r}", run)
 
     # -- completion signals ---------------------------------------------------
+    def _host_signal(self, deliver: Callable[[], None]) -> Item:
+        """The stream item of a host signal: it hands ``deliver`` to the
+        driver thread, which runs it (under ``cond``), never the stream."""
+
+        def signal() -> None:
+            with self.cond:
+                self._driver_queue.append(deliver)
+                self.cond.notify_all()
+
+        return signal
+
     def enqueue_signal(self, stream: Any) -> None:
         def count() -> None:
             stream.signals += 1
             self._wake_count += 1
             self.cond.notify_all()
 
-        def signal() -> None:
-            with self.cond:
-                self._driver_queue.append(count)
-                self.cond.notify_all()
-
-        self._enqueue(stream, "host signal", signal)
+        self._enqueue(stream, "host signal", self._host_signal(count))
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
-        def close() -> None:
-            with self.cond:
-                self._driver_queue.append(lambda: os.close(fd))
-                self.cond.notify_all()
-
-        with self.cond:  # checked and enqueued at once: a capture cannot begin between
-            if stream.device.fault is not None:
-                raise stream.device.fault
-            if stream.capture is not None:
-                return False
-            stream.queue.append(("host signal", close))
-            self.cond.notify_all()
-        return True
+        # a captured close would run again at every replay
+        return self._enqueue(
+            stream, "host signal", self._host_signal(lambda: os.close(fd)), capturable=False
+        )
 
     def wait_signals(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
