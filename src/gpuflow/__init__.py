@@ -19,7 +19,14 @@ from ._array import full as full
 from ._array import ones as ones
 from ._array import to_host as to_host
 from ._array import zeros as zeros
+from ._comm import Communicator as Communicator
+from ._comm import RankInfo as RankInfo
+from ._comm import bootstrap_mpi as bootstrap_mpi
+from ._comm import new_unique_id as new_unique_id
+from ._comm import open_communicator as open_communicator
+from ._comm import spawn_ranks as spawn_ranks
 from ._context import ExecutionContext as ExecutionContext
+from ._errors import CommunicatorError as CommunicatorError
 from ._errors import CompileError as CompileError
 from ._errors import DeviceError as DeviceError
 from ._errors import DeviceFaultError as DeviceFaultError

@@ -39,8 +39,9 @@ import select
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -65,6 +66,23 @@ Poster = Callable[[Callable[[], object]], object]
 Waiter = tuple[Any, Poster, Callable[[], object]]
 
 
+class Communicating(Protocol):
+    """A communicator, as the bridge sees it (:class:`gpuflow.Communicator`)."""
+
+    @property
+    def busy(self) -> bool:
+        """Collectives of it are in flight."""
+
+    def failure(self) -> BaseException | None:
+        """Why the runs that used it fail, once it was aborted."""
+
+    def poll(self) -> None:
+        """Ask the backend for its asynchronous error; abort on one."""
+
+    def abort(self, reason: str) -> None:
+        """Make its collectives in flight return (and fail)."""
+
+
 #: Makes "done" and "take the callbacks" one step against add_done_callback.
 _callbacks_lock = threading.Lock()
 
@@ -77,10 +95,13 @@ class Submission:
     never earlier, whatever happens to the task that started the run.
     """
 
-    __slots__ = ("device", "done", "error", "keep", "on_done", "waiters")
+    __slots__ = ("comms", "device", "done", "error", "keep", "on_done", "waiters")
 
     def __init__(self, device: int) -> None:
         self.device = device
+        #: the communicators whose collectives the run enqueued: a run that
+        #: one of them aborted before it was seen done failed
+        self.comms: list[Communicating] | None = None
         self.keep: list[object] = []
         self.done = False
         self.error: BaseException | None = None
@@ -101,6 +122,11 @@ class Submission:
         fn(self.error)
 
     def _finish(self, error: BaseException | None) -> list[Waiter]:
+        if error is None and self.comms is not None:
+            for comm in self.comms:
+                error = comm.failure()
+                if error is not None:
+                    break
         self.error = error
         self.keep = []
         with _callbacks_lock:  # a callback added meanwhile runs once, here or there
@@ -279,6 +305,8 @@ class Dispatcher:
         self._armed = False  # the thread is on its watchdog timer, no wake needed
         self._thread: threading.Thread | None = None
         self._turn = _Turn()
+        #: communicators whose async errors the watchdog asks for while busy
+        self._comms: weakref.WeakSet[Communicating] = weakref.WeakSet()
 
     def submit(self, raw_stream: Any, sub: Submission, loop: Loop | None = None) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is done.
@@ -324,6 +352,26 @@ class Dispatcher:
         if loop is not None:
             turn.recent = loop.target
             turn.loop = loop
+
+    def watch_communicator(self, comm: Communicating) -> None:
+        """Ask ``comm`` for its asynchronous error at every watchdog tick while
+        it is busy: a collective whose peer failed never ends by itself, and
+        NCCL reports that only when asked.  Any thread."""
+        with self._lock:
+            self._comms.add(comm)
+            wake = not self._armed
+            self._armed = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="gpuflow-dispatcher", daemon=True
+                )
+                self._thread.start()
+        if wake:
+            self._backend.wake()
+
+    def _busy(self) -> bool:
+        """Work is in flight (under the lock)."""
+        return bool(self._pending or self._fd_signals or any(c.busy for c in self._comms))
 
     def flush(self) -> None:
         """Enqueue the signals this thread's loop left for the end of its turn.
@@ -582,7 +630,7 @@ class Dispatcher:
         idle_since: float | None = None
         while True:
             with self._lock:
-                busy = self._pending or self._fd_signals
+                busy = self._busy()
                 if self._closed and not self._pending:
                     return
                 if busy:
@@ -613,15 +661,21 @@ class Dispatcher:
                         idle.append(raw)
                 for raw in idle:
                     del self._lanes[raw]
-                busy = self._pending or self._fd_signals
+                busy = self._busy()
                 check = busy and now - last_check >= WATCHDOG_S
                 suspects = [(r, lane.device) for r, lane in self._lanes.items()] if check else []
+                comms = [c for c in self._comms if c.busy] if check else []
             if done:
                 self._deliver(self._confirm(done, list(signalled.items())))
             if check:
                 last_check = time.monotonic()
                 self._watch(suspects)
                 self._reap()
+                for comm in comms:
+                    try:
+                        comm.poll()
+                    except Exception as exc:  # never kills the dispatcher
+                        warnings.warn(f"gpuflow: watching {comm!r} failed: {exc!r}", stacklevel=1)
 
     def _reap(self) -> None:
         """Complete pipe signals that fired but that their loop has not

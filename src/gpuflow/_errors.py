@@ -71,6 +71,28 @@ class LaunchError(DeviceError):
     """A kernel could not be launched (bad configuration, too many resources)."""
 
 
+class CommunicatorError(DeviceError):
+    """A communicator failed: NCCL reported an error (its ``ncclResult_t`` code
+    and name), a peer left, or the communicator was aborted.
+
+    Every run pending on the communicator fails with it, and later
+    collectives on it fail at once: an aborted communicator is not usable
+    again.  ``rank`` is the rank that reports it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        name: str | None = None,
+        device: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code, name=name, device=device)
+        self.rank = rank
+
+
 class CompileError(GpuflowError):
     """NVRTC rejected the source.  ``log`` holds the compiler's log."""
 

@@ -17,6 +17,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
 import anyio.lowlevel
 
 from . import _trace
@@ -45,6 +46,13 @@ class Scope(Protocol):
 
 #: The scopes the current task runs in, innermost last.
 current_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("gpuflow_scopes", default=())
+
+
+def ended_by(exc: BaseException) -> str:
+    """How a wait ended, for a message: "was cancelled", or what it raised."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "was cancelled"
+    return f"ended by {exc!r}"
 
 
 def _refuse_blocking(what: str) -> None:
@@ -189,6 +197,8 @@ def _sync_run(
         stream.synchronize()
     finally:
         sub._finish(None)
+    if sub.error is not None:  # a communicator aborted under the run
+        raise sub.error
     return resolve(out)
 
 
@@ -245,6 +255,10 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         # cancelled before the loop's flush: the signal must not wait for a
         # loop turn that may never come
         dispatcher.flush()
+        if sub.comms is not None and not sub.done:
+            # a collective left behind may wait for its peers for ever: abort
+            for comm in sub.comms:
+                comm.abort(f"the await of {op!r} {ended_by(exc)} before its collectives did")
         raise
     if traced is not None:
         traced.ended(None)

@@ -21,7 +21,7 @@ import anyio.lowlevel
 from ._bridge import Submission, post
 from ._errors import UsageError
 from ._loops import current_loop
-from ._run import current_scopes
+from ._run import current_scopes, ended_by
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
 
@@ -43,7 +43,27 @@ class _Tracked:
         subs.append(sub)
 
     async def drain(self) -> None:
-        """Wait, shielded from cancellation, until every tracked run is done."""
+        """Wait until every tracked run is done: shielded from cancellation,
+        except for runs with collectives, which may wait for a peer for ever:
+        a cancellation of the wait for one aborts its communicators (their
+        collectives then return), and the wait goes on shielded."""
+        try:
+            for sub in [s for s in self._subs if s.comms is not None]:
+                if not sub.done:
+                    try:
+                        await sub.wait()
+                    except Exception:
+                        pass  # the run's own awaiter reports its failure
+        except BaseException as exc:
+            for sub in self._subs:
+                if sub.comms is not None and not sub.done:
+                    for comm in sub.comms:
+                        comm.abort(f"a scope's wait for its collectives {ended_by(exc)}")
+            await self._drain_shielded()
+            raise
+        await self._drain_shielded()
+
+    async def _drain_shielded(self) -> None:
         with anyio.CancelScope(shield=True):
             while self._subs:
                 sub = self._subs.pop()
@@ -51,7 +71,7 @@ class _Tracked:
                     try:
                         await sub.wait()
                     except Exception:
-                        pass  # the run's own awaiter reports its failure
+                        pass
 
     def pending(self) -> int:
         return sum(not s.done for s in self._subs)

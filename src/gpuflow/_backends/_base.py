@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from .._errors import DeviceFaultError, UsageError
+from .._errors import CommunicatorError, DeviceFaultError, UsageError
 
 
 class RawBuffer(Protocol):
@@ -69,6 +69,49 @@ class PointerArg:
 
 
 KernelArg = PointerArg | np.generic
+
+#: The reductions a communicator knows, by NCCL's ``ncclRedOp_t`` order.
+REDUCTIONS = ("sum", "prod", "max", "min", "avg")
+
+#: The element types NCCL moves and reduces (bfloat16 and fp8 have no NumPy dtype).
+COMM_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        "int8",
+        "uint8",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCall:
+    """One rank's part of a collective or point-to-point transfer, as NCCL takes it.
+
+    ``kind`` is ``"all_reduce"``, ``"broadcast"``, ``"all_gather"``,
+    ``"reduce_scatter"``, ``"send"`` or ``"recv"``.  ``count`` is in
+    elements of ``dtype`` as NCCL counts them: what each rank sends for
+    ``all_gather``, what each rank receives for ``reduce_scatter``, the
+    whole buffer otherwise.  ``send`` is None for ``recv`` (and where the
+    rank's send buffer is never read: a broadcast's non-root), ``recv`` None
+    for ``send``; both may be the same buffer (in place).  ``op`` is one of
+    :data:`REDUCTIONS` for the reductions; ``peer`` the root of a broadcast,
+    the other rank of a send or recv.
+    """
+
+    kind: str
+    send: RawBuffer | None
+    recv: RawBuffer | None
+    count: int
+    dtype: np.dtype[Any]
+    op: str | None = None
+    peer: int | None = None
 
 
 class DeviceDescription(NamedTuple):
@@ -267,6 +310,44 @@ class Backend(abc.ABC):
         deliver what must precede the completion of the work before it (on
         CUDA, staged device-to-host copies).  Never raises."""
         return None
+
+    # -- communicators (NCCL's model) ------------------------------------------
+    def _no_comms(self) -> UsageError:
+        return UsageError(f"the {self.name} backend has no communicators")
+
+    def comm_unique_id(self) -> bytes:
+        """A new id for the ranks of one communicator to meet by (made by one
+        rank, handed to the others by the caller)."""
+        raise self._no_comms()
+
+    def comm_init(
+        self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
+    ) -> list[Any]:
+        """The raw communicators of this process's ranks: ``ranks[i]`` on
+        ``devices[i]``, of ``nranks`` in all.  ``unique_id`` None: the devices
+        are every rank (one process).  Blocks until every rank has joined;
+        a :class:`UsageError` for an id the backend did not make."""
+        raise self._no_comms()
+
+    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
+        """Enqueue ``(comm, call, stream)`` calls as one group (NCCL's
+        ``ncclGroupStart``/``End``): the parts of one collective on several
+        devices of this process, or a send and the recv that matches it.
+        :class:`CommunicatorError` where NCCL refuses them."""
+        raise self._no_comms()
+
+    def comm_async_error(self, comm: Any) -> CommunicatorError | None:
+        """The error the communicator reported since (a peer left, NCCL failed),
+        if any.  Never blocks, never raises."""
+        return None
+
+    def comm_abort(self, comm: Any) -> None:  # noqa: B027 - no communicators, nothing to do
+        """Stop the communicator's work in flight (its kernels return) and
+        release it; its collectives still queued return at once when reached.
+        Never raises (warns)."""
+
+    def comm_destroy(self, comm: Any) -> None:  # noqa: B027
+        """Release a communicator whose work is done.  Never raises (warns)."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

@@ -100,3 +100,23 @@ def error_class(code: int, *, launch: bool = False) -> type[DeviceError]:
     if launch and code in LAUNCH_ERRORS:
         return LaunchError
     return DeviceError
+
+
+# -- NCCL's result codes (``ncclResult_t``), for communicator errors ---------------
+NCCL_SYSTEM_ERROR: Final = 2
+NCCL_INTERNAL_ERROR: Final = 3
+NCCL_INVALID_ARGUMENT: Final = 4
+NCCL_INVALID_USAGE: Final = 5
+NCCL_REMOTE_ERROR: Final = 6
+
+#: NCCL's own names of the codes above (and of those gpuflow only passes on).
+NCCL_NAMES: Final[dict[int, str]] = {
+    0: "ncclSuccess",
+    1: "ncclUnhandledCudaError",
+    NCCL_SYSTEM_ERROR: "ncclSystemError",
+    NCCL_INTERNAL_ERROR: "ncclInternalError",
+    NCCL_INVALID_ARGUMENT: "ncclInvalidArgument",
+    NCCL_INVALID_USAGE: "ncclInvalidUsage",
+    NCCL_REMOTE_ERROR: "ncclRemoteError",
+    7: "ncclInProgress",
+}

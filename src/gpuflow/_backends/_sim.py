@@ -24,6 +24,10 @@ CI, with the real concurrency of the real thing:
   records and waits are its edges;
 * on request, each stream keeps a record of the items it runs, with their
   times (:meth:`SimBackend.start_activity_record`);
+* communicators follow NCCL's model across simulated devices and across
+  processes of one host (:mod:`._simcomm`): a collective holds its stream
+  until every rank has arrived, a missing peer is a hang that only an abort
+  ends, and a peer that leaves is NCCL's asynchronous remote error;
 * streams have handles and buffers have device addresses that other
   libraries' protocols carry (``__cuda_stream__``, DLPack,
   ``__cuda_array_interface__``): a handle maps back to its stream, and an
@@ -51,6 +55,7 @@ from .._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageErro
 from ._base import (
     Activity,
     Backend,
+    CollectiveCall,
     DeviceDescription,
     KernelArg,
     ModuleSource,
@@ -63,6 +68,7 @@ from ._codes import (
     CUDA_ERROR_OUT_OF_MEMORY,
     NAMES,
 )
+from ._simcomm import SimComms, new_unique_id
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
@@ -255,6 +261,7 @@ class SimBackend(Backend):
         self._stream_serials = itertools.count()
         # the open activity records; empty (and free to check) when none is
         self._records: tuple[list[Activity], ...] = ()
+        self._comms = SimComms(self)
         self._driver = threading.Thread(target=self._drive, name="gpuflow-sim-driver", daemon=True)
         self._driver.start()
 
@@ -685,6 +692,27 @@ class SimBackend(Backend):
         with self.cond:
             self._wake_count += 1
             self.cond.notify_all()
+
+    # -- communicators -------------------------------------------------------------
+    def comm_unique_id(self) -> bytes:
+        return new_unique_id()
+
+    def comm_init(
+        self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
+    ) -> list[Any]:
+        return self._comms.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+
+    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
+        self._comms.group(calls)
+
+    def comm_async_error(self, comm: Any) -> Any:
+        return comm.error
+
+    def comm_abort(self, comm: Any) -> None:
+        self._comms.abort(comm)
+
+    def comm_destroy(self, comm: Any) -> None:
+        self._comms.destroy(comm)
 
     # -- graphs ----------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:

@@ -37,7 +37,14 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
-from .._base import Backend, DeviceDescription, KernelArg, ModuleSource, PointerArg
+from .._base import (
+    Backend,
+    CollectiveCall,
+    DeviceDescription,
+    KernelArg,
+    ModuleSource,
+    PointerArg,
+)
 from .._codes import (
     CONTEXT_ERRORS,
     CUDA_ERROR_INVALID_VALUE,
@@ -75,6 +82,7 @@ from ._kernels import (
     plan,
 )
 from ._native import Native, Timespec
+from ._nccl import NcclComms
 from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending, Staging
 
 _STREAM_NON_BLOCKING = 1
@@ -117,6 +125,7 @@ class CudaBackend(Backend):
             )
         self._n = Native()
         self._tls = ThreadState()
+        self._nccl = NcclComms(self)
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
         # Loaded modules stay loaded while the backend lives: cuModuleUnload
         # waits until the device is idle, and a finalizer calling it would
@@ -937,6 +946,29 @@ class CudaBackend(Backend):
 
     def wake(self) -> None:
         self._n.sem_post(self._gsem_addr)
+
+    # -- communicators: NCCL (._nccl) ---------------------------------------------------
+    def comm_unique_id(self) -> bytes:
+        return self._nccl.unique_id()
+
+    def comm_init(
+        self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
+    ) -> list[Any]:
+        return self._nccl.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+
+    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
+        for _comm, _call, stream in calls:
+            self._live(stream)
+        self._nccl.group(calls)
+
+    def comm_async_error(self, comm: Any) -> Any:
+        return self._nccl.async_error(comm)
+
+    def comm_abort(self, comm: Any) -> None:
+        self._nccl.abort(comm)
+
+    def comm_destroy(self, comm: Any) -> None:
+        self._nccl.destroy(comm)
 
     # -- graphs -------------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:

@@ -1,0 +1,231 @@
+"""Communicators of the ``cuda`` backend: NCCL, through nccl4py's bindings.
+
+nccl4py (``pip install 'gpuflow[nccl]'``) is imported on first use, so the
+rest of the backend works without it.  Collectives are issued through its
+low-level bindings with raw pointers and gpuflow's own stream handle: its
+high-level calls would resolve every buffer again, and default to the legacy
+stream, and order nothing (gpuflow's hazard tracking orders the buffers
+before the call).  NCCL uses the runtime's current device: the device's
+primary context (the one gpuflow uses) is made current before each call,
+and gpuflow's per-thread cache of the current context is forgotten after
+it, since NCCL may have moved it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..._errors import CommunicatorError, UsageError
+from .._base import CollectiveCall
+from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES
+
+if TYPE_CHECKING:
+    from ._backend import CudaBackend
+    from ._handles import Dev
+
+_IN_PROGRESS = 7
+
+
+def _modules() -> tuple[Any, Any]:
+    try:
+        import nccl.core as core
+        from nccl.bindings import nccl as bindings
+    except ImportError as exc:
+        raise UsageError(
+            "communicators on the cuda backend need NCCL's Python bindings: "
+            f"pip install 'gpuflow[nccl]' ({exc})"
+        ) from exc
+    return core, bindings
+
+
+class NcclComm:
+    """One rank's NCCL communicator on one device."""
+
+    __slots__ = ("comm", "dev", "lock", "nranks", "rank")
+
+    def __init__(self, comm: Any, dev: Dev, rank: int, nranks: int) -> None:
+        self.comm = comm  # nccl.core.Communicator
+        self.dev = dev
+        self.rank = rank
+        self.nranks = nranks
+        #: NCCL's calls on one communicator must not overlap (abort from the
+        #: watchdog against an enqueue from a task, say)
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<NCCL communicator rank {self.rank} of {self.nranks} on device {self.dev.index}>"
+
+
+def _error(exc: BaseException, what: str, comm: NcclComm | None) -> CommunicatorError:
+    code = getattr(exc, "status", None)
+    code = int(code) if code is not None else None
+    return CommunicatorError(
+        f"{what} failed: {exc}",
+        code=code,
+        name=NCCL_NAMES.get(code) if code is not None else None,
+        device=None if comm is None else comm.dev.index,
+        rank=None if comm is None else comm.rank,
+    )
+
+
+class NcclComms:
+    """What :class:`CudaBackend` does for communicators (kept apart from it)."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self._be = backend
+        self._types: dict[np.dtype[Any], int] | None = None
+        self._ops: dict[str, int] = {}
+
+    def _tables(self) -> tuple[Any, dict[np.dtype[Any], int], dict[str, int]]:
+        core, b = _modules()
+        if self._types is None:
+            self._ops = {
+                "sum": int(core.SUM), "prod": int(core.PROD), "max": int(core.MAX),
+                "min": int(core.MIN), "avg": int(core.AVG),
+            }  # fmt: skip
+            self._types = {
+                np.dtype(name): int(getattr(core, name.upper()))
+                for name in ("int8", "uint8", "int32", "uint32", "int64", "uint64",
+                             "float16", "float32", "float64")
+            }  # fmt: skip
+        return b, self._types, self._ops
+
+    def _current(self, dev: Dev) -> None:
+        self._be._force_cur(dev)
+
+    def _forget_current(self) -> None:
+        self._be._tls.token = None
+
+    def unique_id(self) -> bytes:
+        core, _ = _modules()
+        return bytes(core.get_unique_id())
+
+    def init(
+        self, devs: Sequence[Dev], ranks: Sequence[int], nranks: int, unique_id: bytes | None
+    ) -> list[NcclComm]:
+        core, _ = _modules()
+        try:
+            if unique_id is None:
+                comms = core.Communicator.init_all([d.index for d in devs])
+            else:
+                if not isinstance(unique_id, bytes) or len(unique_id) != 128:
+                    raise UsageError(
+                        f"unique id {unique_id[:16]!r}... is not an NCCL id (128 bytes from "
+                        "gf.new_unique_id() under the cuda backend)"
+                    )
+                self._current(devs[0])
+                comms = [
+                    core.Communicator.init(nranks, ranks[0], core.UniqueId.from_bytes(unique_id))
+                ]
+        except UsageError:
+            raise
+        except Exception as exc:
+            raise _error(exc, "creating the NCCL communicator", None) from exc
+        finally:
+            self._forget_current()
+        return [NcclComm(c, d, r, nranks) for c, d, r in zip(comms, devs, ranks, strict=True)]
+
+    def group(self, calls: Sequence[tuple[NcclComm, CollectiveCall, Any]]) -> None:
+        b, types, ops = self._tables()
+        held: list[threading.Lock] = []
+        try:
+            for comm, _, _ in calls:
+                if comm.lock not in held:
+                    comm.lock.acquire()
+                    held.append(comm.lock)
+            for comm, _, _ in calls:
+                if not comm.comm.is_valid:
+                    raise CommunicatorError(
+                        f"{comm!r} was aborted or destroyed",
+                        code=NCCL_INVALID_USAGE,
+                        name=NCCL_NAMES[NCCL_INVALID_USAGE],
+                        device=comm.dev.index,
+                        rank=comm.rank,
+                    )
+            self._current(calls[0][0].dev)
+            b.group_start()
+            try:
+                for comm, call, stream in calls:
+                    self._issue(b, types, ops, comm, call, int(stream.handle))
+            finally:
+                b.group_end()
+        except CommunicatorError:
+            raise
+        except Exception as exc:
+            raise _error(exc, f"enqueueing {calls[0][1].kind}", calls[0][0]) from exc
+        finally:
+            self._forget_current()
+            for lock in held:
+                lock.release()
+
+    @staticmethod
+    def _issue(
+        b: Any,
+        types: dict[np.dtype[Any], int],
+        ops: dict[str, int],
+        comm: NcclComm,
+        call: CollectiveCall,
+        stream: int,
+    ) -> None:
+        c = comm.comm._comm
+        t = types[call.dtype]
+        recv = 0 if call.recv is None else call.recv.ptr
+        send = recv if call.send is None else call.send.ptr
+        kind = call.kind
+        if kind == "all_reduce":
+            b.all_reduce(send, recv, call.count, t, ops[call.op or "sum"], c, stream)
+        elif kind == "broadcast":
+            b.broadcast(send, recv, call.count, t, call.peer, c, stream)
+        elif kind == "all_gather":
+            b.all_gather(send, recv, call.count, t, c, stream)
+        elif kind == "reduce_scatter":
+            b.reduce_scatter(send, recv, call.count, t, ops[call.op or "sum"], c, stream)
+        elif kind == "send":
+            b.send(send, call.count, t, call.peer, c, stream)
+        else:
+            b.recv(recv, call.count, t, call.peer, c, stream)
+
+    def async_error(self, comm: NcclComm) -> CommunicatorError | None:
+        _, b = _modules()
+        if not comm.lock.acquire(blocking=False):
+            return None  # an enqueue or an abort is under way: ask at the next tick
+        try:
+            if not comm.comm.is_valid:
+                return None
+            code = int(b.comm_get_async_error(comm.comm._comm))
+        except Exception as exc:
+            return _error(exc, "asking NCCL for the communicator's state", comm)
+        finally:
+            comm.lock.release()
+        if code in (0, _IN_PROGRESS):
+            return None
+        return CommunicatorError(
+            f"NCCL reported an asynchronous error on rank {comm.rank}",
+            code=code,
+            name=NCCL_NAMES.get(code),
+            device=comm.dev.index,
+            rank=comm.rank,
+        )
+
+    def abort(self, comm: NcclComm) -> None:
+        with comm.lock:
+            try:
+                comm.comm.abort()
+            except Exception as exc:
+                warnings.warn(f"gpuflow: aborting {comm!r} failed: {exc!r}", stacklevel=2)
+            finally:
+                self._forget_current()
+
+    def destroy(self, comm: NcclComm) -> None:
+        with comm.lock:
+            try:
+                comm.comm.destroy()
+            except Exception as exc:
+                warnings.warn(f"gpuflow: destroying {comm!r} failed: {exc!r}", stacklevel=2)
+            finally:
+                self._forget_current()
