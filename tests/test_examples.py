@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                                       "ticks while the forward pass ran")),
     "cupy_interop.py": (("cupy",), ("cupy sees the same memory", "pipeline: correct",
                                     "awaited CuPy's stream")),
+    "data_parallel.py": ((), ("rank 0: step 3 all-reduced", "rank 0 done")),
 }
 
 
@@ -63,3 +65,25 @@ def test_the_example_runs(name: str, device_backend: str) -> None:
     for line in lines:
         assert line in out, out
     assert out.rstrip().endswith("ok"), out[-500:]
+
+
+@pytest.mark.sim_only
+def test_the_data_parallel_example_runs_under_mpiexec() -> None:
+    """The example's other launcher: two ranks started by mpiexec (the mpich
+    wheel's), meeting through mpi4py."""
+    bindir = Path(sys.executable).parent
+    mpiexec = shutil.which("mpiexec", path=os.pathsep.join([str(bindir), os.environ["PATH"]]))
+    assert mpiexec is not None, "mpiexec is not installed (the test extra installs mpich)"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, str(EXAMPLES / "data_parallel.py"),
+         "--backend", "sim"],
+        capture_output=True, text=True, timeout=100, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.startswith("backend: sim, ranks: 2 (mpiexec)"), out
+    for rank in (0, 1):
+        assert f"rank {rank}: step 3 all-reduced 16384 floats over 2 ranks, checked" in out, out
+    assert out.rstrip().endswith("ok"), out

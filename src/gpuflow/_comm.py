@@ -134,7 +134,8 @@ def spawn_ranks(
     ``args`` must be picklable (a module-level function).  Blocks until every
     rank has ended: :class:`ChildProcessError` names the ranks that raised
     (with their tracebacks) or died, :class:`TimeoutError` the ranks still
-    running after ``timeout`` seconds (they are killed).  Not from inside an
+    running after ``timeout`` seconds (they are killed); the error's
+    ``results`` has the results of the ranks that ended well.  Not from inside an
     event loop (it blocks).
     """
     _refuse_blocking("spawn_ranks()")
@@ -181,8 +182,17 @@ def spawn_ranks(
     if late:
         raise TimeoutError(f"ranks {late} were still running after {timeout} s (killed)")
     if failures:
-        raise ChildProcessError("\n".join(failures))
+        raise RanksFailedError("\n".join(failures), results)
     return results
+
+
+class RanksFailedError(ChildProcessError):
+    """Ranks of :func:`spawn_ranks` raised or died; ``results`` holds every
+    rank's result (None for those that failed)."""
+
+    def __init__(self, message: str, results: list[Any]) -> None:
+        super().__init__(message)
+        self.results = results
 
 
 def open_communicator(
@@ -507,7 +517,8 @@ class _Collective(DeviceOperation[Any]):
         return self._what in ("send", "recv")
 
     def execute(self, ctx: ExecutionContext) -> Any:
-        if self._comm._multi and self._p2p:
+        if len(self._comm.devices) > 1 and self._p2p:
+            # NCCL: one thread driving several devices issues both ends together
             raise UsageError(
                 f"{self._what}() between devices of one process must be issued with its "
                 "match in one comm.group(comm.send(...), comm.recv(...))"

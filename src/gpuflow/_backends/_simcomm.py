@@ -178,20 +178,24 @@ class SimComm:
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- enqueueing -----------------------------------------------------------------
-    def item(self, call: CollectiveCall) -> Callable[[], None]:
-        """The stream item of one call (its place in the order taken now)."""
+    def parts(self, call: CollectiveCall) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The two halves of one call on the stream, its place in the order
+        taken now: posting what the rank gives, then waiting for what it
+        takes.  The calls of one group on one stream post everything before
+        any waits, as NCCL's fused kernel for a group does (a send and a
+        recv of one group never wait for each other)."""
         if call.kind == "send":
             assert call.peer is not None
             n = next(self._p2p.setdefault((self.rank, call.peer), itertools.count()))
-            name = f"p{self.rank}-{call.peer}-{n}"
-            return lambda: self._send(call, name)
+            path = self._path(f"p{self.rank}-{call.peer}-{n}")
+            return (lambda: self._post_send(call, path)), (lambda: self._sent(call, path))
         if call.kind == "recv":
             assert call.peer is not None
             n = next(self._p2p.setdefault((call.peer, self.rank), itertools.count()))
-            name = f"p{call.peer}-{self.rank}-{n}"
-            return lambda: self._recv(call, name)
+            path = self._path(f"p{call.peer}-{self.rank}-{n}")
+            return (lambda: None), (lambda: self._recv(call, path))
         k = next(self._seq)
-        return lambda: self._collective(call, k)
+        return (lambda: self._post(call, k)), (lambda: self._collective(call, k))
 
     # -- on the stream ----------------------------------------------------------------
     def _wait(self, ready: Callable[[], bool], peers: Callable[[], list[int]], what: str) -> bool:
@@ -233,13 +237,20 @@ class SimComm:
         self.backend._check(buf)
         return buf.data[: count * dtype.itemsize].view(dtype)
 
-    def _collective(self, call: CollectiveCall, k: int) -> None:
-        head = (call.kind, call.count, call.dtype.str, call.op, call.peer)
+    @staticmethod
+    def _head(call: CollectiveCall) -> tuple[Any, ...]:
+        """What every rank of a collective must agree on."""
+        return (call.kind, call.count, call.dtype.str, call.op, call.peer)
+
+    def _post(self, call: CollectiveCall, k: int) -> None:
         sending = call.send is not None and (call.kind != "broadcast" or call.peer == self.rank)
-        data = (
-            self._data(call.send, self._send_count(call), call.dtype).tobytes() if sending else b""
-        )
-        _write(self._path(f"c{k}-{self.rank}"), (head, data))
+        data = b""
+        if sending:
+            data = self._data(call.send, self._send_count(call), call.dtype).tobytes()
+        _write(self._path(f"c{k}-{self.rank}"), (self._head(call), data))
+
+    def _collective(self, call: CollectiveCall, k: int) -> None:
+        head = self._head(call)
         names = [self._path(f"c{k}-{r}") for r in range(self.nranks)]
         what = f"{call.kind} #{k}"
         if not self._wait(
@@ -278,18 +289,19 @@ class SimComm:
         """How many elements of its send buffer a rank contributes."""
         return call.count * self.nranks if call.kind == "reduce_scatter" else call.count
 
-    def _send(self, call: CollectiveCall, name: str) -> None:
-        peer = call.peer
-        assert peer is not None and call.send is not None
-        path = self._path(name)
+    def _post_send(self, call: CollectiveCall, path: str) -> None:
+        assert call.send is not None
         data = self._data(call.send, call.count, call.dtype).tobytes()
         _write(path, (call.count, call.dtype.str, data))
+
+    def _sent(self, call: CollectiveCall, path: str) -> None:
+        peer = call.peer
+        assert peer is not None
         self._wait(lambda: not os.path.exists(path), lambda: [peer], f"send to {peer}")
 
-    def _recv(self, call: CollectiveCall, name: str) -> None:
+    def _recv(self, call: CollectiveCall, path: str) -> None:
         peer = call.peer
         assert peer is not None and call.recv is not None
-        path = self._path(name)
         if not self._wait(lambda: os.path.exists(path), lambda: [peer], f"recv from {peer}"):
             return
         count, dtype, data = _read(path)
@@ -351,8 +363,31 @@ class SimComms:
                     device=comm.device.index,
                     rank=comm.rank,
                 )
+        # one item a stream: its calls post, then wait (see SimComm.parts)
+        by_stream: dict[int, tuple[Any, list[str], list[tuple[Callable[[], None], ...]]]] = {}
+        sends: list[tuple[int, tuple[Callable[[], None], ...]]] = []
         for comm, call, stream in calls:
-            be._enqueue(stream, f"nccl {call.kind}", comm.item(call))
+            entry = by_stream.setdefault(id(stream), (stream, [], []))
+            entry[1].append(call.kind)
+            # a send's wait ends when its peer's recv took the data: the
+            # waits of sends come last, so that the recvs of the group run
+            halves = comm.parts(call)
+            if call.kind == "send":
+                sends.append((id(stream), halves))
+            else:
+                entry[2].append(halves)
+
+        for key, halves in sends:
+            by_stream[key][2].append(halves)
+        for stream, kinds, halves in by_stream.values():
+
+            def item(halves: list[tuple[Callable[[], None], ...]] = halves) -> None:
+                for post, _ in halves:
+                    post()
+                for _, finish in halves:
+                    finish()
+
+            be._enqueue(stream, "nccl " + " + ".join(kinds), item)
 
     @staticmethod
     def abort(comm: SimComm) -> None:

@@ -1,0 +1,427 @@
+"""Communicators: collectives as operations, and no hang whatever a peer does.
+
+Single-process communicators run over every device the backend has (two
+simulated devices on ``sim``; on a machine with one GPU, a communicator of
+one rank, which is still NCCL's).  Ranks of several processes run on
+``sim`` here (spawned, and under ``mpiexec`` from the ``mpich`` wheel); two
+ranks that meet by a unique id inside one process need two devices (NCCL
+refuses two ranks on one GPU).  A hang is made on purpose with a recv whose
+send never comes (a communicator of one rank receiving from itself, on
+both backends) or a peer that never calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import kernels as K
+import numpy as np
+import pytest
+import ranks
+
+import gpuflow as gf
+from gpuflow import testing
+
+F32 = np.float32
+HERE = Path(__file__).resolve().parent
+DEADLINE = 0.5
+
+pytestmark = pytest.mark.anyio
+
+
+def devices() -> list[int]:
+    return list(range(min(gf.device_count(), 2)))
+
+
+def two_devices() -> None:
+    if gf.device_count() < 2:
+        pytest.skip("needs two devices (NCCL takes one rank a GPU)")
+
+
+async def put(host: np.ndarray[Any, Any], device: int) -> gf.DeviceArray:
+    with gf.use_device(device):
+        return await gf.from_host(host)
+
+
+async def get(a: gf.DeviceArray) -> np.ndarray[Any, Any]:
+    with gf.use_device(a.device):
+        return await gf.to_host(a)
+
+
+def shards(n: int, dtype: Any = F32) -> list[np.ndarray[Any, Any]]:
+    return [(np.arange(6) % 5 + 1 + 3 * d).astype(dtype) for d in range(n)]
+
+
+REFERENCE = {
+    "sum": lambda s: np.sum(s, axis=0),
+    "prod": lambda s: np.prod(s, axis=0),
+    "max": lambda s: np.max(s, axis=0),
+    "min": lambda s: np.min(s, axis=0),
+    "avg": lambda s: np.sum(s, axis=0) / len(s),
+}
+
+
+# -- collectives of one process's devices ---------------------------------------------------
+@pytest.mark.parametrize("op", sorted(REFERENCE))
+@pytest.mark.parametrize("dtype", [F32, np.int32, np.float64])
+async def test_all_reduce_over_the_devices_of_a_process(op: str, dtype: Any) -> None:
+    devs = devices()
+    host = shards(len(devs), dtype)
+    async with gf.open_communicator(devs) as comm:
+        assert comm.devices == tuple(devs) and comm.nranks == len(devs)
+        xs = [await put(h, d) for h, d in zip(host, devs, strict=True)]
+        outs = await comm.all_reduce(xs, op)
+        want = REFERENCE[op](np.stack(host)).astype(dtype)
+        for d, out in zip(devs, outs, strict=True):
+            assert out.device == d
+            np.testing.assert_allclose(await get(out), want, rtol=1e-6)
+        for h, x in zip(host, xs, strict=True):  # out of place: inputs untouched
+            np.testing.assert_array_equal(await get(x), h)
+
+
+async def test_in_place_all_reduce_writes_its_input() -> None:
+    devs = devices()
+    host = shards(len(devs))
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(h, d) for h, d in zip(host, devs, strict=True)]
+        outs = await comm.all_reduce(xs, "max", out=xs)
+        assert all(o is x for o, x in zip(outs, xs, strict=True))
+        for x in xs:
+            np.testing.assert_array_equal(await get(x), np.max(np.stack(host), axis=0))
+
+
+async def test_broadcast_all_gather_and_reduce_scatter() -> None:
+    devs = devices()
+    n = len(devs)
+    host = shards(n)
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(h, d) for h, d in zip(host, devs, strict=True)]
+        for b in await comm.broadcast(xs, root=n - 1):
+            np.testing.assert_array_equal(await get(b), host[n - 1])
+        for g in await comm.all_gather(xs):
+            assert g.shape == (n, 6)
+            np.testing.assert_array_equal(await get(g), np.stack(host))
+        rows = [await put(np.arange(n * 3, dtype=F32).reshape(n, 3) * (d + 1), d) for d in devs]
+        total = np.sum([np.arange(n * 3, dtype=F32).reshape(n, 3) * (d + 1) for d in devs], 0)
+        for r, part in enumerate(await comm.reduce_scatter(rows)):
+            assert part.shape == (3,)
+            np.testing.assert_array_equal(await get(part), total[r])
+        # into arrays of the caller's
+        outs = [await put(np.zeros((n, 6), F32), d) for d in devs]
+        got = await comm.all_gather(xs, out=outs)
+        assert all(g is o for g, o in zip(got, outs, strict=True))
+        np.testing.assert_array_equal(await get(outs[0]), np.stack(host))
+
+
+async def test_send_and_recv_between_devices_in_one_group() -> None:
+    two_devices()
+    async with gf.open_communicator([0, 1]) as comm:
+        a = await put(np.arange(5, dtype=F32), 0)
+        b = await put(np.full(5, 7, F32), 1)
+        into = await put(np.zeros(5, F32), 0)
+        sent, got, _, back = await comm.group(
+            comm.send(a, 1),
+            comm.recv(0, shape=(5,), dtype=F32, device=1),
+            comm.send(b, 0),
+            comm.recv(1, out=into),
+        )
+        assert sent is None and got.device == 1 and back is into
+        np.testing.assert_array_equal(await get(got), np.arange(5, dtype=F32))
+        np.testing.assert_array_equal(await get(into), np.full(5, 7, F32))
+
+
+async def test_collectives_compose_with_then_and_map() -> None:
+    devs = devices()
+    host = shards(len(devs))
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(h, d) for h, d in zip(host, devs, strict=True)]
+        # a kernel writes rank 0's input, the all-reduce reads it after that
+        # write, and a copy of the result follows on the same run
+        op = (
+            K.module()
+            .scale(K.cfg(6), xs[0], 2.0, 6)
+            .then(lambda _: comm.all_reduce(xs))
+            .map(lambda outs: outs[0])
+            .then(lambda y: gf.copy(y))
+        )
+        with gf.use_device(devs[0]):
+            out = await gf.to_host(op)
+        want = np.sum(np.stack([host[0] * 2, *host[1:]]), axis=0)
+        np.testing.assert_array_equal(out, want)
+
+
+async def test_a_collective_reads_after_a_write_on_another_stream_and_before_a_later_one() -> (
+    None
+):
+    devs = devices()
+    d0 = devs[0]
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(np.zeros(4, F32), d) for d in devs]
+        # three streams: a slow write, the collective reading it, a later
+        # write of the same array; only hazard tracking orders them
+        K.slow_fill(xs[0], 3.0, 0.2).enqueue_on(gf.new_stream(d0))
+        outs = comm.all_reduce(xs).enqueue_on(gf.new_stream(d0))
+        K.slow_fill(xs[0], 5.0, 0.0).enqueue_on(gf.new_stream(d0))
+        np.testing.assert_array_equal(await get(outs[0]), np.full(4, 3.0, F32))
+        np.testing.assert_array_equal(await get(xs[0]), np.full(4, 5.0, F32))
+
+
+# -- never hang -----------------------------------------------------------------------------------
+async def test_a_recv_whose_send_never_comes_ends_at_the_deadline_and_aborts() -> None:
+    devs = devices()[:1]
+    with pytest.raises(gf.CommunicatorError) as left:
+        async with gf.open_communicator(devs) as comm:
+            y = await put(np.zeros(4, F32), devs[0])
+            with gf.use_device(devs[0]):
+                with pytest.raises(TimeoutError):
+                    with anyio.fail_after(DEADLINE):
+                        # rank 0 of 1 receives from itself: nobody ever sends
+                        await comm.recv(0, out=y)
+                assert comm.error is not None and "cancelled" in str(comm.error)
+                # an aborted communicator refuses what comes next, with its error
+                with pytest.raises(gf.CommunicatorError) as refused:
+                    await comm.all_reduce([y])
+                assert refused.value is comm.error
+    # leaving the scope reports the abort
+    assert left.value is comm.error
+    testing.assert_quiescent()  # the aborted recv returned: nothing left in flight
+
+
+async def test_leaving_the_scope_with_an_error_aborts_collectives_left_pending() -> None:
+    devs = devices()[:1]
+    stream = gf.new_stream(devs[0])
+    with pytest.raises(ZeroDivisionError):
+        async with gf.open_communicator(devs) as comm:
+            y = await put(np.zeros(4, F32), devs[0])
+            comm.recv(0, out=y).enqueue_on(stream)  # never completes by itself
+            1 / 0  # noqa: B018
+    assert comm.error is not None and "ZeroDivisionError" in str(comm.error)
+    testing.assert_quiescent()  # the aborted recv returned: nothing left in flight
+
+
+async def test_a_cancelled_task_group_aborts_the_collective_its_task_awaited() -> None:
+    devs = devices()[:1]
+    errors: list[BaseException] = []
+    with pytest.raises(gf.CommunicatorError):
+        async with gf.open_communicator(devs) as comm:
+            y = await put(np.zeros(4, F32), devs[0])
+
+            async def waits() -> None:
+                with gf.use_device(devs[0]):
+                    try:
+                        await comm.recv(0, out=y)
+                    except BaseException as exc:
+                        errors.append(exc)
+                        raise
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waits)
+                await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+    assert len(errors) == 1 and isinstance(errors[0], anyio.get_cancelled_exc_class())
+    assert comm.error is not None
+
+
+async def test_a_peer_that_never_calls_is_a_hang_that_the_deadline_ends() -> None:
+    two_devices()
+    uid = gf.new_unique_id()
+    outcome: dict[str, Any] = {}
+
+    async def caller() -> None:
+        with gf.use_device(0):
+            try:
+                async with gf.open_communicator(gf.RankInfo(0, 2, uid)) as comm:
+                    x = await gf.from_host(np.ones(3, F32))
+                    with anyio.fail_after(DEADLINE):
+                        await comm.all_reduce(x)
+            except BaseException as exc:
+                outcome["caller"] = exc
+
+    async def idler() -> None:
+        with gf.use_device(1):
+            async with gf.open_communicator(gf.RankInfo(1, 2, uid)) as comm:
+                assert comm.rank == 1
+                await anyio.sleep(DEADLINE * 3)  # joined, never calls
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(caller)
+        tg.start_soon(idler)
+    assert isinstance(outcome["caller"], TimeoutError)
+
+
+async def test_a_peer_that_leaves_fails_every_pending_await_with_its_error() -> None:
+    two_devices()
+    uid = gf.new_unique_id()
+    errors: list[gf.CommunicatorError] = []
+
+    async def waiter(x: gf.DeviceArray, comm: gf.Communicator) -> None:
+        with gf.use_device(0):
+            try:
+                await comm.all_reduce(x)  # no deadline: the peer's leaving ends it
+            except gf.CommunicatorError as exc:
+                errors.append(exc)
+
+    async def rank0() -> None:
+        with gf.use_device(0):
+            with pytest.raises(gf.CommunicatorError):
+                async with gf.open_communicator(gf.RankInfo(0, 2, uid)) as comm:
+                    x = await gf.from_host(np.ones(3, F32))
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(waiter, x, comm)
+                        tg.start_soon(waiter, x, comm)
+
+    async def rank1() -> None:
+        with gf.use_device(1):
+            with pytest.raises(gf.CommunicatorError, match="this rank gives up"):
+                async with gf.open_communicator(gf.RankInfo(1, 2, uid)) as comm:
+                    await anyio.sleep(0.1)
+                    comm.abort("this rank gives up")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rank0)
+            tg.start_soon(rank1)
+    assert len(errors) == 2, errors
+    for e in errors:
+        assert (e.name, e.rank) == ("ncclRemoteError", 0), e
+        assert "rank 1 left the communicator" in str(e)
+
+
+# -- bad input ---------------------------------------------------------------------------
+async def test_bad_input_is_a_usage_error_before_anything_is_enqueued() -> None:
+    devs = devices()
+    n = len(devs)
+    with pytest.raises(gf.UsageError, match="not open"):
+        await gf.open_communicator(devs).all_reduce([None] * n)
+    with pytest.raises(gf.UsageError, match="reduction 'mean'"):
+        gf.open_communicator(devs).all_reduce([], "mean")
+    with pytest.raises(gf.UsageError, match="root 5"):
+        gf.open_communicator(devs).broadcast([], root=5)
+    with pytest.raises(gf.UsageError, match="rank 3 is not one of 2"):
+        gf.open_communicator(gf.RankInfo(3, 2, b"x"))
+    with pytest.raises(gf.UsageError, match="twice"):
+        gf.open_communicator([devs[0], devs[0]])
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(np.ones(4, F32), d) for d in devs]
+        flags = [await put(np.ones(4, np.bool_), d) for d in devs]
+        sim = gf.current_backend() == "sim"
+        with testing.record_activity() if sim else contextlib.nullcontext() as activity:
+            with pytest.raises(gf.UsageTypeError, match="sequence of"):
+                await comm.all_reduce(xs[0])
+            with pytest.raises(gf.UsageError, match=f"has {n + 1} arrays for {n} ranks"):
+                await comm.all_reduce([*xs, xs[0]])
+            with pytest.raises(gf.UsageError, match="cannot be communicated"):
+                await comm.all_reduce(flags)
+            with pytest.raises(gf.UsageError, match="out is"):
+                await comm.all_reduce(xs, out=[await put(np.ones(5, F32), d) for d in devs])
+            with pytest.raises(gf.UsageError, match="first dimension"):
+                await comm.reduce_scatter(xs)
+            with pytest.raises(gf.UsageError, match=r"one comm\.group"):
+                await comm.send(xs[0], 0)
+            if n == 2:
+                with pytest.raises(gf.UsageError, match="differs across ranks"):
+                    await comm.all_reduce([xs[0], await put(np.ones(3, F32), 1)])
+                with pytest.raises(gf.UsageError, match="rank 0's device is 0"):
+                    await comm.all_reduce([xs[1], xs[0]])
+            with pytest.raises(gf.UsageError, match="captured"):
+                comm.all_reduce(xs).capture()
+        if activity is not None:
+            assert not [a for a in activity if a.what.startswith("nccl")], activity
+    assert comm.error is None
+
+
+async def test_a_communicator_is_entered_once() -> None:
+    comm = gf.open_communicator(devices())
+    async with comm:
+        pass
+    with pytest.raises(gf.UsageError, match="entered once"):
+        async with comm:
+            pass
+
+
+# -- ranks in several processes (sim: processes of one host) -----------------------------
+def _expected(n: int) -> dict[str, Any]:
+    xs = [np.array([r + 1, 2 * r + 1, 3], F32) for r in range(n)]
+    st = np.stack(xs)
+    rows = [np.arange(n * 2, dtype=np.int32).reshape(n, 2) * (r + 1) for r in range(n)]
+    return {
+        "sum": st.sum(0).tolist(),
+        "prod": st.prod(0).tolist(),
+        "max": st.max(0).tolist(),
+        "min": st.min(0).tolist(),
+        "avg": (st.sum(0) / n).tolist(),
+        "in_place": [sum(range(n)), sum(10 + r for r in range(n))],
+        "broadcast": xs[-1].tolist(),
+        "all_gather": st.tolist(),
+        "reduce_scatter": [np.sum(rows, axis=0)[r].tolist() for r in range(n)],
+        "ring": [xs[(r - 1) % n].tolist() for r in range(n)],
+    }
+
+
+def _check_every_collective(results: list[dict[str, Any]], n: int) -> None:
+    want = _expected(n)
+    for r, got in enumerate(results):
+        for key, value in want.items():
+            expect = value[r] if key in ("reduce_scatter", "ring") else value
+            np.testing.assert_allclose(got[key], expect, rtol=1e-6, err_msg=f"rank {r} {key}")
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_two_processes_started_by_spawn_ranks(loop: str) -> None:
+    results = gf.spawn_ranks(ranks.every_collective, 2, loop, timeout=60)
+    _check_every_collective(results, 2)
+
+
+def _mpiexec() -> str:
+    found = shutil.which("mpiexec", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                          os.environ.get("PATH", "")]))
+    if found is None:
+        pytest.fail("mpiexec is not installed (the test extra installs the mpich wheel)")
+    return found
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_two_processes_started_by_mpiexec(loop: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE)]))
+    proc = subprocess.run(
+        [_mpiexec(), "-n", "2", sys.executable, str(HERE / "ranks.py"), "every_collective", loop],
+        capture_output=True, text=True, timeout=90, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [d["result"] for d in sorted(lines, key=lambda d: d["rank"])]
+    assert len(results) == 2
+    _check_every_collective(results, 2)
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_rank_killed_mid_collective_fails_the_survivors_await(loop: str) -> None:
+    with pytest.raises(ChildProcessError) as failed:
+        gf.spawn_ranks(ranks.killed, 2, loop, timeout=60)
+    msg = str(failed.value)
+    assert "rank 1 died" in msg and "rank 0" not in msg, msg
+    survivor = failed.value.results[0]  # type: ignore[attr-defined]
+    # its await failed with the peer's error (no deadline needed), and its
+    # scope reported the abort that followed
+    assert survivor["error"] == "ncclRemoteError", survivor
+    assert "rank 1 left the communicator" in survivor["message"], survivor
+    assert survivor["scope"] == "ncclRemoteError", survivor
+
+
+def test_spawn_ranks_is_refused_inside_an_event_loop() -> None:
+    async def inside() -> None:
+        gf.spawn_ranks(ranks.every_collective, 1, "asyncio")
+
+    with pytest.raises(gf.UsageError, match="block the running"):
+        anyio.run(inside)
