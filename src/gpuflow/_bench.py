@@ -630,7 +630,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--only", action="append", default=[],
                    help="launch, throughput, chain, hold, lease, deadlines, fanout, fault, "
-                   "torch (repeatable)")
+                   "torch, nccl (repeatable)")
     p.add_argument("--trace", metavar="PATH",
                    help="also write a timeline of every run to PATH (Chrome trace-event "
                    "JSON, for ui.perfetto.dev); tracing slows the runs it records")
@@ -649,7 +649,7 @@ def main(argv: list[str]) -> int:
     mod = gf.compile(EMPTY, references=_refs())
     only = set(args.only) or {
         "launch", "throughput", "chain", "hold", "lease", "deadlines", "fanout", "fault",
-        "torch",
+        "torch", "nccl",
     }
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
     print(f"{head} {'ratio':>8}  target")
@@ -683,5 +683,9 @@ def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None
         bench_fan_out(mod, quick, cuda)
     if "torch" in only:
         bench_torch(quick, cuda)
+    if "nccl" in only:
+        from ._bench_comm import bench_collectives  # it imports this module's helpers
+
+        bench_collectives(quick, cuda)
     if "fault" in only:  # last: a sticky fault ends the process's use of the device
         bench_fault(mod, cuda)

@@ -385,14 +385,16 @@ class Communicator:
 
     def _started(self, sub: Submission) -> None:
         with self._lock:
+            first = self._inflight == 0
             self._inflight += 1
             self._tracked.track(sub)
         if sub.comms is None:
-            sub.comms = []
-        if self not in sub.comms:
+            sub.comms = [self]
+        elif self not in sub.comms:
             sub.comms.append(self)
         sub.add_done_callback(self._ended)
-        self._rt.dispatcher.watch_communicator(self)
+        if first:  # busy from now: the watchdog must ask it
+            self._rt.dispatcher.watch_communicator(self)
 
     def _ended(self, error: BaseException | None) -> None:
         with self._lock:
@@ -547,38 +549,38 @@ class _Collective(DeviceOperation[Any]):
     def _per_rank(self, x: Any, ctx: ExecutionContext, what: str) -> dict[int, DeviceArray]:
         """The arrays of the local ranks taking part, by local rank, checked."""
         comm = self._comm
-        label = f"{self._what}() {what}"
         if not comm._multi or self._p2p:
-            arr = self._check(_resolve_array(x, ctx, label), what)
-            i = comm.devices.index(arr.device)
-            if not comm._multi and i != 0:  # pragma: no cover - one device
-                raise AssertionError
-            return {i: arr}
-        if isinstance(x, DeviceArray | DeviceOperation) or not isinstance(x, Sequence):
-            raise UsageTypeError(
-                f"{label} must be a sequence of {len(comm.devices)} arrays, one for each "
-                f"device of the communicator {list(comm.devices)}"
-            )
+            arr = self._check(self._resolve(x, ctx, what), what)
+            return {comm.devices.index(arr.device): arr}
+        if type(x) is not list and type(x) is not tuple:
+            if isinstance(x, DeviceArray | DeviceOperation) or not isinstance(x, Sequence):
+                raise UsageTypeError(
+                    f"{self._what}() {what} must be a sequence of {len(comm.devices)} arrays, "
+                    f"one for each device of the communicator {list(comm.devices)}"
+                )
         items = list(x)
         if len(items) != len(comm.devices):
             raise UsageError(
-                f"{label} has {len(items)} arrays for {len(comm.devices)} ranks "
+                f"{self._what}() {what} has {len(items)} arrays for {len(comm.devices)} ranks "
                 f"(devices {list(comm.devices)})"
             )
-        arrays = [self._check(_resolve_array(a, ctx, label), what) for a in items]
+        arrays = [self._check(self._resolve(a, ctx, what), what) for a in items]
+        first = arrays[0]
         for i, (arr, dev) in enumerate(zip(arrays, comm.devices, strict=True)):
             if arr.device != dev:
                 raise UsageError(
-                    f"{label}: {arr!r} is on device {arr.device}, but rank {i}'s device is {dev}"
+                    f"{self._what}() {what}: {arr!r} is on device {arr.device}, but rank {i}'s "
+                    f"device is {dev}"
                 )
-        first = arrays[0]
-        for r, arr in enumerate(arrays[1:], 1):
             if arr.shape != first.shape or arr.dtype != first.dtype:
                 raise UsageError(
-                    f"{label} differs across ranks: rank 0 has {first.shape} {first.dtype}, "
-                    f"rank {r} {arr.shape} {arr.dtype}"
+                    f"{self._what}() {what} differs across ranks: rank 0 has {first.shape} "
+                    f"{first.dtype}, rank {i} {arr.shape} {arr.dtype}"
                 )
         return dict(enumerate(arrays))
+
+    def _resolve(self, x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
+        return _resolve_array(x, ctx, f"{self._what}() {what}")
 
     def _out_shape(self, x: DeviceArray) -> tuple[int, ...]:
         n = self._comm.nranks
@@ -667,7 +669,7 @@ class _Collective(DeviceOperation[Any]):
                 ref.dtype,
                 self._op,
                 self._peer,
-            )
+            )  # fmt: skip
             calls.append((comm, i, call, stream))
             results.append(o)
         if what == "send":
@@ -700,20 +702,23 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
 def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
-    be = ctx.backend
-    calls = [c for p in prepared for c in p.calls]
+    calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     with hazard_lock:
         for p in prepared:
             for arr, s in p.reads:
                 arr._alloc.before_read(s)
             for arr, s in p.writes:
                 arr._alloc.before_write(s)
-        be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
+        ctx.backend.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
+    here = ctx.stream
     joined: list[Stream] = []
-    for _comm, _i, _call, s in calls:
-        if s != ctx.stream and s not in joined:
+    comms: list[Communicator] = []
+    for comm, _i, _call, s in calls:
+        if s != here and s not in joined:
             joined.append(s)
             ctx.wait_for(s)
+        if comm not in comms:
+            comms.append(comm)
     sub = ctx._submission
-    for comm in {id(c[0]): c[0] for c in calls}.values():
+    for comm in comms:
         comm._started(sub)

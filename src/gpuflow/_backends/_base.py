@@ -90,12 +90,11 @@ COMM_DTYPES = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class CollectiveCall:
+class CollectiveCall(NamedTuple):
     """One rank's part of a collective or point-to-point transfer, as NCCL takes it.
 
     ``kind`` is ``"all_reduce"``, ``"broadcast"``, ``"all_gather"``,
-    ``"reduce_scatter"``, ``"send"`` or ``"recv"``.  ``count`` is in
+    ``"reduce_scatter"``, ``"send"`` or ``"recv"``.  ``elems`` counts
     elements of ``dtype`` as NCCL counts them: what each rank sends for
     ``all_gather``, what each rank receives for ``reduce_scatter``, the
     whole buffer otherwise.  ``send`` is None for ``recv`` (and where the
@@ -108,7 +107,7 @@ class CollectiveCall:
     kind: str
     send: RawBuffer | None
     recv: RawBuffer | None
-    count: int
+    elems: int
     dtype: np.dtype[Any]
     op: str | None = None
     peer: int | None = None

@@ -22,7 +22,9 @@ directory, which the unique id names.  What NCCL does, the sim does:
   or root) get ``ncclInvalidUsage`` asynchronously and wait: NCCL itself
   may hang or compute garbage there, the sim names the disagreement;
 * a send waits until its receiver has taken the data, a recv until its
-  sender has posted it.
+  sender has posted it; a rank's send to itself is refused unless its recv
+  is in the same group (``ncclInvalidUsage``, as NCCL 2.28 answers on the
+  H200).
 
 Reductions are NumPy's over the ranks' parts in rank order.  The parts stay
 in the directory until the last rank leaves, which removes it.
@@ -133,7 +135,9 @@ class SimComm:
         self.nranks = nranks
         self.device = device
         self._seq = itertools.count()
-        self._p2p: dict[tuple[int, int], itertools.count[int]] = {}
+        # the transfers to and from each peer so far, which name the next one
+        self._sends: dict[int, itertools.count[int]] = {}
+        self._recvs: dict[int, itertools.count[int]] = {}
         self._lock = threading.Lock()
         self.aborted = False
         self.error: CommunicatorError | None = None
@@ -186,12 +190,12 @@ class SimComm:
         recv of one group never wait for each other)."""
         if call.kind == "send":
             assert call.peer is not None
-            n = next(self._p2p.setdefault((self.rank, call.peer), itertools.count()))
+            n = next(self._sends.setdefault(call.peer, itertools.count()))
             path = self._path(f"p{self.rank}-{call.peer}-{n}")
             return (lambda: self._post_send(call, path)), (lambda: self._sent(call, path))
         if call.kind == "recv":
             assert call.peer is not None
-            n = next(self._p2p.setdefault((call.peer, self.rank), itertools.count()))
+            n = next(self._recvs.setdefault(call.peer, itertools.count()))
             path = self._path(f"p{call.peer}-{self.rank}-{n}")
             return (lambda: None), (lambda: self._recv(call, path))
         k = next(self._seq)
@@ -240,7 +244,7 @@ class SimComm:
     @staticmethod
     def _head(call: CollectiveCall) -> tuple[Any, ...]:
         """What every rank of a collective must agree on."""
-        return (call.kind, call.count, call.dtype.str, call.op, call.peer)
+        return (call.kind, call.elems, call.dtype.str, call.op, call.peer)
 
     def _post(self, call: CollectiveCall, k: int) -> None:
         sending = call.send is not None and (call.kind != "broadcast" or call.peer == self.rank)
@@ -281,18 +285,18 @@ class SimComm:
         else:  # reduce_scatter
             assert call.op is not None
             full = _reduce(arrays, call.op, call.dtype)
-            out = full[self.rank * call.count : (self.rank + 1) * call.count]
+            out = full[self.rank * call.elems : (self.rank + 1) * call.elems]
         assert call.recv is not None
         self._data(call.recv, out.size, call.dtype)[:] = out
 
     def _send_count(self, call: CollectiveCall) -> int:
         """How many elements of its send buffer a rank contributes."""
-        return call.count * self.nranks if call.kind == "reduce_scatter" else call.count
+        return call.elems * self.nranks if call.kind == "reduce_scatter" else call.elems
 
     def _post_send(self, call: CollectiveCall, path: str) -> None:
         assert call.send is not None
-        data = self._data(call.send, call.count, call.dtype).tobytes()
-        _write(path, (call.count, call.dtype.str, data))
+        data = self._data(call.send, call.elems, call.dtype).tobytes()
+        _write(path, (call.elems, call.dtype.str, data))
 
     def _sent(self, call: CollectiveCall, path: str) -> None:
         peer = call.peer
@@ -306,14 +310,24 @@ class SimComm:
             return
         count, dtype, data = _read(path)
         os.remove(path)  # the sender's wait ends
-        if (count, dtype) != (call.count, call.dtype.str):
+        if (count, dtype) != (call.elems, call.dtype.str):
             self._fail(
                 NCCL_INVALID_USAGE,
-                f"recv from rank {call.peer}: {call.count} {call.dtype} expected, "
+                f"recv from rank {call.peer}: {call.elems} {call.dtype} expected, "
                 f"{count} {np.dtype(dtype)} sent",
             )
             return
         self._data(call.recv, count, call.dtype)[:] = np.frombuffer(data, call.dtype)
+
+
+def _refused(comm: SimComm, message: str) -> CommunicatorError:
+    return CommunicatorError(
+        message,
+        code=NCCL_INVALID_USAGE,
+        name=NCCL_NAMES[NCCL_INVALID_USAGE],
+        device=comm.device.index,
+        rank=comm.rank,
+    )
 
 
 def _describe(head: tuple[Any, ...]) -> str:
@@ -354,14 +368,17 @@ class SimComms:
 
     def group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
         be = self._backend
-        for comm, _call, _stream in calls:
+        selves: dict[int, int] = {}
+        for comm, call, _stream in calls:
             if comm.aborted or comm._fd is None:
-                raise CommunicatorError(
-                    f"{comm!r} was aborted or destroyed",
-                    code=NCCL_INVALID_USAGE,
-                    name=NCCL_NAMES[NCCL_INVALID_USAGE],
-                    device=comm.device.index,
-                    rank=comm.rank,
+                raise _refused(comm, f"{comm!r} was aborted or destroyed")
+            if call.kind in ("send", "recv") and call.peer == comm.rank:
+                selves[id(comm)] = selves.get(id(comm), 0) + (1 if call.kind == "send" else -1)
+        for comm, _call, _stream in calls:
+            if selves.get(id(comm)):
+                # as NCCL: a rank's transfer to itself is matched inside its group
+                raise _refused(
+                    comm, f"rank {comm.rank}: a send to itself and its recv must be in one group"
                 )
         # one item a stream: its calls post, then wait (see SimComm.parts)
         by_stream: dict[int, tuple[Any, list[str], list[tuple[Callable[[], None], ...]]]] = {}

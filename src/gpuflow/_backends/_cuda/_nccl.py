@@ -80,19 +80,22 @@ class NcclComms:
         self._be = backend
         self._types: dict[np.dtype[Any], int] | None = None
         self._ops: dict[str, int] = {}
+        self._bindings: Any = None
 
     def _tables(self) -> tuple[Any, dict[np.dtype[Any], int], dict[str, int]]:
+        if self._types is not None:
+            return self._bindings, self._types, self._ops
         core, b = _modules()
-        if self._types is None:
-            self._ops = {
-                "sum": int(core.SUM), "prod": int(core.PROD), "max": int(core.MAX),
-                "min": int(core.MIN), "avg": int(core.AVG),
-            }  # fmt: skip
-            self._types = {
-                np.dtype(name): int(getattr(core, name.upper()))
-                for name in ("int8", "uint8", "int32", "uint32", "int64", "uint64",
-                             "float16", "float32", "float64")
-            }  # fmt: skip
+        self._bindings = b
+        self._ops = {
+            "sum": int(core.SUM), "prod": int(core.PROD), "max": int(core.MAX),
+            "min": int(core.MIN), "avg": int(core.AVG),
+        }  # fmt: skip
+        self._types = {
+            np.dtype(name): int(getattr(core, name.upper()))
+            for name in ("int8", "uint8", "int32", "uint32", "int64", "uint64",
+                         "float16", "float32", "float64")
+        }  # fmt: skip
         return b, self._types, self._ops
 
     def _current(self, dev: Dev) -> None:
@@ -178,20 +181,20 @@ class NcclComms:
         send = recv if call.send is None else call.send.ptr
         kind = call.kind
         if kind == "all_reduce":
-            b.all_reduce(send, recv, call.count, t, ops[call.op or "sum"], c, stream)
+            b.all_reduce(send, recv, call.elems, t, ops[call.op or "sum"], c, stream)
         elif kind == "broadcast":
-            b.broadcast(send, recv, call.count, t, call.peer, c, stream)
+            b.broadcast(send, recv, call.elems, t, call.peer, c, stream)
         elif kind == "all_gather":
-            b.all_gather(send, recv, call.count, t, c, stream)
+            b.all_gather(send, recv, call.elems, t, c, stream)
         elif kind == "reduce_scatter":
-            b.reduce_scatter(send, recv, call.count, t, ops[call.op or "sum"], c, stream)
+            b.reduce_scatter(send, recv, call.elems, t, ops[call.op or "sum"], c, stream)
         elif kind == "send":
-            b.send(send, call.count, t, call.peer, c, stream)
+            b.send(send, call.elems, t, call.peer, c, stream)
         else:
-            b.recv(recv, call.count, t, call.peer, c, stream)
+            b.recv(recv, call.elems, t, call.peer, c, stream)
 
     def async_error(self, comm: NcclComm) -> CommunicatorError | None:
-        _, b = _modules()
+        b, _, _ = self._tables()
         if not comm.lock.acquire(blocking=False):
             return None  # an enqueue or an abort is under way: ask at the next tick
         try:

@@ -1,0 +1,160 @@
+"""The communicator rows of ``python -m gpuflow bench`` (``--only nccl``).
+
+Both measured against NCCL's own call through nccl4py's bindings, in the
+same run, on the same communicator, buffers and streams:
+
+* all-reduce bandwidth (float32 sum, out of place, 1 MiB to 1 GiB: with
+  one rank NCCL's all-reduce is then a device copy, in place nothing at
+  all): gpuflow's
+  collective enqueued back to back against NCCL's call back to back, each
+  ended by one synchronize; algorithm bandwidth (bytes / time) and, with
+  more than one rank, bus bandwidth (times ``2 (n - 1) / n``, nccl-tests'
+  convention);
+* a 4-byte all-reduce awaited, under every loop, against NCCL's call
+  followed by a blocking ``cuStreamSynchronize``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+import gpuflow as gf
+
+from ._bench import event_loops, median_us, row
+
+_MiB = 1 << 20
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes // _MiB} MiB" if nbytes < 1024 * _MiB else f"{nbytes // (1024 * _MiB)} GiB"
+
+
+def _raw_all_reduce(
+    nb: Any, comms: list[Any], xs: list[gf.DeviceArray], ys: list[gf.DeviceArray],
+    handles: list[int], count: int, dtype: int, op: int, reps: int = 1,
+) -> None:
+    """NCCL's own all-reduce of ``xs`` into ``ys``, one group over the devices,
+    ``reps`` times."""
+    for _ in range(reps):
+        nb.group_start()
+        for c, x, y, h in zip(comms, xs, ys, handles, strict=True):
+            nb.all_reduce(x.ptr, y.ptr, count, dtype, op, c, h)
+        nb.group_end()
+
+
+def _interleaved(
+    reps: int, ours: Callable[[], object], raw: Callable[[], object], finish: Callable[[], object]
+) -> dict[str, float]:
+    """Seconds per op of ``reps`` ops enqueued back to back and then finished,
+    the median of 5 blocks, the two sides taking turns (both see the same
+    machine)."""
+    times: dict[str, list[float]] = {"ours": [], "raw": []}
+    for _ in range(5):
+        for name, fn in (("raw", raw), ("ours", ours)):
+            t0 = time.perf_counter()
+            fn()
+            finish()
+            times[name].append((time.perf_counter() - t0) / reps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+async def _bandwidth_rows(
+    comm: gf.Communicator, nbytes: int, nb: Any, cu: Any, f32: int, total: int
+) -> None:
+    devs = comm.devices
+    raw_comms = [c.comm._comm for c in comm._raw or ()]
+    count = nbytes // 4
+    xs, ys = [], []
+    for d in devs:
+        with gf.use_device(d):
+            xs.append(await gf.ones(count, np.float32))
+            ys.append(await gf.zeros(count, np.float32))
+    s0 = gf.new_stream(devs[0])
+    op = comm.all_reduce(xs, out=ys)
+    op.enqueue_on(s0)  # the first: every part finds its stream, kept after
+    handles = [s.__cuda_stream__()[1] for s in (s0, *(y._alloc.writer for y in ys[1:]))]
+    for h in handles:
+        cu.cuStreamSynchronize(h)
+    reps = 5 if nbytes >= 256 * _MiB else 20
+    per_op = _interleaved(
+        reps,
+        ours=lambda: [op.enqueue_on(s0) for _ in range(reps)],
+        raw=lambda: _raw_all_reduce(nb, raw_comms, xs, ys, handles, count, f32, total, reps),
+        finish=lambda: [cu.cuStreamSynchronize(h) for h in handles],
+    )
+    mine = nbytes / per_op["ours"] / 1e9
+    base = nbytes / per_op["raw"] / 1e9
+    target = ">= 0.95x" if nbytes >= 64 * _MiB else ""
+    row(f"all-reduce {_label(nbytes)} algbw", mine, "GB/s", "nccl4py call", base, target,
+        lower_is_better=False)
+    n = comm.nranks
+    if n > 1:
+        bus = 2 * (n - 1) / n
+        row(f"all-reduce {_label(nbytes)} busbw", mine * bus, "GB/s", "nccl4py call",
+            base * bus, target, lower_is_better=False)
+
+
+def bench_collectives(quick: bool, cuda: bool) -> None:
+    if not cuda or importlib.util.find_spec("nccl") is None:
+        print("all-reduce: needs a CUDA device and NCCL (pip install 'gpuflow[nccl]')")
+        return
+    import nccl.core as core
+    from cuda.bindings import driver as cu
+    from nccl.bindings import nccl as nb
+
+    devs = list(range(gf.device_count()))
+    n = len(devs)
+    f32, total = int(core.FLOAT32), int(core.SUM)
+    sizes = [_MiB, 4 * _MiB, 16 * _MiB, 64 * _MiB, 256 * _MiB, 1024 * _MiB]
+    if quick:
+        sizes = sizes[:4]
+    print(f"all-reduce, float32 sum out of place, {n} rank(s) on this process's devices "
+          "(median of 5 blocks)")
+
+    async def bandwidth() -> None:
+        async with gf.open_communicator(devs) as comm:
+            for nbytes in sizes:
+                await _bandwidth_rows(comm, nbytes, nb, cu, f32, total)
+
+    anyio.run(bandwidth)
+
+    reps = 200 if quick else 1000
+    for lib, backend, options in event_loops():
+
+        async def latency() -> tuple[list[float], list[float]]:
+            async with gf.open_communicator(devs) as comm:
+                raw_comms = [c.comm._comm for c in comm._raw or ()]
+                xs, ys = [], []
+                for d in devs:
+                    with gf.use_device(d):
+                        xs.append(await gf.ones(1, np.float32))
+                        ys.append(await gf.zeros(1, np.float32))
+                s0 = gf.new_stream(devs[0])
+                streams = [s0, *(gf.new_stream(d) for d in devs[1:])]
+                handles = [s.__cuda_stream__()[1] for s in streams]
+                op = comm.all_reduce(xs, "max", out=ys)
+                ours: list[float] = []
+                raw: list[float] = []
+                for i in range(reps + reps // 10):
+                    t0 = time.perf_counter()
+                    await op
+                    t1 = time.perf_counter()
+                    _raw_all_reduce(nb, raw_comms, xs, ys, handles, 1, f32, int(core.MAX))
+                    for h in handles:
+                        cu.cuStreamSynchronize(h)
+                    t2 = time.perf_counter()
+                    if i >= reps // 10:
+                        ours.append(t1 - t0)
+                        raw.append(t2 - t1)
+                return ours, raw
+
+        mine, base = anyio.run(latency, backend=backend, backend_options=options)
+        row(f"await 4-byte all-reduce ({lib})", median_us(mine), "us",
+            "nccl4py call + cuStreamSynchronize", median_us(base), "")
