@@ -477,3 +477,41 @@ print("exiting", flush=True)
                           timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["exiting", "released", "before", "exit"], proc.stdout
+
+
+@pytest.mark.sim_only  # the record of what the streams ran is the simulator's
+def test_back_to_back_enqueue_on_runs_share_the_signal_in_flight() -> None:
+    stream = gf.new_stream()
+    x = gf.zeros(16, F32).sync()
+    subs = []
+    with gf.testing.record_activity() as activity:
+        for i in range(30):
+            sub = Submission(0)
+            K.slow_fill(x, float(i), 0.002).enqueue_on(stream)
+            get_runtime().dispatcher.submit(stream.raw, sub)
+            subs.append(sub)
+        for sub in subs:
+            _wait_done(sub)
+    signals = [a for a in activity if a.what == "host signal"]
+    # one in flight at a time, the next for everything submitted meanwhile:
+    # far fewer host functions holding the stream than runs
+    assert 1 <= len(signals) <= 10, len(signals)
+    assert all(sub.error is None for sub in subs)
+
+
+def test_a_stream_dropped_right_after_its_runs_still_signals_them() -> None:
+    x = gf.zeros(16, F32).sync()
+    stream = gf.new_stream()
+    subs = [Submission(0) for _ in range(3)]
+    for i, sub in enumerate(subs):
+        K.slow_fill(x, float(i), 0.05).enqueue_on(stream)
+        get_runtime().dispatcher.submit(stream.raw, sub)
+    # the last references (the array's hazard state keeps its writer stream):
+    # the stream is destroyed now, and the runs left to a later signal must
+    # get theirs before (nothing can be enqueued on a destroyed stream)
+    ref = weakref.ref(stream)
+    del stream, x
+    assert ref() is None
+    for sub in subs:
+        _wait_done(sub)
+    assert all(sub.error is None for sub in subs)

@@ -193,8 +193,8 @@ class _Lane:
     is at least the ``n``-th mark recorded.
     """
 
-    __slots__ = ("appended", "completed", "covered", "device", "marks", "outstanding",
-                 "since", "subs")
+    __slots__ = ("appended", "completed", "covered", "deferred", "device", "marks",
+                 "outstanding", "since", "subs")
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -204,6 +204,9 @@ class _Lane:
         self.completed = 0
         self.covered = 0  # the largest mark recorded
         self.outstanding = 0  # pipe signals whose read end is still open
+        #: the runs up to this count were left to the counted signal in
+        #: flight, to be covered when it fires (see Dispatcher._signal)
+        self.deferred = 0
         #: when the lane last saw a submission finish, or was made (see lanes)
         self.since = time.monotonic()
 
@@ -403,6 +406,13 @@ class Dispatcher:
         with self._lock:
             if self._lanes.get(raw) is not lane:
                 return  # failed meanwhile
+            if lane.marks:
+                # a counted signal is in flight on the stream: when it fires,
+                # the dispatcher thread signals once for everything submitted
+                # since, so that back-to-back runs do not each hold the
+                # stream for a host function
+                lane.deferred = lane.appended
+                return
             m = lane.mark()
             if m is None:
                 return
@@ -412,6 +422,31 @@ class Dispatcher:
         except BaseException as exc:
             self.fail_device(lane.device, exc)
             raise
+
+    def _signal_deferred(self, raw: Any, lane: _Lane) -> BaseException | None:
+        """Signal for the runs left to a counted signal (under the lock, so
+        that the stream cannot be retired in between); the error of a
+        failed enqueue."""
+        m, lane.deferred = lane.deferred, 0
+        if m <= lane.covered:
+            return None
+        lane.covered = m
+        lane.marks.append(m)
+        try:
+            self._backend.enqueue_signal(raw)
+        except BaseException as exc:
+            return exc
+        return None
+
+    def retire_stream(self, raw: Any) -> None:
+        """``raw`` is about to be destroyed: runs left to a later signal get
+        theirs now, while something can still be enqueued on it.  Any thread
+        (a finalizer); never raises."""
+        with self._lock:
+            lane = self._lanes.get(raw)
+            error = self._signal_deferred(raw, lane) if lane is not None else None
+        if error is not None and lane is not None:
+            self.fail_device(lane.device, error)
 
     def _new_pipe(self, reader: _Reader) -> tuple[int, int] | None:
         """A pipe whose read end is in ``reader``'s epoll set; None past the
@@ -661,10 +696,21 @@ class Dispatcher:
                         idle.append(raw)
                 for raw in idle:
                     del self._lanes[raw]
+                # runs submitted while the counted signal that just fired was
+                # in flight were left to it (see _signal): one signal for them
+                failed: list[tuple[int, BaseException]] = []
+                for raw in signalled:
+                    lane = self._lanes.get(raw)  # type: ignore[assignment]
+                    if lane is not None and not lane.marks:
+                        error = self._signal_deferred(raw, lane)
+                        if error is not None:
+                            failed.append((lane.device, error))
                 busy = self._busy()
                 check = busy and now - last_check >= WATCHDOG_S
                 suspects = [(r, lane.device) for r, lane in self._lanes.items()] if check else []
                 comms = [c for c in self._comms if c.busy] if check else []
+            for device, error in failed:  # a fault: its runs fail with it
+                self.fail_device(device, error)
             if done:
                 self._deliver(self._confirm(done, list(signalled.items())))
             if check:

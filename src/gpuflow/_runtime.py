@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -300,8 +301,18 @@ def new_stream(device: int | None = None) -> Stream:
     dev = rt.check_device(current_device() if device is None else device)
     raw = rt.backend.create_stream(dev)
     s = rt.adopt(dev, raw)
-    weakref.finalize(s, rt.backend.destroy_stream, raw)
+    weakref.finalize(s, _retire_stream, rt, raw)
     return s
+
+
+def _retire_stream(rt: Runtime, raw: Any) -> None:
+    """A finalizer: the signal still owed to the stream's runs, then the stream."""
+    try:
+        rt.dispatcher.retire_stream(raw)
+    except Exception as exc:  # never from a finalizer
+        warnings.warn(f"gpuflow: signalling a stream being destroyed failed: {exc!r}",
+                      stacklevel=1)
+    rt.backend.destroy_stream(raw)
 
 
 def current_backend() -> str:

@@ -659,6 +659,8 @@ class SimBackend(Backend):
         return signal
 
     def enqueue_signal(self, stream: Any) -> None:
+        self._not_destroyed(stream)  # as the cuda backend refuses it
+
         def count() -> None:
             stream.signals += 1
             self._wake_count += 1
@@ -667,6 +669,7 @@ class SimBackend(Backend):
         self._enqueue(stream, "host signal", self._host_signal(count))
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
+        self._not_destroyed(stream)
         # a captured close would run again at every replay
         return self._enqueue(
             stream, "host signal", self._host_signal(lambda: os.close(fd)), capturable=False
