@@ -269,8 +269,9 @@ class Communicator:
         self._error: CommunicatorError | None = None
         self._aborted = False
         self._lock = threading.Lock()
-        self._tracked = _Tracked()  # the runs that used it, for the scope's end
-        self._inflight = 0
+        #: the last run that used it on each stream: runs of one stream end in
+        #: order, so these are what the scope's end waits for
+        self._last: dict[Stream, Submission] = {}
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -307,9 +308,12 @@ class Communicator:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if exc is not None and self._inflight:
+            if exc is not None and self.busy:
                 self.abort(f"its scope {ended_by(exc)} with collectives pending")
-            await self._tracked.drain()
+            pending = _Tracked()
+            for sub in list(self._last.values()):
+                pending.track(sub)
+            await pending.drain()
         finally:
             self._closed = True
             raws, self._raw = self._raw, None
@@ -351,7 +355,7 @@ class Communicator:
     @property
     def busy(self) -> bool:
         """Collectives of it are in flight (the watchdog asks while they are)."""
-        return self._inflight > 0
+        return any(not s.done for s in list(self._last.values()))
 
     def failure(self) -> CommunicatorError | None:
         """The error a run that used it fails with, once it was aborted."""
@@ -383,22 +387,16 @@ class Communicator:
             )
         return self._raw
 
-    def _started(self, sub: Submission) -> None:
-        with self._lock:
-            first = self._inflight == 0
-            self._inflight += 1
-            self._tracked.track(sub)
+    def _started(self, stream: Stream, sub: Submission) -> None:
+        """``sub`` enqueued collectives of this communicator, ending on ``stream``."""
+        busy = self.busy
+        self._last[stream] = sub
         if sub.comms is None:
             sub.comms = [self]
         elif self not in sub.comms:
             sub.comms.append(self)
-        sub.add_done_callback(self._ended)
-        if first:  # busy from now: the watchdog must ask it
+        if not busy:  # busy from now: the watchdog must ask it
             self._rt.dispatcher.watch_communicator(self)
-
-    def _ended(self, error: BaseException | None) -> None:
-        with self._lock:
-            self._inflight -= 1
 
     # -- the collectives ------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:
@@ -721,4 +719,4 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
             comms.append(comm)
     sub = ctx._submission
     for comm in comms:
-        comm._started(sub)
+        comm._started(here, sub)
