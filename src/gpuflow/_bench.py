@@ -33,6 +33,8 @@ import numpy as np
 import gpuflow as gf
 
 from ._backends._nvrtc import compile_source
+from ._bench_comm import bench_collectives
+from ._bench_rows import ROWS, event_loops, median_us, row
 from ._runtime import get_runtime
 from .lowlevel import pool_streams
 
@@ -68,34 +70,6 @@ def _refs() -> dict[str, Callable[..., None]]:
         time.sleep(ns / 1e9)
 
     return {"empty": lambda: None, "crash": crash, "busy": busy, "spin": spin}
-
-
-ROWS: list[dict[str, Any]] = []
-
-
-def row(name: str, value: float, unit: str, base_name: str = "", base: float | None = None,
-        target: str = "", lower_is_better: bool = True) -> None:
-    ratio = None if base is None or base == 0 else value / base
-    ROWS.append(dict(name=name, value=value, unit=unit, base_name=base_name, base=base,
-                     ratio=ratio, target=target))
-    digits = 3 if unit == "ms" else 1
-    b = "" if base is None else f"{base:10.{digits}f} {unit} ({base_name})"
-    r = "" if ratio is None else f"{ratio:6.2f}x"
-    print(f"  {name:<46}{value:10.{digits}f} {unit:<6} {b:<44} {r:>8}  {target}", flush=True)
-
-
-def median_us(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e6
-
-
-def event_loops() -> list[tuple[str, str, dict[str, Any]]]:
-    """``(name, AnyIO backend, backend options)`` of every loop measured:
-    asyncio, uvloop (an asyncio loop; where it is importable) and Trio."""
-    loops: list[tuple[str, str, dict[str, Any]]] = [("asyncio", "asyncio", {})]
-    if importlib.util.find_spec("uvloop") is not None:
-        loops.append(("uvloop", "asyncio", {"use_uvloop": True}))
-    loops.append(("trio", "trio", {}))
-    return loops
 
 
 # -- raw driver baselines (cuda only) ----------------------------------------------
@@ -684,8 +658,6 @@ def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None
     if "torch" in only:
         bench_torch(quick, cuda)
     if "nccl" in only:
-        from ._bench_comm import bench_collectives  # it imports this module's helpers
-
         bench_collectives(quick, cuda)
     if "fault" in only:  # last: a sticky fault ends the process's use of the device
         bench_fault(mod, cuda)

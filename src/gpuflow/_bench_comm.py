@@ -27,7 +27,7 @@ import numpy as np
 
 import gpuflow as gf
 
-from ._bench import event_loops, median_us, row
+from ._bench_rows import event_loops, median_us, row
 
 _MiB = 1 << 20
 
