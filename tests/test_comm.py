@@ -231,14 +231,28 @@ async def test_a_peer_that_never_calls_is_a_hang_that_the_deadline_ends() -> Non
 
 
 async def test_leaving_the_scope_with_an_error_aborts_collectives_left_pending() -> None:
+    failed: list[BaseException] = []
+
+    async def outside(comm: gf.Communicator, x: gf.DeviceArray) -> None:
+        # a task outside the scope, awaiting a collective of its communicator
+        with gf.use_device(0):
+            try:
+                await comm.all_reduce(x)
+            except gf.CommunicatorError as exc:
+                failed.append(exc)
+
     async with lonely_rank0() as opened:
         stream = gf.new_stream(0)
-        with pytest.raises(ZeroDivisionError):
-            async with opened as comm:
-                x = await gf.from_host(np.ones(3, F32))
-                comm.all_reduce(x).enqueue_on(stream)  # never completes by itself
-                1 / 0  # noqa: B018
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(ZeroDivisionError):
+                async with opened as comm:
+                    x = await gf.from_host(np.ones(3, F32))
+                    comm.all_reduce(x).enqueue_on(stream)  # never completes by itself
+                    tg.start_soon(outside, comm, x)
+                    await anyio.sleep(0.05)
+                    1 / 0  # noqa: B018
         assert comm.error is not None and "ZeroDivisionError" in str(comm.error)
+        assert failed == [comm.error]  # the other task's await failed with the abort
     testing.assert_quiescent()
 
 
@@ -340,6 +354,10 @@ async def test_bad_input_is_a_usage_error_before_anything_is_enqueued() -> None:
                     await comm.all_reduce([xs[1], xs[0]])
             with pytest.raises(gf.UsageError, match="captured"):
                 comm.all_reduce(xs).capture()
+            if n == 2:
+                async with gf.open_communicator([0]) as one:
+                    with pytest.raises(gf.UsageError, match="has no rank in this communicator"):
+                        await one.all_reduce([xs[1]])
         if activity is not None:
             assert not [a for a in activity if a.what.startswith("nccl")], activity
     assert comm.error is None
