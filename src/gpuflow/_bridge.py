@@ -327,13 +327,7 @@ class Dispatcher:
             lane.subs.append(sub)
             lane.appended += 1
             self._pending += 1
-            wake = not self._armed
-            self._armed = True
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="gpuflow-dispatcher", daemon=True
-                )
-                self._thread.start()
+            wake = self._arm()
             defer = loop is not None and turn.recent is loop.target
             if defer:
                 turn.dirty[raw_stream] = lane
@@ -356,19 +350,25 @@ class Dispatcher:
             turn.recent = loop.target
             turn.loop = loop
 
+    def _arm(self) -> bool:
+        """Put the dispatcher thread on its watchdog timer (starting it the
+        first time); True when it must be woken for that.  Under the lock."""
+        wake = not self._armed
+        self._armed = True
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="gpuflow-dispatcher", daemon=True
+            )
+            self._thread.start()
+        return wake
+
     def watch_communicator(self, comm: Communicating) -> None:
         """Ask ``comm`` for its asynchronous error at every watchdog tick while
         it is busy: a collective whose peer failed never ends by itself, and
         NCCL reports that only when asked.  Any thread."""
         with self._lock:
             self._comms.add(comm)
-            wake = not self._armed
-            self._armed = True
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="gpuflow-dispatcher", daemon=True
-                )
-                self._thread.start()
+            wake = self._arm()
         if wake:
             self._backend.wake()
 

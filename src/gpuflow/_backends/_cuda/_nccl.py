@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -216,19 +216,17 @@ class NcclComms:
         )
 
     def abort(self, comm: NcclComm) -> None:
-        with comm.lock:
-            try:
-                comm.comm.abort()
-            except Exception as exc:
-                warnings.warn(f"gpuflow: aborting {comm!r} failed: {exc!r}", stacklevel=2)
-            finally:
-                self._forget_current()
+        self._release(comm, "aborting", comm.comm.abort)
 
     def destroy(self, comm: NcclComm) -> None:
+        self._release(comm, "destroying", comm.comm.destroy)
+
+    def _release(self, comm: NcclComm, what: str, how: Callable[[], object]) -> None:
+        """End ``comm`` with ``how``; a failure is a warning (never raised)."""
         with comm.lock:
             try:
-                comm.comm.destroy()
+                how()
             except Exception as exc:
-                warnings.warn(f"gpuflow: destroying {comm!r} failed: {exc!r}", stacklevel=2)
+                warnings.warn(f"gpuflow: {what} {comm!r} failed: {exc!r}", stacklevel=3)
             finally:
                 self._forget_current()
