@@ -153,6 +153,22 @@ async def test_a_transfer_to_itself_needs_its_match_in_the_same_group() -> None:
             assert refused.value.name == "ncclInvalidUsage"
 
 
+async def test_an_aborted_communicator_refuses_collectives_and_its_scope_raises() -> None:
+    devs = devices()
+    with pytest.raises(gf.CommunicatorError, match="the program gives up") as left:
+        async with gf.open_communicator(devs) as comm:
+            xs = [await put(np.ones(4, F32), d) for d in devs]
+            await comm.all_reduce(xs)
+            comm.abort("the program gives up")
+            comm.abort("twice")  # idempotent: the first reason stays
+            with pytest.raises(gf.CommunicatorError) as refused:
+                await comm.all_reduce(xs)
+            assert refused.value is comm.error
+            for x in xs:  # the arrays are the program's still
+                np.testing.assert_array_equal(await get(x), np.ones(4, F32))
+    assert left.value is comm.error and "twice" not in str(comm.error)
+
+
 async def test_collectives_compose_with_then_and_map() -> None:
     devs = devices()
     host = shards(len(devs))

@@ -317,7 +317,7 @@ class Communicator:
         finally:
             self._closed = True
             raws, self._raw = self._raw, None
-            if raws is not None and not self._aborted:
+            if raws is not None:  # its runs are done: nothing of it is in use
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self._destroy, raws)
         if exc is None and self._error is not None:

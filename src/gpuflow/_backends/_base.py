@@ -342,11 +342,14 @@ class Backend(abc.ABC):
 
     def comm_abort(self, comm: Any) -> None:  # noqa: B027 - no communicators, nothing to do
         """Stop the communicator's work in flight (its kernels return) and
-        release it; its collectives still queued return at once when reached.
-        Never raises (warns)."""
+        refuse more; its collectives still queued return at once when
+        reached.  Frees nothing the GPU may still use: :meth:`comm_destroy`
+        does, once the runs that used it are done.  Any thread; never raises
+        (warns)."""
 
     def comm_destroy(self, comm: Any) -> None:  # noqa: B027
-        """Release a communicator whose work is done.  Never raises (warns)."""
+        """Release a communicator whose work is done (aborted or not).  Never
+        raises (warns)."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

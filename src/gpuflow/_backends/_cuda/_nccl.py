@@ -46,7 +46,7 @@ def _modules() -> tuple[Any, Any]:
 class NcclComm:
     """One rank's NCCL communicator on one device."""
 
-    __slots__ = ("comm", "dev", "lock", "nranks", "rank")
+    __slots__ = ("comm", "dev", "lock", "nranks", "rank", "revoked")
 
     def __init__(self, comm: Any, dev: Dev, rank: int, nranks: int) -> None:
         self.comm = comm  # nccl.core.Communicator
@@ -56,6 +56,9 @@ class NcclComm:
         #: NCCL's calls on one communicator must not overlap (abort from the
         #: watchdog against an enqueue from a task, say)
         self.lock = threading.Lock()
+        #: its work in flight was stopped (ncclCommRevoke); its resources
+        #: are still NCCL's until it is destroyed
+        self.revoked = False
 
     def __repr__(self) -> str:
         return f"<NCCL communicator rank {self.rank} of {self.nranks} on device {self.dev.index}>"
@@ -216,10 +219,33 @@ class NcclComms:
         )
 
     def abort(self, comm: NcclComm) -> None:
+        """Stop the work in flight, free nothing: ``ncclCommRevoke`` (NCCL
+        2.28+) makes its kernels return and leaves the communicator's memory
+        in place until :meth:`destroy`, called once the runs that used it are
+        done.  Where NCCL has no revoke, ``ncclCommAbort`` at once (which also
+        frees: a collective still queued behind other work would then start
+        on freed state, so that path is NCCL's older behaviour, not ours)."""
+        with comm.lock:
+            if comm.revoked or not comm.comm.is_valid:
+                return
+            try:
+                comm.comm.revoke()
+                comm.revoked = True
+                return
+            except Exception:
+                pass  # no revoke in this NCCL: abort below
+            finally:
+                self._forget_current()
         self._release(comm, "aborting", comm.comm.abort)
 
     def destroy(self, comm: NcclComm) -> None:
-        self._release(comm, "destroying", comm.comm.destroy)
+        """Free the communicator; its runs are done.  A revoked one is freed
+        with ``ncclCommAbort`` (local: a dead peer cannot stall it), any other
+        with ``ncclCommDestroy``."""
+        if not comm.comm.is_valid:
+            return  # aborted already
+        how = comm.comm.abort if comm.revoked else comm.comm.destroy
+        self._release(comm, "releasing", how)
 
     def _release(self, comm: NcclComm, what: str, how: Callable[[], object]) -> None:
         """End ``comm`` with ``how``; a failure is a warning (never raised)."""
