@@ -20,7 +20,10 @@ one of two kinds:
   CUDA, wakes the one dispatcher thread, which posts to waiting loops with
   their non-blocking post (``call_soon_threadsafe`` /
   ``TrioToken.run_sync_soon``).  A post to a loop that has finished is
-  dropped quietly.
+  dropped quietly.  One such signal is in flight on a stream at a time:
+  runs submitted meanwhile get one signal together when it fires (or when
+  their stream is destroyed first), so that runs enqueued back to back do
+  not each hold the stream for a host function.
 
 While work is pending the dispatcher thread also keeps a watchdog: a device
 that faulted never runs its host functions, so every ``WATCHDOG_S`` it
@@ -28,7 +31,10 @@ queries the streams that have pending work, and a sticky fault fails every
 pending submission of that device with :class:`DeviceFaultError`.  At the
 same ticks it completes pipe signals that fired but that their loop will
 not see soon (the loop ended, or has not run for a whole tick), so what a
-cancelled run kept is released even when nobody runs its loop again.
+cancelled run kept is released even when nobody runs its loop again, and
+it asks the communicators with collectives in flight for NCCL's
+asynchronous error (a collective whose peer died never ends by itself):
+one that has one is aborted, and every run that used it fails with it.
 """
 
 from __future__ import annotations
