@@ -169,7 +169,7 @@ async def test_an_aborted_communicator_refuses_collectives_and_its_scope_raises(
     assert left.value is comm.error and "twice" not in str(comm.error)
 
 
-async def test_collectives_compose_with_then_and_map() -> None:
+async def test_collectives_compose_with_then_map_and_zip() -> None:
     devs = devices()
     host = shards(len(devs))
     async with gf.open_communicator(devs) as comm:
@@ -187,6 +187,13 @@ async def test_collectives_compose_with_then_and_map() -> None:
             out = await gf.to_host(op)
         want = np.sum(np.stack([host[0] * 2, *host[1:]]), axis=0)
         np.testing.assert_array_equal(out, want)
+        # two collectives as the arms of a zip (the pool may give them two
+        # streams: each rank still runs them in the order they were issued)
+        with gf.use_device(devs[0]):
+            sums, gathered = await gf.zip(comm.all_reduce(xs), comm.all_gather(xs))
+        for s_, g in zip(sums, gathered, strict=True):
+            np.testing.assert_array_equal(await get(s_), want)
+            np.testing.assert_array_equal(await get(g), np.stack([host[0] * 2, *host[1:]]))
 
 
 async def test_a_collective_reads_after_a_write_on_another_stream_and_before_a_later_one() -> (
@@ -203,6 +210,22 @@ async def test_a_collective_reads_after_a_write_on_another_stream_and_before_a_l
         K.slow_fill(xs[0], 5.0, 0.0).enqueue_on(gf.new_stream(d0))
         np.testing.assert_array_equal(await get(outs[0]), np.full(4, 3.0, F32))
         np.testing.assert_array_equal(await get(xs[0]), np.full(4, 5.0, F32))
+
+
+@pytest.mark.sim_only  # the record of what the streams ran is the simulator's
+async def test_a_rank_runs_its_collectives_in_the_order_they_were_issued() -> None:
+    devs = devices()
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(np.ones(64, F32), d) for d in devs]
+        with testing.record_activity() as activity:
+            with gf.use_device(devs[0]):
+                await gf.zip(comm.all_reduce(xs), comm.all_gather(xs))
+    for d in devs:
+        ran = {a.what: a for a in activity if a.device == d and a.what.startswith("nccl")}
+        first, second = ran["nccl all_reduce"], ran["nccl all_gather"]
+        if d == devs[0]:  # the zip's arms ran on two streams (else this proves nothing)
+            assert first.stream != second.stream
+        assert second.start >= first.end, (first, second)
 
 
 # -- never hang ------------------------------------------------------------------------------

@@ -272,6 +272,9 @@ class Communicator:
         #: the last run that used it on each stream: runs of one stream end in
         #: order, so these are what the scope's end waits for
         self._last: dict[Stream, Submission] = {}
+        #: the stream of each local rank's latest collective: the next one,
+        #: on any stream, is ordered after it (under the hazard lock)
+        self._tails: dict[int, Stream] = {}
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -701,13 +704,22 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
+    be = ctx.backend
     with hazard_lock:
         for p in prepared:
             for arr, s in p.reads:
                 arr._alloc.before_read(s)
             for arr, s in p.writes:
                 arr._alloc.before_write(s)
-        ctx.backend.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
+        # a rank runs its collectives in the order they were issued, as NCCL
+        # requires of every rank (two on different streams could otherwise
+        # run in one order on one rank and the other order on another)
+        for comm, i, _call, s in calls:
+            tail = comm._tails.get(i)
+            if tail is not None and tail != s:
+                be.wait_event(s._raw, be.record_event(tail._raw))
+            comm._tails[i] = s
+        be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
     here = ctx.stream
     joined: list[Stream] = []
     comms: list[Communicator] = []
