@@ -74,6 +74,18 @@ def killed(info: gf.RankInfo, loop: str) -> dict[str, Any]:
     return anyio.run(_killed, info, backend=loop)
 
 
+def fails_on_the_last(info: gf.RankInfo, loop: str) -> str:
+    if info.rank == info.nranks - 1:
+        raise ValueError(f"rank {info.rank} was told to fail")
+    return f"rank {info.rank} ok on {loop}"
+
+
+def sleeps(info: gf.RankInfo, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
 SCENARIOS = {"every_collective": every_collective, "killed": killed}
 
 if __name__ == "__main__":  # under mpiexec

@@ -483,6 +483,21 @@ def test_a_rank_killed_mid_collective_fails_the_survivors_await(loop: str) -> No
     assert survivor["scope"] == "ncclRemoteError", survivor
 
 
+@pytest.mark.sim_only
+def test_spawn_ranks_reports_a_rank_that_raised_with_the_others_results() -> None:
+    with pytest.raises(ChildProcessError) as failed:
+        gf.spawn_ranks(ranks.fails_on_the_last, 2, "asyncio", timeout=60)
+    assert "rank 1 raised" in str(failed.value)
+    assert "ValueError: rank 1 was told to fail" in str(failed.value)  # its traceback
+    assert failed.value.results == ["rank 0 ok on asyncio", None]  # type: ignore[attr-defined]
+
+
+@pytest.mark.sim_only
+def test_spawn_ranks_kills_ranks_still_running_at_its_timeout() -> None:
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] were still running"):
+        gf.spawn_ranks(ranks.sleeps, 2, 60.0, timeout=3)
+
+
 def test_spawn_ranks_is_refused_inside_an_event_loop() -> None:
     async def inside() -> None:
         gf.spawn_ranks(ranks.every_collective, 1, "asyncio")
