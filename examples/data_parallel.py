@@ -80,8 +80,11 @@ def main() -> None:
         if info.rank == 0:
             print(f"backend: {chosen}, ranks: {info.nranks} (mpiexec)", flush=True)
         rank_main(info)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()  # every rank has checked its steps
         if info.rank == 0:
-            print("ok")
+            print("ok", flush=True)
         return
     chosen = gf.init_device_contexts(backend=args.backend)
     if chosen == "sim":

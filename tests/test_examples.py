@@ -86,4 +86,6 @@ def test_the_data_parallel_example_runs_under_mpiexec() -> None:
     assert out.startswith("backend: sim, ranks: 2 (mpiexec)"), out
     for rank in (0, 1):
         assert f"rank {rank}: step 3 all-reduced 16384 floats over 2 ranks, checked" in out, out
-    assert out.rstrip().endswith("ok"), out
+    # rank 0 says ok after a barrier; mpiexec may still forward rank 1's last
+    # line after it (two pipes), so the line is looked for, not its place
+    assert "ok" in out.splitlines(), out
