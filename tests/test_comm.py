@@ -252,6 +252,26 @@ async def lonely_rank0(hold: float = 3.0) -> Any:
         tg.cancel_scope.cancel()
 
 
+async def test_joining_waits_for_every_rank_and_a_deadline_ends_that_wait() -> None:
+    two_devices()
+    uid = gf.new_unique_id()
+    with gf.use_device(0):
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(DEADLINE):
+                async with gf.open_communicator(gf.RankInfo(0, 2, uid)):
+                    raise AssertionError("joined without rank 1")
+    # rank 1 joins late: rank 0's abandoned join ends in its own thread, which
+    # releases what it made (rank 0 leaves), so a collective of rank 1 finds
+    # rank 0 gone: NCCL's remote error, not a hang
+    with gf.use_device(1):
+        with pytest.raises(gf.CommunicatorError):
+            async with gf.open_communicator(gf.RankInfo(1, 2, uid)) as late:
+                x = await gf.from_host(np.ones(2, F32))
+                with pytest.raises(gf.CommunicatorError, match="rank 0 left"):
+                    with anyio.fail_after(10):
+                        await late.all_reduce(x)
+
+
 async def test_a_peer_that_never_calls_is_a_hang_that_the_deadline_ends() -> None:
     async with lonely_rank0() as opened:
         with pytest.raises(gf.CommunicatorError) as left:

@@ -43,17 +43,17 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from ._array import DeviceArray, _allocate, _dtype, _resolve_array, _shape
 from ._backends._base import COMM_DTYPES, REDUCTIONS, CollectiveCall
-from ._bridge import Submission
+from ._bridge import Submission, post
 from ._errors import CommunicatorError, UsageError, UsageTypeError
 from ._hazards import hazard_lock
+from ._loops import current_loop
 from ._operation import DeviceOperation
 from ._run import _refuse_blocking, ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from ._stream import Stream
 
 _log = logging.getLogger("gpuflow")
+T = TypeVar("T")
 
 
 class RankInfo(NamedTuple):
@@ -298,9 +299,12 @@ class Communicator:
         if self._raw is not None or self._closed:
             raise UsageError("a communicator is entered once (open a new one)")
         be = self._rt.backend
-        # joining waits for every rank: in a thread, so that the loop runs on
-        self._raw = await anyio.to_thread.run_sync(
-            be.comm_init, self.devices, self.ranks, self.nranks, self._uid
+        # joining waits for every rank: off the loop, and abandoned (never
+        # waited for at exit) if the wait is cancelled; what it makes then
+        # is released when it is made
+        self._raw = await _off_loop(
+            lambda: be.comm_init(self.devices, self.ranks, self.nranks, self._uid),
+            abandoned=self._destroy,
         )
         return self
 
@@ -321,8 +325,9 @@ class Communicator:
             self._closed = True
             raws, self._raw = self._raw, None
             if raws is not None:  # its runs are done: nothing of it is in use
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self._destroy, raws)
+                # NCCL's destroy waits for the other ranks of this host: a
+                # cancellation leaves it to finish in its thread
+                await _off_loop(lambda: self._destroy(raws))
         if exc is None and self._error is not None:
             raise self._error
 
@@ -471,6 +476,50 @@ class Communicator:
         if not 0 <= r < self.nranks:
             raise UsageError(f"{what} {r} is not one of the {self.nranks} ranks")
         return r
+
+
+async def _off_loop(fn: Callable[[], T], abandoned: Callable[[T], object] | None = None) -> T:
+    """``fn()`` in a daemon thread of its own, awaited cancellably.
+
+    A blocking call that may never return (NCCL's initialisation waiting for
+    a rank that never comes) must neither block the loop nor keep the
+    process from exiting, as a worker thread of AnyIO's would.  If the wait
+    is cancelled, the thread goes on; ``abandoned(result)`` then runs in it
+    when ``fn`` returns.
+    """
+    loop = current_loop()
+    done = anyio.Event()
+    box: list[tuple[bool, Any]] = []
+    gave_up: list[bool] = []
+    lock = threading.Lock()  # the result is released exactly once, here or there
+
+    def work() -> None:
+        try:
+            result: tuple[bool, Any] = (True, fn())
+        except BaseException as exc:
+            result = (False, exc)
+        with lock:
+            box.append(result)
+            nobody = bool(gave_up)
+        if not nobody:
+            post(loop.target, loop.post, [done.set])
+        elif result[0] and abandoned is not None:
+            abandoned(result[1])
+
+    threading.Thread(target=work, name="gpuflow-communicator", daemon=True).start()
+    try:
+        await done.wait()
+    except BaseException:
+        with lock:
+            gave_up.append(True)
+            ended = box[0] if box else None
+        if ended is not None and ended[0] and abandoned is not None:  # it ended meanwhile
+            abandoned(ended[1])
+        raise
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def _reduction(op: Any) -> str:
