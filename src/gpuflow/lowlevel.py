@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._backends import register_backend as register_backend
 from ._backends._base import Backend as Backend
+from ._backends._base import CollectiveCall as CollectiveCall
 from ._backends._base import PointerArg as PointerArg
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
