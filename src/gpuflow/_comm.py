@@ -25,8 +25,12 @@ become a hang of the program:
   error (a peer that left, a network failure) every tick while collectives
   are pending, and aborts it when there is one: every pending await fails
   with that error, whichever task awaits it;
-* an abort frees nothing the GPU may still use: arrays are freed in stream
-  order after the aborted work, as always.
+* an abort frees nothing the GPU may still use: it stops the work in flight
+  (the backend's ``comm_abort``: NCCL's revoke), the communicator itself is
+  released only when its scope ends and the runs that used it are done, and
+  arrays are freed in stream order after the aborted work, as always;
+* each rank runs the communicator's collectives in the order they were
+  issued, whatever stream each is on, as NCCL requires of every rank.
 
 An aborted communicator refuses further collectives (with the error that
 aborted it) and is logged on the ``gpuflow`` logger; its scope raises that
