@@ -145,7 +145,7 @@ class NcclComms:
                     comm.lock.acquire()
                     held.append(comm.lock)
             for comm, _, _ in calls:
-                if not comm.comm.is_valid:
+                if comm.revoked or not comm.comm.is_valid:
                     raise CommunicatorError(
                         f"{comm!r} was aborted or destroyed",
                         code=NCCL_INVALID_USAGE,
