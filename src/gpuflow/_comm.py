@@ -271,8 +271,7 @@ class Communicator:
         self._multi = unique_id is None
         self._raw: list[Any] | None = None
         self._closed = False
-        self._error: CommunicatorError | None = None
-        self._aborted = False
+        self._error: CommunicatorError | None = None  # set once: the abort
         self._lock = threading.Lock()
         #: the last run that used it on each stream: runs of one stream end in
         #: order, so these are what the scope's end waits for
@@ -295,7 +294,9 @@ class Communicator:
         return self._error
 
     def __repr__(self) -> str:
-        state = "aborted" if self._aborted else "open" if self._raw is not None else "closed"
+        state = "open" if self._raw is not None else "closed"
+        if self._error is not None:
+            state = "aborted"
         return f"<gpuflow.Communicator ranks {list(self.ranks)} of {self.nranks} ({state})>"
 
     # -- the scope ----------------------------------------------------------------------
@@ -354,9 +355,8 @@ class Communicator:
 
     def _fail(self, error: CommunicatorError) -> None:
         with self._lock:
-            if self._aborted:
+            if self._error is not None:
                 return
-            self._aborted = True
             self._error = error
             raws = list(self._raw or ())
         _log.warning("gpuflow: %s", error)
