@@ -10,7 +10,6 @@ after free seen.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import re
 import subprocess
@@ -19,12 +18,6 @@ from collections.abc import Iterator
 from importlib.util import find_spec
 
 import pytest
-
-# PyTorch, where installed, is imported before NVRTC compiles anything: seen on
-# the H200 (torch 2.11, NVRTC 13.0), importing torch after a gf.compile in the
-# same process fails inside torch ("expected ident" from its schema parser)
-if importlib.util.find_spec("torch") is not None:
-    import torch  # noqa: F401
 
 import gpuflow as gf
 from gpuflow import testing

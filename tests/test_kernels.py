@@ -347,3 +347,52 @@ def test_dropping_a_module_while_a_kernel_runs_stalls_no_collection() -> None:
     took = time.monotonic() - t0
     assert took < 0.5, f"the collection waited {took:.2f} s for the GPU"
     stream.synchronize()
+
+
+def test_compiling_leaves_the_interpreters_own_objects_alone() -> None:
+    """NVRTC writes its log into the buffer gpuflow hands it; a log of one byte
+    (a clean compile: its NUL) once went into the interpreter's cached
+    ``b" "``, after which every ``" ".encode()`` of the process gave
+    ``b"\\x00"`` (and ``import torch`` failed parsing a schema)."""
+    import uuid
+
+    tag = uuid.uuid4().hex  # a source no cache has seen: NVRTC runs
+    gf.compile(f'extern "C" __global__ void clean_{tag}(float* x) {{ x[0] = 1; }}')
+    # (compared by value: ``b" "`` itself is the cached object)
+    space = " "
+    assert list(space.encode()) == [32]
+    assert list(b" ") == [32]
+
+
+_IMPORT_AFTER_COMPILE = {
+    "torch": "import torch; from torch.library import infer_schema\n"
+    "def annotate(tag: str) -> None: ...\n"
+    "print(infer_schema(annotate, mutates_args=()))",
+    "cupy": "import cupy; print(cupy.__version__)",
+    "jax": "import jax; print(jax.__version__)",
+}
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("library", sorted(_IMPORT_AFTER_COMPILE))
+def test_a_library_imported_after_a_compile_works(library: str) -> None:
+    """In a fresh process: compile first, then import the other library (its
+    module code, with no GPU needed, must run as in a process without gpuflow)."""
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+
+    if find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
+    code = (
+        "import gpuflow as gf\n"
+        "gf.init_device_contexts(backend='sim')\n"
+        "gf.compile('extern \"C\" __global__ void k(float* x) { x[0] = 1; }')\n"
+        + _IMPORT_AFTER_COMPILE[library]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if library == "torch":
+        assert "(str tag) -> ()" in proc.stdout

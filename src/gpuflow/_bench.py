@@ -609,10 +609,6 @@ def main(argv: list[str]) -> int:
                    help="also write a timeline of every run to PATH (Chrome trace-event "
                    "JSON, for ui.perfetto.dev); tracing slows the runs it records")
     args = p.parse_args(argv)
-    if (not args.only or "torch" in args.only) and importlib.util.find_spec("torch") is not None:
-        # before NVRTC compiles anything: on the H200, torch imported after a
-        # compile failed inside torch (its schema parser), see the README
-        import torch  # noqa: F401
     backend = gf.init_device_contexts(backend=args.backend)
     cuda = backend == "cuda"
     be = gf.lowlevel.current_backend_object()

@@ -58,18 +58,22 @@ def compile_source(source: str, arch: str, options: tuple[str, ...]) -> bytes:
             opts += [f"-I{d}".encode() for d in include_dirs()]
             (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
             size = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-            log = b" " * int(size)  # type: ignore[call-overload]
+            # NVRTC writes into the buffers it is given: they must be fresh,
+            # mutable memory.  (``b" " * 1`` is the interpreter's own cached
+            # ``b" "``: writing a log's NUL into it turned every ``" ".encode()``
+            # of the process into ``b"\\x00"``, which broke ``import torch``.)
+            log = bytearray(int(size))  # type: ignore[call-overload]
             nvrtc.nvrtcGetProgramLog(prog, log)
             text = log.rstrip(b"\x00 ").decode(errors="replace").strip()
             if int(err) != 0:
                 raise CompileError(f"NVRTC could not compile the source for {arch}", text)
             if arch.startswith("sm_"):
                 n = check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-                out = b" " * int(n)  # type: ignore[call-overload]
+                out = bytearray(int(n))  # type: ignore[call-overload]
                 check(nvrtc.nvrtcGetCUBIN(prog, out), "cubin")
             else:
                 n = check(nvrtc.nvrtcGetPTXSize(prog), "ptx size")
-                out = b" " * int(n)  # type: ignore[call-overload]
+                out = bytearray(int(n))  # type: ignore[call-overload]
                 check(nvrtc.nvrtcGetPTX(prog, out), "ptx")
             return bytes(out)
         finally:
