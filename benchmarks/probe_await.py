@@ -1,13 +1,13 @@
 """Where one ``await op`` spends its time, on the backend in use.
 
 Timestamps on one clock (``perf_counter``), all in the loop's thread:
-front end up to the submit | signal enqueue (pipe, epoll registration, the
-close host function) | GPU + host function + the loop's selector waking |
-completion in the loop (lock, close, fault query, finishing the run) |
-task resume.  Then cProfile of the loop thread over awaits and over a
-132-step then-chain.
+front end up to the submit | the mark's enqueue | GPU + polling until the
+word is seen reached (or the wake-up) | completion in the loop (finishing
+the run, waking the task) | task resume.  Then the 64-task throughput with
+the wake-ups it armed, and cProfile of the loop thread over awaits, a
+132-step then-chain and the 64 tasks.
 
-Run: python benchmarks/probe_await.py [cuda|sim|auto] [--samples N]
+Run: python benchmarks/probe_await.py [cuda|sim|auto] [--samples N] [--busy-poll-us US]
 """
 
 from __future__ import annotations
@@ -33,34 +33,30 @@ pc = time.perf_counter
 
 
 def instrument(marks: dict[str, float]) -> None:
-    """Note in ``marks`` when a run is submitted, when its loop sees the
-    signal fire, and when the woken task has been told."""
+    """Note in ``marks`` when a run is submitted (its mark enqueued), and
+    when the loop has completed it and woken its task."""
     disp = get_runtime().dispatcher
-    orig_submit, orig_ready, orig_deliver = disp.submit, disp._on_ready, disp._deliver
+    orig_submit, orig_deliver = disp.submit, disp._deliver
 
-    def submit(raw: Any, sub: Any, *rest: Any) -> None:
+    def submit(raw: Any, sub: Any) -> None:
         marks["submit0"] = pc()
-        orig_submit(raw, sub, *rest)
+        orig_submit(raw, sub)
         marks["submit1"] = pc()
 
-    def on_ready(reader: Any) -> None:
-        marks.setdefault("ready", pc())
-        orig_ready(reader)
-
     def deliver(*a: Any) -> None:
+        marks.setdefault("seen", pc())
         orig_deliver(*a)
         marks.setdefault("woken", pc())
 
     # instance attributes: the bridge looks these up on the dispatcher at each call
     disp.submit = submit  # type: ignore[method-assign, assignment]
-    disp._on_ready = on_ready  # type: ignore[method-assign]
     disp._deliver = deliver  # type: ignore[method-assign, assignment]
 
 
 async def segments(
     op: gf.DeviceOperation[Any], marks: dict[str, float], n: int
 ) -> dict[str, list[float]]:
-    names = ("front", "signal", "gpu+wake", "complete", "resume", "total")
+    names = ("front", "mark", "gpu+poll", "complete", "resume", "total")
     seg: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(200):
         await op
@@ -70,12 +66,12 @@ async def segments(
         await op
         t1 = pc()
         m = dict(marks)
-        if not ("ready" in m and "woken" in m and m["submit1"] <= m["ready"] <= m["woken"]):
-            continue  # completed some other way (the watchdog, a counted signal)
+        if not ("seen" in m and m["submit1"] <= m["seen"] <= m["woken"]):
+            continue
         seg["front"].append(m["submit0"] - t0)
-        seg["signal"].append(m["submit1"] - m["submit0"])
-        seg["gpu+wake"].append(m["ready"] - m["submit1"])
-        seg["complete"].append(m["woken"] - m["ready"])
+        seg["mark"].append(m["submit1"] - m["submit0"])
+        seg["gpu+poll"].append(m["seen"] - m["submit1"])
+        seg["complete"].append(m["woken"] - m["seen"])
         seg["resume"].append(t1 - m["woken"])
         seg["total"].append(t1 - t0)
     return seg
@@ -96,22 +92,17 @@ async def tasks64(op: gf.DeviceOperation[Any]) -> None:
             tg.start_soon(worker)
 
 
-def count_signals() -> list[int]:
-    """``[pipe signals, counted signals]`` enqueued from now on."""
+def count_pipes() -> list[int]:
+    """``[pipe wake-ups]`` enqueued from now on."""
     be = get_runtime().backend
-    counts = [0, 0]
-    close, count = be.enqueue_close, be.enqueue_signal
+    counts = [0]
+    close = be.enqueue_close
 
     def closing(raw: Any, fd: int) -> bool:
         counts[0] += 1
         return close(raw, fd)
 
-    def counted(raw: Any) -> None:
-        counts[1] += 1
-        count(raw)
-
     be.enqueue_close = closing  # type: ignore[method-assign, assignment]
-    be.enqueue_signal = counted  # type: ignore[method-assign, assignment]
     return counts
 
 
@@ -119,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("backend", nargs="?", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--samples", type=int, default=2000, help="timed awaits per event loop")
+    p.add_argument("--busy-poll-us", type=float, default=None, help="the busy-poll budget")
     args = p.parse_args(argv)
-    backend = gf.init_device_contexts(backend=args.backend)
+    backend = gf.init_device_contexts(backend=args.backend, busy_poll_us=args.busy_poll_us)
     marks: dict[str, float] = {}
     instrument(marks)
     mod = gf.compile('extern "C" __global__ void empty() {}', references={"empty": lambda: None})
@@ -142,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         ) + f"  ({len(seg['total'])} of {n} samples)", flush=True)
 
     anyio.run(tasks64, op)
-    counts = count_signals()
+    counts = count_pipes()
     t0 = pc()
     anyio.run(tasks64, op)
     dt = pc() - t0
-    print(f"64 tasks x 100 awaits (asyncio): {6400 / dt:.0f} op/s; signals: {counts[0]} pipe, "
-          f"{counts[1]} counted; pool streams: {len(gf.lowlevel.pool_streams(0))}", flush=True)
+    print(f"64 tasks x 100 awaits (asyncio): {6400 / dt:.0f} op/s; pipe wake-ups: {counts[0]}; "
+          f"pool streams: {len(gf.lowlevel.pool_streams(0))}", flush=True)
     runs: list[tuple[str, Callable[[], Any]]] = [
         ("await", lambda: anyio.run(repeat, lambda: op, 3000)),
         ("chain", lambda: anyio.run(repeat, lambda: chain.run(one), 60)),

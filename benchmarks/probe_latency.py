@@ -6,7 +6,7 @@ c. launch + event record + cuEventSynchronize
 d. launch + close(fd) host function, asyncio loop woken by the fd (no Python thread)
 e. launch + 1 sem_post host fn, a Python waiter thread, call_soon_threadsafe to asyncio
 f. thread ping-pong through threading.Event (the cost of one GIL hand-off)
-g. gpuflow await, signals="hostfunc" and signals="event"
+g. gpuflow await, marks="word" and marks="event", polling and not
 h. (last: the fault lasts as long as the process) a faulting launch to the
    first cuStreamQuery that reports it
 
@@ -203,7 +203,7 @@ def f(n: int) -> float:
 
 
 def g(n: int) -> None:
-    from gpuflow._backends import _cuda  # its signal modes are the backend's, not public
+    from gpuflow._backends import _cuda  # its kinds of marks are the backend's, not public
 
     async def main(op: gf.DeviceOperation[Any]) -> float:
         for _ in range(300):
@@ -215,14 +215,16 @@ def g(n: int) -> None:
             out.append(time.perf_counter() - t0)
         return med(out)
 
-    for signals in ("hostfunc", "event"):
-        be = _cuda.CudaBackend(1, signals=signals)
-        gf.init_device_contexts(backend=be)
-        m = gf.compile(EMPTY)
-        op = m.empty(gf.LaunchConfig(1, 1))
-        for lib in ("asyncio", "trio"):
-            print(f"g gpuflow await signals={signals} {lib}", anyio.run(main, op, backend=lib),
-                  "us", flush=True)
+    for marks in ("word", "event"):
+        for poll_us in (200, 0):
+            be = _cuda.CudaBackend(1, marks=marks)
+            gf.init_device_contexts(backend=be, busy_poll_us=poll_us)
+            m = gf.compile(EMPTY)
+            op = m.empty(gf.LaunchConfig(1, 1))
+            for lib in ("asyncio", "trio"):
+                us = anyio.run(main, op, backend=lib)
+                print(f"g gpuflow await marks={marks} busy_poll_us={poll_us} {lib}", us, "us",
+                      flush=True)
 
 
 def h(r: Raw) -> None:

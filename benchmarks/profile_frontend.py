@@ -1,4 +1,4 @@
-"""Front-end overhead with a backend that does nothing: signals complete at once.
+"""Front-end overhead with a backend that does nothing: marks are reached at once.
 
 No device is used.  Run: python benchmarks/profile_frontend.py [profile]
 (``profile``: also cProfile 5,000 awaits and print the top functions).
@@ -30,7 +30,7 @@ from gpuflow._policy import DEFAULT_POLICY
 class NullStream:
     def __init__(self, device: int) -> None:
         self.device = device
-        self.signals = 0
+        self.word = 0
 
 
 class NullBuffer:
@@ -41,12 +41,11 @@ class NullBuffer:
 
 
 class NullBackend(_base.Backend):
-    """Every call returns at once; a signal is delivered as it is enqueued."""
+    """Every call returns at once; a mark is reached as it is enqueued."""
 
     name = "null"
 
     def __init__(self) -> None:
-        self._sem = threading.Semaphore(0)
         self.lock = threading.Lock()
 
     @property
@@ -119,28 +118,16 @@ class NullBackend(_base.Backend):
     ) -> None:
         pass
 
-    def enqueue_signal(self, stream: Any) -> None:
+    def mark(self, stream: Any) -> int:
         with self.lock:
-            stream.signals += 1
-        self._sem.release()
+            stream.word += 1
+            return int(stream.word)
 
-    def wait_signals(self, timeout: float | None) -> None:
-        # as the interface says: None blocks, 0 polls (an idle dispatcher must not spin)
-        if timeout is None:
-            self._sem.acquire()
-        elif timeout <= 0:
-            self._sem.acquire(blocking=False)
-        else:
-            self._sem.acquire(timeout=timeout)
+    def completion_reader(self, stream: Any) -> Any:
+        return lambda: stream.word
 
-    def take_signals(self, stream: Any) -> int:
-        with self.lock:
-            n: int = stream.signals
-            stream.signals = 0
-            return n
-
-    def wake(self) -> None:
-        self._sem.release()
+    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
+        pass
 
     def begin_capture(self, stream: Any) -> None:
         pass

@@ -1,14 +1,13 @@
-"""The completion bridge: the GPU wakes the loop; signals shared by a turn.
+"""The completion bridge: completion words read while busy, the GPU's wake-up when idle.
 
-An awaited run is signalled by a pipe whose write end the GPU closes and
-whose read end the loop watches: the loop's own thread completes the run and
-wakes the task, with no post from another thread.  The first run a loop
-submits in one turn enqueues its signal at once and schedules a flush for
-the end of the turn; the runs submitted after it in that turn are signalled
-by the flush, one signal per stream.  Whatever ends a turn early (a
-cancellation, a loop that closes before its flush runs, a loop that never
-runs again), no run is left without a signal, and no file descriptor is
-left open.
+Every run ends with a mark on its stream: the GPU writes the run's number
+into the stream's completion word.  A loop with runs pending reads the words
+once per turn and completes what they cover, in its own thread; once no run
+has completed for the busy-poll budget, it arms a wake-up (a pipe the GPU
+closes right after the oldest pending run, or, where work is already queued
+behind that run, the dispatcher thread watching the word) and sleeps.
+Whatever ends a loop early (a cancellation, a loop that stops or ends), no
+run is left pending, and no file descriptor is left open.
 
 These tests drive the dispatcher and the loop adapters themselves, so they
 import the private modules that hold them (``_bridge``, ``_runtime``,
@@ -38,26 +37,53 @@ from gpuflow._runtime import get_runtime
 F32 = np.float32
 
 
-def count_signals(monkeypatch: pytest.MonkeyPatch, kind: str = "") -> list[Any]:
-    """Record every signal the backend is asked to enqueue (the stream it goes
-    on), of both kinds, or of one (``"fd"`` or ``"counted"``)."""
+def reinit(busy_poll_us: float) -> None:
+    """The fixture's runtime again, with another busy-poll budget."""
+    backend = gf.current_backend()
+    gf.init_device_contexts(
+        backend=backend, num_devices=2 if backend == "sim" else None, busy_poll_us=busy_poll_us
+    )
+
+
+def count_pipes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Record every pipe wake-up the backend is asked to enqueue (its stream)."""
     backend = get_runtime().backend
     calls: list[Any] = []
-    enqueue, enqueue_close = backend.enqueue_signal, backend.enqueue_close
-
-    def counted(raw: Any) -> None:
-        calls.append(raw)
-        enqueue(raw)
+    enqueue_close = backend.enqueue_close
 
     def closing(raw: Any, fd: int) -> bool:
         calls.append(raw)
         return enqueue_close(raw, fd)
 
-    if kind != "fd":
-        monkeypatch.setattr(backend, "enqueue_signal", counted)
-    if kind != "counted":
-        monkeypatch.setattr(backend, "enqueue_close", closing)
+    monkeypatch.setattr(backend, "enqueue_close", closing)
     return calls
+
+
+def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Record every wake-up posted to a loop from another thread."""
+    from gpuflow import _bridge  # the post the dispatcher thread makes
+
+    posts: list[Any] = []
+    real_post = _bridge.post
+
+    def recorded(*args: Any) -> None:
+        posts.append(args)
+        real_post(*args)
+
+    monkeypatch.setattr(_bridge, "post", recorded)
+    return posts
+
+
+def completing_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    seen_on: list[int] = []
+    finish = Submission._finish
+
+    def noted(sub: Submission, err: BaseException | None) -> Any:
+        seen_on.append(threading.get_ident())
+        return finish(sub, err)
+
+    monkeypatch.setattr(Submission, "_finish", noted)
+    return seen_on
 
 
 def open_fds() -> int:
@@ -76,66 +102,195 @@ needs_proc = pytest.mark.skipif(
 )
 
 
+# -- poll while busy ---------------------------------------------------------------------------
+
+
 @pytest.mark.anyio
-async def test_the_gpu_wakes_the_loop_with_no_post_from_another_thread(
+async def test_a_busy_loop_completes_runs_from_the_words_with_no_host_function(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuflow import _bridge  # the post a dispatcher thread would make
-
+    reinit(busy_poll_us=2_000_000)  # polls for as long as any of these runs takes
     x = await gf.zeros(64, F32)
-    fd_signals = count_signals(monkeypatch, "fd")
-    counted = count_signals(monkeypatch, "counted")
-    posts: list[Any] = []
-    real_post = _bridge.post
-
-    def recorded(*args: Any) -> None:
-        posts.append(args)
-        real_post(*args)
-
-    monkeypatch.setattr(_bridge, "post", recorded)
-    seen_on: list[int] = []
-    finish = Submission._finish
-
-    def noted(sub: Submission, err: BaseException | None) -> Any:
-        seen_on.append(threading.get_ident())
-        return finish(sub, err)
-
-    monkeypatch.setattr(Submission, "_finish", noted)
+    pipes = count_pipes(monkeypatch)
+    posts = record_posts(monkeypatch)
+    seen_on = completing_threads(monkeypatch)
     for i in range(20):
         await K.slow_fill(x, float(i), 0.001)
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 19.0, F32))
-    assert len(fd_signals) >= 20 and counted == [] and posts == []
+    # no host function, no post from another thread: the loop read the words
+    assert pipes == [] and posts == []
     assert set(seen_on) == {threading.get_ident()}  # completed in the loop's own thread
 
 
 @pytest.mark.anyio
-async def test_a_signal_completes_only_the_runs_submitted_before_it() -> None:
-    # on one stream: a short run, then (its signal already enqueued) a long
-    # one; the short run's signal must not complete the long one
+async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuflow import _bridge  # the poller itself
+
+    reinit(busy_poll_us=2_000_000)
+    pool = gf.StreamPoolRoundRobin()  # 32 tasks on the pool's four streams
+    turns: list[int] = []
+    reads: list[int] = [0]  # the reads of words made by the poller (not by hazards)
+    polling = [False]
+    poll = _bridge._Poller.poll
+
+    def counted_poll(self: Any) -> bool:
+        for lane in self.lanes:
+            if not getattr(lane.read, "counted", False):
+                lane.read = _counting(lane.read, reads, polling)
+        turns.append(len(self.lanes))
+        polling[0] = True
+        try:
+            return poll(self)
+        finally:
+            polling[0] = False
+
+    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)  # (before the loop's first await)
+    counters = [await gf.zeros(1, np.int32) for _ in range(32)]
+
+    async def worker(c: gf.DeviceArray) -> None:
+        for _ in range(4):
+            await K.module().count(gf.LaunchConfig(1, 1), c).run(pool)
+
+    async with anyio.create_task_group() as tg:
+        for c in counters:
+            tg.start_soon(worker, c)
+    for c in counters:
+        assert int((await gf.to_host(c))[0]) == 4
+    assert turns and max(turns) <= 4 + 2  # the pool's streams (and the to_host's)
+    assert reads[0] <= sum(turns), (reads[0], sum(turns))
+
+
+def _counting(read: Any, count: list[int], polling: list[bool]) -> Any:
+    def counted() -> int:
+        if polling[0] and threading.current_thread() is threading.main_thread():
+            count[0] += 1
+        return int(read())
+
+    counted.counted = True  # type: ignore[attr-defined]
+    return counted
+
+
+# -- sleep when idle ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_with_polling_off_the_gpu_wakes_the_loop_with_no_post(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reinit(busy_poll_us=0)
+    x = await gf.zeros(64, F32)
+    pipes = count_pipes(monkeypatch)
+    posts = record_posts(monkeypatch)
+    seen_on = completing_threads(monkeypatch)
+    for i in range(20):
+        await K.slow_fill(x, float(i), 0.001)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 19.0, F32))
+    assert len(pipes) == 21 and posts == []  # one pipe an await, closed by the GPU
+    assert set(seen_on) == {threading.get_ident()}
+
+
+@pytest.mark.anyio
+async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuflow import _bridge  # the poller itself
+
+    reinit(busy_poll_us=2_000)
+    turns: list[float] = []
+    poll = _bridge._Poller.poll
+
+    def counted_poll(self: Any) -> bool:
+        turns.append(time.monotonic())
+        return poll(self)
+
+    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)  # (before the loop's first await)
+    x = await gf.zeros(64, F32)
+    pipes = count_pipes(monkeypatch)
+    cpu = time.process_time()
+    t0 = time.monotonic()
+    await K.slow_fill(x, 1.0, 0.5)
+    took = time.monotonic() - t0
+    cpu = time.process_time() - cpu
+    # it polled for about the budget after the submit, armed one pipe, slept
+    # until the GPU closed it, then polled once more
+    assert len(pipes) == 1
+    spun = [t for t in turns if t < t0 + 0.25]
+    assert spun and spun[-1] - t0 < 0.1, spun[-1] - t0
+    assert len(turns) - len(spun) <= 3
+    assert took >= 0.5 and cpu < 0.25 * took, (cpu, took)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+@pytest.mark.anyio
+async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it() -> None:
+    # on one stream: a short run, then (its mark already enqueued) a long one
     one = gf.SingleStream()
     x = await gf.zeros(64, F32)
     y = await gf.zeros(64, F32)
     backend = get_runtime().backend
+    took: dict[str, float] = {}
     idle_after: dict[str, bool] = {}
 
     async def run(name: str, op: gf.DeviceOperation[Any]) -> None:
+        t0 = time.monotonic()
         await op.run(one)
+        took[name] = time.monotonic() - t0
         idle_after[name] = backend.query(one.stream.raw)  # its work is the stream's last
 
-    with anyio.fail_after(5):  # the long run waits for a flush: one must come
+    enqueued = anyio.Event()
+
+    def short(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+        enqueued.set()  # (the run is submitted before its task next yields)
+        return K.slow_fill(x, 1.0, 0.02)
+
+    with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run, "short", K.slow_fill(x, 1.0, 0.02))
-            await anyio.sleep(0.005)  # submitted by now, and still running
-            await run("long", K.slow_fill(y, 2.0, 0.2))
-    assert idle_after == {"short": False, "long": True}
+            tg.start_soon(run, "short", gf.with_context(short))
+            await enqueued.wait()  # submitted by now, and still running
+            K.slow_fill(y, 2.0, 0.6).enqueue_on(one.stream)
+    assert idle_after == {"short": False}
+    # woken at its own end (the dispatcher thread watched its word, since a
+    # host function armed after the long run was queued would wait for it)
+    assert took["short"] < 0.3, took
+    await gf.to_host(y).run(one)
     np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
+
+
+@pytest.mark.parametrize("busy_poll_us", [0, 200, 50_000])
+@pytest.mark.anyio
+async def test_fast_awaits_started_with_slow_ones_finish_at_their_own_end(
+    busy_poll_us: float,
+) -> None:
+    """Eight tasks start together on the default policy, four with short
+    kernels and four with long ones: no short await waits for a long kernel,
+    whatever stream it shares and whether its loop polls or sleeps."""
+    reinit(busy_poll_us=busy_poll_us)
+    slow, fast = 0.6, 0.001
+    took: dict[int, float] = {}
+
+    async def request(i: int) -> None:
+        seconds = slow if i % 2 else fast
+        op = gf.zeros(64, F32).then(lambda a: K.slow_fill(a, float(i), seconds))
+        t0 = time.monotonic()
+        out = await gf.to_host(op)
+        took[i] = time.monotonic() - t0
+        assert out[0] == i
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(request, i)
+    fast_took = sorted(took[i] for i in range(0, 8, 2))
+    assert fast_took[-1] < slow / 2, fast_took
 
 
 @needs_proc
 @pytest.mark.anyio
 async def test_awaits_leave_no_file_descriptor_open() -> None:
+    reinit(busy_poll_us=0)  # every await takes a pipe
     counters = [await gf.zeros(1, np.int32) for _ in range(32)]
-    before = open_fds()  # the loop's reader is open by now
+    before = open_fds()  # the loop's epoll set is open by now
 
     async def worker(c: gf.DeviceArray) -> None:
         for _ in range(10):
@@ -146,17 +301,18 @@ async def test_awaits_leave_no_file_descriptor_open() -> None:
             tg.start_soon(worker, c)
     for c in counters:
         assert int((await gf.to_host(c))[0]) == 10
-    wait_until(lambda: open_fds() <= before, f"{open_fds() - before} descriptors left open")
+    wait_until(lambda: open_fds() <= before + 2, f"{open_fds() - before} descriptors left open")
 
 
 @pytest.mark.anyio
-async def test_past_the_pipe_limit_runs_signal_through_the_dispatcher(
+async def test_past_the_pipe_limit_the_dispatcher_thread_wakes_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from gpuflow import _bridge  # the limit itself
 
+    reinit(busy_poll_us=0)
     monkeypatch.setattr(_bridge, "MAX_FD_SIGNALS", 1)
-    counted = count_signals(monkeypatch, "counted")
+    posts = record_posts(monkeypatch)
     arrays = [await gf.zeros(16, F32) for _ in range(16)]
     pool = gf.StreamPoolRoundRobin()
 
@@ -164,39 +320,17 @@ async def test_past_the_pipe_limit_runs_signal_through_the_dispatcher(
         for r in range(4):
             await K.slow_fill(a, float(r + 1), 0.002).run(pool)
 
-    async with anyio.create_task_group() as tg:
-        for a in arrays:
-            tg.start_soon(worker, a)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for a in arrays:
+                tg.start_soon(worker, a)
     for a in arrays:
         np.testing.assert_array_equal(await gf.to_host(a), np.full(16, 4.0, F32))
-    assert counted, "every run took a pipe although the limit is one in flight"
+    assert posts, "every run took a pipe although the limit is one in flight"
 
 
 @pytest.mark.anyio
-async def test_tasks_woken_together_share_signals(monkeypatch: pytest.MonkeyPatch) -> None:
-    tasks, rounds = 32, 4
-    counters = [await gf.zeros(1, np.int32) for _ in range(tasks)]
-    signals = count_signals(monkeypatch)
-
-    # the pool's four streams, whatever the default policy would add under load
-    pool = gf.StreamPoolRoundRobin()
-
-    async def worker(c: gf.DeviceArray) -> None:
-        for _ in range(rounds):
-            await K.module().count(gf.LaunchConfig(1, 1), c).run(pool)
-
-    async with anyio.create_task_group() as tg:
-        for c in counters:
-            tg.start_soon(worker, c)
-    for c in counters:
-        assert int((await gf.to_host(c))[0]) == rounds
-    awaits = tasks * rounds
-    # the 32 tasks start in one turn: one signal at once, one per stream at the flush
-    assert len(signals) <= awaits - (tasks - 1 - 4), (len(signals), awaits)
-
-
-@pytest.mark.anyio
-async def test_a_run_cancelled_in_the_turn_it_was_submitted_still_completes() -> None:
+async def test_a_run_cancelled_as_it_was_submitted_still_completes() -> None:
     x = await gf.zeros(64, F32)
     y = await gf.zeros(64, F32)
     scopes: list[anyio.CancelScope] = []
@@ -217,7 +351,7 @@ async def test_a_run_cancelled_in_the_turn_it_was_submitted_still_completes() ->
         tg.start_soon(_await, K.slow_fill(x, 1.0, 0.05))
         tg.start_soon(victim)
         tg.start_soon(canceller)
-    # the cancelled run's work still ran, and its signal came: nothing is left pending
+    # the cancelled run's work still ran, and it was completed: nothing is left pending
     np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
 
@@ -226,21 +360,25 @@ async def _await(op: gf.DeviceOperation[Any]) -> None:
     await op
 
 
-class _DroppingLoop:
-    """A loop (as gpuflow's loop adapters present one) that ends before
-    running what was scheduled on it.  By default it cannot watch file
-    descriptors (so its runs signal the dispatcher thread); with
-    ``watches=True`` it accepts a reader and never calls it."""
+# -- loops that stop, streams that go, processes that exit --------------------------------------
 
-    def __init__(self, *, watches: bool = False, ended: bool = False) -> None:
-        self.dropped: list[Any] = []
+
+class _StoppedLoop:
+    """A loop (as gpuflow's loop adapters present one) that never runs again:
+    it accepts a poller and a file descriptor to watch, and calls neither."""
+
+    def __init__(self) -> None:
         self.watched: list[int] = []
-        self._watches = watches
-        self.ended = ended
+        self.kicks = 0
+        self.ended = False
+
+    def start_poller(self, poll: Any) -> Any:
+        def kick() -> None:
+            self.kicks += 1
+
+        return kick
 
     def watch(self, fd: int, on_ready: Any) -> None:
-        if not self._watches:
-            raise NotImplementedError
         self.watched.append(fd)
 
     def finished(self) -> bool:
@@ -251,7 +389,7 @@ class _DroppingLoop:
         return self
 
     def call_soon(self, fn: Any) -> None:
-        self.dropped.append(fn)
+        raise AssertionError("nothing is scheduled on this loop")
 
     post = call_soon
 
@@ -264,47 +402,6 @@ def _wait_done(sub: Submission, timeout: float = 5.0) -> None:
     while not sub.done:
         assert time.monotonic() < deadline, "the run never completed"
         time.sleep(0.001)
-
-
-def test_runs_left_by_a_loop_that_never_flushed_are_signalled() -> None:
-    rt = get_runtime()
-    dispatcher = rt.dispatcher
-    stream = gf.new_stream()
-    x = gf.zeros(16, F32).sync()
-    dead = _DroppingLoop()
-    first, second, third = Submission(0), Submission(0), Submission(0)
-    K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)
-    dispatcher.submit(stream.raw, first, dead)  # signals at once, schedules nothing
-    assert dead.dropped == []
-    K.slow_fill(x, 2.0, 0.01).enqueue_on(stream)
-    dispatcher.submit(stream.raw, second, dead)  # left for a flush, which it schedules
-    assert len(dead.dropped) == 1
-    _wait_done(first)
-    stream.synchronize()
-    time.sleep(0.05)
-    assert not second.done  # no signal covers it yet
-    # the next loop of this thread signals what the dead one left, then its own run
-    live = _DroppingLoop()
-    dispatcher.submit(stream.raw, third, live)
-    _wait_done(second)
-    _wait_done(third)
-    assert second.error is None and third.error is None
-    assert live.dropped == []  # a lone run in its turn schedules no flush
-    np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 2.0, F32))
-
-
-def test_an_explicit_flush_signals_a_deferred_run() -> None:
-    dispatcher = get_runtime().dispatcher
-    stream = gf.new_stream()
-    loop = _DroppingLoop()
-    a, b = Submission(0), Submission(0)
-    dispatcher.submit(stream.raw, a, loop)
-    dispatcher.submit(stream.raw, b, loop)
-    _wait_done(a)
-    time.sleep(0.05)
-    assert not b.done
-    dispatcher.flush()  # what a cancelled await does before it raises
-    _wait_done(b)
 
 
 class _Sentinel:
@@ -320,13 +417,17 @@ def keep_until_done(sentinel: _Sentinel) -> gf.DeviceOperation[None]:
 
 
 @needs_proc
-def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same() -> None:
-    # a loop that stopped (not closed) with a cancelled run in flight: the
-    # watchdog completes what the GPU finished, a tick later than the loop would
+@pytest.mark.parametrize("busy_poll_us", [0, 200])
+def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
+    busy_poll_us: float,
+) -> None:
+    # a loop that stopped (not closed) with a run awaited: the dispatcher
+    # thread completes what the GPU finished, a tick later than the loop would
+    reinit(busy_poll_us=busy_poll_us)
     dispatcher = get_runtime().dispatcher
     stream = gf.new_stream()
     x = gf.zeros(16, F32).sync()
-    stopped = _DroppingLoop(watches=True)
+    stopped = _StoppedLoop()
     before = open_fds()
     sentinel = _Sentinel()
     alive = weakref.ref(sentinel)
@@ -334,42 +435,57 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same() -> N
     sub.keep.append(sentinel)
     del sentinel
     K.slow_fill(x, 3.0, 0.05).enqueue_on(stream)
-    dispatcher.submit(stream.raw, sub, stopped)
-    assert len(stopped.watched) == 1  # the loop was given its reader
+    dispatcher.submit(stream.raw, sub)
+    assert sub.lane is not None
+    dispatcher.watch(stopped, sub.lane)  # what an await does before it parks
+    assert len(stopped.watched) == 1  # the loop was given its epoll set
     assert alive() is not None and not sub.done
     _wait_done(sub)
     assert sub.error is None and alive() is None
-    # its read end waits for the loop (the fd number is the loop's to reuse);
-    # once the loop has ended, the watchdog closes it and the reader too
+    # what it left open waits for the loop (the fd numbers are the loop's to
+    # reuse); once the loop has ended, the dispatcher thread closes it all
     stopped.ended = True
     wait_until(lambda: open_fds() <= before, "the ended loop's descriptors stayed open")
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 3.0, F32))
 
 
-def test_a_stream_with_only_a_signal_left_in_flight_counts_as_idle() -> None:
-    # a stopped loop's run completed by the watchdog leaves its signal's read
-    # end (and so the stream's lane) until the loop runs again: the default
-    # policy must still see the stream as idle, not as stalled
+def test_a_stream_whose_runs_the_gpu_finished_is_idle_before_anyone_looks() -> None:
+    # a run no loop ever completes (its loop stopped) still leaves its stream
+    # idle to the default policy once the GPU has reached its mark
     dispatcher = get_runtime().dispatcher
     pool = gf.lowlevel.pool_streams()
     x = gf.zeros(16, F32).sync()
     sub = Submission(0)
-    stopped = _DroppingLoop(watches=True)
-    dispatcher.submit(pool[0].raw, sub, stopped)
-    _wait_done(sub)
-    assert pool[0].raw in dispatcher.lanes  # the signal's read end waits for its loop
+    dispatcher.submit(pool[0].raw, sub)
+    wait_until(sub.reached, "the GPU never reached the mark")
     for s in pool[1:]:
         K.slow_fill(x, 1.0, 0.5).enqueue_on(s)
-    policy = gf.StreamPoolLeastLoaded()
-    time.sleep(policy.stall_s * 3)  # every busy stream stalls
+    policy = gf.StreamPoolLeastLoaded(max_streams=len(pool))
     assert {policy.next_stream(0) for _ in pool} == {pool[0]}
-    assert gf.lowlevel.pool_streams() == pool  # nothing stalled needed a new stream
-    stopped.ended = True  # the watchdog closes what it left
+    _wait_done(sub)
+
+
+def test_runs_no_loop_awaits_hold_their_stream_for_no_host_function() -> None:
+    if gf.current_backend() != "sim":
+        pytest.skip("the record of what the streams ran is the simulator's")
+    stream = gf.new_stream()
+    x = gf.zeros(16, F32).sync()
+    subs = []
+    with gf.testing.record_activity() as activity:
+        for i in range(30):
+            sub = Submission(0)
+            K.slow_fill(x, float(i), 0.002).enqueue_on(stream)
+            get_runtime().dispatcher.submit(stream.raw, sub)
+            subs.append(sub)
+        for sub in subs:
+            _wait_done(sub)
+    whats = [a.what for a in activity]
+    assert "host signal" not in whats
+    assert whats.count("completion mark") == 60  # the enqueue_on runs' and ours
+    assert all(sub.error is None for sub in subs)
 
 
 def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None:
-    # the stream is destroyed (its finalizer) while the dispatcher's watchdog
-    # may be querying it
     x = gf.zeros(64, F32).sync()
     rounds = 10
     for i in range(rounds):
@@ -380,13 +496,30 @@ def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None
             gf.new_stream()
         )
         del sentinel
-        time.sleep(0.03)  # a watchdog round or more; the work has 70 ms to go
+        time.sleep(0.03)  # a dispatcher tick or more; the work has 70 ms to go
         assert alive() is not None, f"round {i}: released while its work was running"
     deadline = time.monotonic() + 5
     while get_runtime().dispatcher.pending:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(64, rounds - 1, F32))
+
+
+def test_a_stream_dropped_right_after_its_runs_still_completes_them() -> None:
+    x = gf.zeros(16, F32).sync()
+    stream = gf.new_stream()
+    subs = [Submission(0) for _ in range(3)]
+    for i, sub in enumerate(subs):
+        K.slow_fill(x, float(i), 0.05).enqueue_on(stream)
+        get_runtime().dispatcher.submit(stream.raw, sub)
+    # the last references (the array's hazard state keeps its writer stream):
+    # the stream is destroyed now; its marks are still reached
+    ref = weakref.ref(stream)
+    del stream, x
+    assert ref() is None
+    for sub in subs:
+        _wait_done(sub)
+    assert all(sub.error is None for sub in subs)
 
 
 def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -406,7 +539,7 @@ def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.Monke
     with pytest.warns(UserWarning, match="querying a stream failed"):
         K.slow_fill(x, 5.0, 0.5).then(lambda _x, s=sentinel: keep_until_done(s)).enqueue_on(stream)
         del sentinel  # the run's submission holds the last reference
-        time.sleep(0.1)  # several watchdog rounds query the stream meanwhile
+        time.sleep(0.1)  # several dispatcher ticks query the stream meanwhile
         assert alive() is not None
         stream.synchronize()
         deadline = time.monotonic() + 5
@@ -415,6 +548,62 @@ def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.Monke
             time.sleep(0.01)
     monkeypatch.undo()
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 5.0, F32))
+
+
+def test_a_process_that_exits_completes_its_pending_runs_first() -> None:
+    # what a run keeps is released (and its callbacks run) before the
+    # interpreter goes away, not from a daemon thread during finalization
+    code = r"""
+import gpuflow as gf, kernels as K
+from gpuflow.lowlevel import Submission
+gf.init_device_contexts(backend="sim")
+x = gf.zeros(16, "float32").sync()
+stream = gf.new_stream()
+K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
+sub = Submission(0)
+sub.add_done_callback(lambda err: print("released before exit", flush=True))
+from gpuflow._runtime import get_runtime
+get_runtime().dispatcher.submit(stream.raw, sub)
+print("exiting", flush=True)
+"""
+    tests = str(Path(__file__).parent)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, tests]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["exiting", "released", "before", "exit"], proc.stdout
+
+
+# -- the busy-poll budget ----------------------------------------------------------------------
+
+
+def test_the_busy_poll_budget_comes_from_the_argument_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuflow._runtime import DEFAULT_BUSY_POLL_US  # the documented default
+
+    backend = gf.current_backend()
+    monkeypatch.delenv("GPUFLOW_BUSY_POLL_US", raising=False)
+    gf.init_device_contexts(backend=backend)
+    assert get_runtime().dispatcher.busy_poll_s == DEFAULT_BUSY_POLL_US / 1e6
+    monkeypatch.setenv("GPUFLOW_BUSY_POLL_US", "35.5")
+    gf.init_device_contexts(backend=backend)
+    assert get_runtime().dispatcher.busy_poll_s == pytest.approx(35.5e-6)
+    gf.init_device_contexts(backend=backend, busy_poll_us=0)  # the argument wins
+    assert get_runtime().dispatcher.busy_poll_s == 0
+    monkeypatch.setenv("GPUFLOW_BUSY_POLL_US", "fast")
+    with pytest.raises(gf.UsageError, match="GPUFLOW_BUSY_POLL_US='fast'"):
+        gf.init_device_contexts(backend=backend)
+    monkeypatch.delenv("GPUFLOW_BUSY_POLL_US")
+    for bad in (-1, float("nan"), "10", True):
+        with pytest.raises(gf.UsageError, match="busy_poll_us"):
+            gf.init_device_contexts(backend=backend, busy_poll_us=bad)  # type: ignore[arg-type]
+    # the runtime in use is still the last good one
+    assert get_runtime().dispatcher.busy_poll_s == 0
+
+
+# -- the loop adapters -------------------------------------------------------------------------
 
 
 def test_no_loop_is_running_here() -> None:
@@ -454,64 +643,27 @@ async def test_the_loop_adapter_is_the_running_loops(
     wake()  # a second wake-up is harmless
 
 
-def test_a_process_that_exits_completes_its_pending_runs_first() -> None:
-    # what a run keeps is released (and its callbacks run) before the
-    # interpreter goes away, not from a daemon thread during finalization
-    code = r"""
-import gpuflow as gf, kernels as K
-from gpuflow.lowlevel import Submission
-gf.init_device_contexts(backend="sim")
-x = gf.zeros(16, "float32").sync()
-stream = gf.new_stream()
-K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
-sub = Submission(0)
-sub.add_done_callback(lambda err: print("released before exit", flush=True))
-from gpuflow._runtime import get_runtime
-get_runtime().dispatcher.submit(stream.raw, sub)
-print("exiting", flush=True)
-"""
-    tests = str(Path(__file__).parent)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, tests]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["exiting", "released", "before", "exit"], proc.stdout
+@pytest.mark.anyio
+async def test_a_poller_runs_once_a_turn_while_it_asks_to() -> None:
+    from gpuflow._loops import current_loop  # the machinery itself
 
+    loop = current_loop()
+    calls: list[int] = []
+    other: list[int] = []
 
-@pytest.mark.sim_only  # the record of what the streams ran is the simulator's
-def test_back_to_back_enqueue_on_runs_share_the_signal_in_flight() -> None:
-    stream = gf.new_stream()
-    x = gf.zeros(16, F32).sync()
-    subs = []
-    with gf.testing.record_activity() as activity:
-        for i in range(30):
-            sub = Submission(0)
-            K.slow_fill(x, float(i), 0.002).enqueue_on(stream)
-            get_runtime().dispatcher.submit(stream.raw, sub)
-            subs.append(sub)
-        for sub in subs:
-            _wait_done(sub)
-    signals = [a for a in activity if a.what == "host signal"]
-    # one in flight at a time, the next for everything submitted meanwhile:
-    # far fewer host functions holding the stream than runs
-    assert 1 <= len(signals) <= 10, len(signals)
-    assert all(sub.error is None for sub in subs)
+    def poll() -> bool:
+        calls.append(len(other))
+        return len(calls) < 5
 
-
-def test_a_stream_dropped_right_after_its_runs_still_signals_them() -> None:
-    x = gf.zeros(16, F32).sync()
-    stream = gf.new_stream()
-    subs = [Submission(0) for _ in range(3)]
-    for i, sub in enumerate(subs):
-        K.slow_fill(x, float(i), 0.05).enqueue_on(stream)
-        get_runtime().dispatcher.submit(stream.raw, sub)
-    # the last references (the array's hazard state keeps its writer stream):
-    # the stream is destroyed now, and the runs left to a later signal must
-    # get theirs before (nothing can be enqueued on a destroyed stream)
-    ref = weakref.ref(stream)
-    del stream, x
-    assert ref() is None
-    for sub in subs:
-        _wait_done(sub)
-    assert all(sub.error is None for sub in subs)
+    kick = loop.start_poller(poll)
+    kick()  # (harmless while it runs)
+    for i in range(20):
+        other.append(i)
+        await anyio.lowlevel.checkpoint()
+    # five turns, interleaved with the other task's (in either order within
+    # a batch of Trio's, which runs tasks in random order), then it stopped
+    assert len(calls) == 5 and calls == sorted(calls) and len(set(calls)) >= 3
+    kick()  # started again
+    for _ in range(20):
+        await anyio.lowlevel.checkpoint()
+    assert len(calls) == 6

@@ -2,10 +2,11 @@
 
 Each test drives a :class:`CudaBackend` of its own (not the runtime's) through
 the backend interface: streams, copies (direct and through pinned staging),
-fill and arange for every dtype, kernel arguments, events, the native
-completion signals (``signals="hostfunc"`` and ``"event"``), out-of-memory and
-bad launches that must not be sticky, graph capture, launch cost against the
-raw driver, how long a signal holds its stream, and a sticky fault.
+fill and arange for every dtype, kernel arguments, events, the completion
+marks (``marks="word"``, the GPU writing a word in host memory, and
+``"event"``) and the pipe the GPU closes, out-of-memory and bad launches that
+must not be sticky, graph capture, launch cost against the raw driver, how
+long a mark or a host function holds its stream, and a sticky fault.
 
 Raw-driver baselines load the same CUBIN through cuda.bindings themselves, in
 the same primary context.  Measurements are printed (``pytest -rP`` shows them).
@@ -61,7 +62,7 @@ extern "C" __global__ void bad(int* p) { p[threadIdx.x] = 1; }
 """
 KERNELS = ("empty", "spin", "saxpy", "add1", "mix", "four", "bad")
 MS = 1_000_000  # ns: the spin kernel's unit
-SIGNALS = ("hostfunc", "event")
+MARKS = ("word", "event")
 Arg = PointerArg | np.generic
 
 #: a gpuflow module is what ``load_kernel`` needs (a ModuleSource): source and binary_for
@@ -74,8 +75,8 @@ class Cuda:
     k: dict[str, Any]  # the kernels of SRC on device 0
 
 
-def _open(signals: str) -> Cuda:
-    be = CudaBackend(None, signals=signals)
+def _open(marks: str) -> Cuda:
+    be = CudaBackend(None, marks=marks)
     return Cuda(be, {name: be.load_kernel(0, MOD, name) for name in KERNELS})
 
 
@@ -91,19 +92,28 @@ def _opened() -> Iterator[dict[str, Cuda]]:
 
 @pytest.fixture
 def cuda_for(device_backend: str, _opened: dict[str, Cuda]) -> Callable[[str], Cuda]:
-    """A backend of the given signal kind, shared by this module's tests."""
+    """A backend of the given kind of marks, shared by this module's tests."""
 
-    def get(signals: str) -> Cuda:
-        if signals not in _opened:
-            _opened[signals] = _open(signals)
-        return _opened[signals]
+    def get(marks: str) -> Cuda:
+        if marks not in _opened:
+            _opened[marks] = _open(marks)
+        return _opened[marks]
 
     return get
 
 
 @pytest.fixture
 def cuda(cuda_for: Callable[[str], Cuda]) -> Cuda:
-    return cuda_for("hostfunc")
+    return cuda_for("word")
+
+
+def pipe_closed(r: int, timeout: float) -> bool:
+    """Whether the write end of the pipe whose read end is ``r`` gets closed in time."""
+    import select
+
+    poller = select.poll()
+    poller.register(r, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def measure(name: str, value: float, unit: str) -> None:
@@ -189,8 +199,8 @@ def test_copies_direct_and_staged(cuda: Cuda) -> None:
         be.free(buf, s)
         be.free(buf2, s)
         be.free(buf2, s)  # twice: ignored
-    # a staged device-to-host copy is delivered by take_signals (the dispatcher's
-    # path), not only by synchronize
+    # a staged device-to-host copy is delivered once its mark is seen reached
+    # (complete_transfers: the bridge's path), not only by synchronize
     n = 1 << 20
     a = np.arange(n, dtype=np.int32)
     buf = from_host(be, a, s)
@@ -198,13 +208,13 @@ def test_copies_direct_and_staged(cuda: Cuda) -> None:
     out = np.zeros(n, dtype=np.int32)
     be.launch(cuda.k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(20 * MS)], s)
     be.copy_to_host(out, buf, s)
-    be.enqueue_signal(s)
-    got = 0
+    number = be.mark(s)
+    read = be.completion_reader(s)
     deadline = time.monotonic() + 5
-    while got == 0 and time.monotonic() < deadline:
-        be.wait_signals(1.0)
-        got += be.take_signals(s)
-    assert got == 1
+    while read() < number and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert read() == number
+    be.complete_transfers(s)
     np.testing.assert_array_equal(out, a)
     # and by another stream's synchronize (a completion seen across streams)
     s2 = be.create_stream(0)
@@ -337,62 +347,65 @@ def test_events_order_work_across_streams(cuda: Cuda) -> None:
     be.destroy_stream(b)
 
 
-@pytest.mark.parametrize("signals", SIGNALS)
-def test_signals_counted_per_stream_timed_out_and_woken(
-    signals: str, cuda_for: Callable[[str], Cuda]
+@pytest.mark.parametrize("marks", MARKS)
+def test_marks_are_reached_in_order_and_other_streams_wait_for_them(
+    marks: str, cuda_for: Callable[[str], Cuda]
 ) -> None:
-    cuda = cuda_for(signals)
+    import os
+
+    cuda = cuda_for(marks)
     be, k = cuda.be, cuda.k
-    s1, s2 = be.create_stream(0), be.create_stream(0)
+    s1, s2, s3 = be.create_stream(0), be.create_stream(0), be.create_stream(0)
+    read1, read2 = be.completion_reader(s1), be.completion_reader(s2)
+    base1 = read1()
+    numbers = []
     for _ in range(3):
-        be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(2 * MS)], s1)
-        be.enqueue_signal(s1)
-    for _ in range(2):
-        be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(3 * MS)], s2)
-        be.enqueue_signal(s2)
-    c1 = c2 = wakeups = 0
-    deadline = time.monotonic() + 5
-    while (c1 < 3 or c2 < 2) and time.monotonic() < deadline:
-        be.wait_signals(1.0)
-        wakeups += 1
-        c1 += be.take_signals(s1)
-        c2 += be.take_signals(s2)
-    be.wait_signals(0.05)
-    c1 += be.take_signals(s1)
-    c2 += be.take_signals(s2)
-    assert (c1, c2) == (3, 2), f"{wakeups=}"
-    t0 = time.perf_counter()
-    be.wait_signals(0.1)
-    dt = time.perf_counter() - t0
-    assert 0.08 <= dt < 0.5, f"wait_signals(0.1) returned after {dt * 1e3:.1f} ms"
-    timer = threading.Timer(0.05, be.wake)
-    timer.start()
-    t0 = time.perf_counter()
-    be.wait_signals(5.0)
-    dt = time.perf_counter() - t0
-    timer.join()
-    assert dt < 1.0, f"wait_signals(5.0) returned {dt * 1e3:.1f} ms after wake()"
-    assert be.take_signals(s1) == 0 and be.take_signals(s2) == 0  # wake() is no signal
+        be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(20 * MS)], s1)
+        numbers.append(be.mark(s1))
+    assert numbers == [base1 + 1, base1 + 2, base1 + 3]  # numbered in order
+    be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(200 * MS)], s2)
+    late = be.mark(s2)
+    # s3 waits for s1's second mark only, not for the long kernel of s2
+    n = 256
+    buf = from_host(be, np.zeros(n, np.float32), s3)
+    be.wait_mark(s3, s1, numbers[1])
+    be.launch(k["add1"], blocks(n), (256, 1, 1), 0, [ptr(buf, np.float32, n), np.int32(n)], s3)
+    r, w = os.pipe()
+    try:
+        assert be.enqueue_close(s1, w)  # the GPU closes w right after s1's third mark
+        seen = []
+        deadline = time.monotonic() + 5
+        while read1() < numbers[-1] and time.monotonic() < deadline:
+            seen.append(read1())
+        assert read1() == numbers[-1] and seen == sorted(seen)  # reached, in order
+        assert pipe_closed(r, 1.0)  # and the pipe was closed
+    finally:
+        os.close(r)
+    got = to_host(be, buf, np.float32, n, s3)
+    assert np.all(got == 1.0) and read2() < late  # s3 did not wait for s2's kernel
+    be.synchronize(s2)
+    assert read2() == late
+    be.wait_mark(s3, s2, late)  # reached already: nothing to wait for
+    be.synchronize(s3)
     lat = []
     for _ in range(500):
         t0 = time.perf_counter()
-        be.enqueue_signal(s1)
-        got = 0
-        while not got:
-            be.wait_signals(1.0)
-            got = be.take_signals(s1)
+        be.launch(k["empty"], (1, 1, 1), (1, 1, 1), 0, (), s1)
+        number = be.mark(s1)
+        while read1() < number:
+            pass
         lat.append(time.perf_counter() - t0)
-    measure(f"[{signals}] signal round trip (idle stream), median", statistics.median(lat) * 1e6,
-            "us")
+    measure(f"[{marks}] launch + mark + read until reached, median",
+            statistics.median(lat) * 1e6, "us")
     t0 = time.perf_counter()
     for _ in range(2000):
-        be.enqueue_signal(s1)
-    measure(f"[{signals}] enqueue_signal", (time.perf_counter() - t0) / 2000 * 1e6, "us/call")
+        be.mark(s1)
+    measure(f"[{marks}] mark", (time.perf_counter() - t0) / 2000 * 1e6, "us/call")
     be.synchronize(s1)
-    be.wait_signals(0)
-    assert be.take_signals(s1) == 2000
-    be.destroy_stream(s1)
-    be.destroy_stream(s2)
+    assert read1() == numbers[-1] + 500 + 2000
+    be.free(buf, s3)
+    for s in (s1, s2, s3):
+        be.destroy_stream(s)
 
 
 def test_out_of_memory_is_raised_and_not_sticky(cuda: Cuda) -> None:
@@ -420,11 +433,11 @@ def test_bad_launch_configuration_is_raised_and_not_sticky(cuda: Cuda) -> None:
     be.destroy_stream(s)
 
 
-@pytest.mark.parametrize("signals", SIGNALS)
-def test_graph_capture_of_two_streams_replays_with_its_signal(
-    signals: str, cuda_for: Callable[[str], Cuda]
+@pytest.mark.parametrize("marks", MARKS)
+def test_graph_capture_of_two_streams_replays_with_a_mark_after_each(
+    marks: str, cuda_for: Callable[[str], Cuda]
 ) -> None:
-    cuda = cuda_for(signals)
+    cuda = cuda_for(marks)
     be, k = cuda.be, cuda.k
     s1, s2 = be.create_stream(0), be.create_stream(0)
     n = 1024
@@ -448,22 +461,25 @@ def test_graph_capture_of_two_streams_replays_with_its_signal(
     assert not tmp.freed
     join = be.record_event(s2)
     be.wait_event(s1, join)
-    be.enqueue_signal(s1)  # a host node: one signal per replay
+    with pytest.raises(UsageError, match="captured"):
+        be.mark(s1)  # a mark belongs after a replay, not in the graph
+    assert not be.enqueue_close(s1, -1)  # nor a pipe's close (refused, nothing enqueued)
     captured_query = be.query(s1)
     graph = be.end_capture(s1)
     assert isinstance(captured_query, bool)  # a query during a capture answers
     assert tmp.freed  # the deferred free was done at end_capture
     be.synchronize(s1)
     assert np.all(to_host(be, p, np.float32, n, s1) == 0)  # capturing ran nothing
+    read = be.completion_reader(s1)
     be.launch_graph(graph, s1)
+    first = be.mark(s1)
     be.launch_graph(graph, s1)
+    second = be.mark(s1)
     be.synchronize(s1)
     gp = to_host(be, p, np.float32, n, s1)
     gq = to_host(be, q, np.float32, n, s1)
     assert np.all(gp == 6) and np.all(gq == 2)  # both streams' work, twice
-    time.sleep(0.01)
-    be.wait_signals(0.5)
-    assert be.take_signals(s1) == 2  # the captured signal fired once per replay
+    assert second == first + 1 and read() == second
     # replay cost of 100 empty kernels
     be.begin_capture(s1)
     for _ in range(100):
@@ -545,26 +561,26 @@ def test_launches_pass_their_arguments_as_the_raw_driver_does(cuda: Cuda) -> Non
     assert float(got[0]) == 6.5  # the 4-argument launch wrote s + n
     (ev_cost,) = timed(lambda: be.record_event(s))
     measure("record_event (pooled)", ev_cost, "us/call")
-    (sig_cost,) = timed(lambda: be.enqueue_signal(s))
-    measure("enqueue_signal (2 host functions)", sig_cost, "us/call")
+    (mark_cost,) = timed(lambda: be.mark(s))
+    measure("mark (a completion word write)", mark_cost, "us/call")
     be.synchronize(s)
-    be.take_signals(s)
-    be.wait_signals(0)
     be.free(a, s)
     be.free(b, s)
     be.destroy_stream(s)
     raw.close()
 
 
-@pytest.mark.parametrize("signals", SIGNALS)
-def test_a_signal_never_waits_for_the_gil(
-    signals: str, cuda_for: Callable[[str], Cuda]
+@pytest.mark.parametrize("marks", MARKS)
+def test_neither_a_mark_nor_a_wake_up_waits_for_the_gil(
+    marks: str, cuda_for: Callable[[str], Cuda]
 ) -> None:
-    """The stream is held by a signal while Python holds the GIL for 20 ms: the
-    host functions are libc's, so they must not wait for the GIL.  One that
-    took the GIL would hold the stream for most of the 20 ms (5.2 ms measured
-    for a cuda.bindings host function); the bench reports the figure."""
-    cuda = cuda_for(signals)
+    """The stream is held by a mark, or by the pipe's close, while Python
+    holds the GIL for 20 ms: neither may wait for the GIL.  One that took
+    the GIL would hold the stream for most of the 20 ms (5.2 ms measured for
+    a cuda.bindings host function); the bench reports the figure."""
+    import os
+
+    cuda = cuda_for(marks)
     be, k = cuda.be, cuda.k
     raw = RawDriver(be)
     cu = raw.cu
@@ -579,11 +595,17 @@ def test_a_signal_never_waits_for_the_gil(
     sem_post = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
     scratch = ctypes.create_string_buffer(64)  # a semaphore nobody waits on
     assert libc.sem_init(scratch, 0, 0) == 0
+    pipes: list[int] = []
 
     def one_host_function() -> None:  # the reference: one raw sem_post host function
         assert launch_host_func(be.stream_handle(s), sem_post, ctypes.addressof(scratch)) == 0
 
-    def hold(enqueue: Callable[[], None]) -> list[float]:
+    def wake_up() -> None:
+        r, w = os.pipe()
+        pipes.append(r)
+        assert be.enqueue_close(s, w)
+
+    def hold(enqueue: Callable[[], object]) -> list[float]:
         held = []
         for _ in range(25):
             be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(MS // 2)], s)
@@ -596,16 +618,17 @@ def test_a_signal_never_waits_for_the_gil(
                 x += 1
             be.synchronize(s)
             held.append(_ok(cu.cuEventElapsedTime(e0, e1)))
-            be.wait_signals(0.05)
-            be.take_signals(s)
         return held
 
     floor = statistics.median(hold(one_host_function))
     measure("stream held by ONE raw sem_post host function, median", floor, "ms")
-    held = hold(lambda: be.enqueue_signal(s))
-    med = statistics.median(held)
-    measure(f"[{signals}] stream held by enqueue_signal while the GIL is busy, median", med, "ms")
-    assert med < 2.0, f"held {med:.3f} ms (one raw host function: {floor:.3f} ms)"
+    for name, enqueue in (("mark", lambda: be.mark(s)), ("pipe wake-up", wake_up)):
+        med = statistics.median(hold(enqueue))
+        measure(f"[{marks}] stream held by a {name} while the GIL is busy, median", med, "ms")
+        assert med < 2.0, f"{name} held {med:.3f} ms (one raw host function: {floor:.3f} ms)"
+    assert all(pipe_closed(r, 1.0) for r in pipes)
+    for r in pipes:
+        os.close(r)
     cu.cuEventDestroy(e0)
     cu.cuEventDestroy(e1)
     be.destroy_stream(s)
@@ -624,13 +647,14 @@ def test_a_sticky_fault_then_a_reset() -> None:
     s = be.create_stream(0)
     keep = be.alloc(0, 4096, s)
     be.synchronize(s)
+    read = be.completion_reader(s)
     be.launch(k["bad"], (1, 1, 1), (32, 1, 1), 0, [np.uint64(0)], s)
     try:
-        be.enqueue_signal(s)
+        after = be.mark(s)
     except DeviceFaultError:
-        pass  # the fault was already seen: fine too
-    be.wait_signals(0.2)
-    assert be.take_signals(s) == 0  # no signal after an illegal address
+        after = read() + 1  # the fault was already seen: fine too
+    time.sleep(0.2)
+    assert read() < after  # no mark is reached after an illegal address
     fault = None
     deadline = time.monotonic() + 3
     while fault is None and time.monotonic() < deadline:
@@ -675,7 +699,7 @@ def test_a_sticky_fault_then_a_reset() -> None:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             be.free(keep, s)
-            be.take_signals(s)
+            read()
         assert not w, [str(x.message) for x in w]
         return
     assert be.device_fault(0) is None  # the reset cleared the fault
@@ -686,10 +710,10 @@ def test_a_sticky_fault_then_a_reset() -> None:
     n = 1000
     buf = from_host(be, np.full(n, 41, np.float32), s2)
     be.launch(add1, blocks(n), (256, 1, 1), 0, [ptr(buf, np.float32, n), np.int32(n)], s2)
-    be.enqueue_signal(s2)
+    number = be.mark(s2)
     got = to_host(be, buf, np.float32, n, s2)
-    be.wait_signals(1.0)
-    assert np.all(got == 42) and be.take_signals(s2) == 1  # kernel, copies and signals work
+    # kernels, copies and marks work (the words were registered with the new context)
+    assert np.all(got == 42) and be.completion_reader(s2)() == number
     be.fill(buf, np.float64(2.5), n // 2, s2)  # the built-in kernels were reloaded too
     be.arange(buf, np.int32(0), np.int32(2), n, s2)
     np.testing.assert_array_equal(to_host(be, buf, np.int32, n, s2), np.arange(0, 2 * n, 2))

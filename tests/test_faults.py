@@ -305,6 +305,8 @@ async def test_reset_recovers_repeatedly() -> None:
 @pytest.mark.sim_only
 @pytest.mark.anyio
 async def test_sim_host_signals_fire_on_a_driver_thread() -> None:
+    # no busy poll: every await sleeps until its host signal wakes the loop
+    gf.init_device_contexts(backend="sim", num_devices=2, busy_poll_us=0)
     be: Any = gf.lowlevel.current_backend_object()
     events: list[tuple[str, threading.Thread]] = []
 

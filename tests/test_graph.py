@@ -295,7 +295,7 @@ def test_a_free_during_a_capture_is_no_part_of_the_graph() -> None:
 
 
 # what a stream runs besides work: the edges between work, and the completion signal
-_NOT_WORK = ("event record", "event wait", "host signal")
+_NOT_WORK = ("event record", "event wait", "mark wait", "host signal", "completion mark")
 
 
 @pytest.mark.sim_only

@@ -109,9 +109,9 @@ async def test_with_every_stream_busy_the_least_loaded_is_chosen() -> None:
     for stream, runs in zip(pool, [3, 1, 2, 2], strict=True):
         for _ in range(runs):
             K.slow_fill(x, 1.0, SLOW / 4).enqueue_on(stream)
-    # nothing stalled yet (stall_s is long): the fewest pending runs wins,
-    # wherever the rotation starts
-    patient = gf.StreamPoolLeastLoaded(stall_s=60)
+    # at the bound, nothing stalled yet (stall_s is long): the fewest pending
+    # runs wins, wherever the rotation starts
+    patient = gf.StreamPoolLeastLoaded(max_streams=POOL, stall_s=60)
     assert [patient.next_stream(0) for _ in range(POOL)] == [pool[1]] * POOL
     # everything stalled, and the pool may not grow: still the least loaded
     fixed = gf.StreamPoolLeastLoaded(max_streams=POOL)

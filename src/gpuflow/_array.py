@@ -22,6 +22,7 @@ from ._errors import UsageError, UsageTypeError
 from ._hazards import Allocation, hazard_lock
 from ._operation import DeviceOperation, _as_op
 from ._pending import PendingHost
+from ._policy import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext
@@ -190,7 +191,7 @@ def _allocate(
         )
     nbytes = math.prod(shape) * dtype.itemsize
     buf = ctx.backend.alloc(s.device, nbytes, s._raw)
-    return DeviceArray(Allocation(ctx.backend, buf, s), shape, dtype)
+    return DeviceArray(Allocation(ctx.backend, buf, s, ctx._submission), shape, dtype)
 
 
 def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
@@ -346,7 +347,7 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
         out = np.empty(a.shape, a.dtype)
         if a.nbytes:
             with hazard_lock:
-                a._alloc.before_read(ctx.stream)
+                a._alloc.before_read(ctx.stream, ctx._submission)
                 ctx.backend.copy_to_host(out, a._alloc.buffer, ctx.stream._raw)
             ctx.keep(out)
         return PendingHost(out)
@@ -395,15 +396,17 @@ class _Copy(DeviceOperation[DeviceArray]):
                 raise UsageError(f"copy(): out {dst!r} is read-only memory of another library")
         else:
             dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
-            stream = ctx.stream if dev == ctx.device else ctx._runtime.pool(dev)[0]
+            stream = ctx.stream if dev == ctx.device else DEFAULT_POLICY.next_stream(dev)
             dst = _allocate(ctx, src.shape, src.dtype, stream)
         if not src.nbytes:
             return dst
-        # the copy runs on the destination's device; the run's stream joins it
-        stream = ctx.stream if dst.device == ctx.device else dst._alloc.writer
+        # the copy runs on the destination's device (on a stream the default
+        # policy gives, so that it queues behind no unrelated work there);
+        # the run's stream joins it
+        stream = ctx.stream if dst.device == ctx.device else DEFAULT_POLICY.next_stream(dst.device)
         with hazard_lock:
-            src._alloc.before_read(stream)
-            dst._alloc.before_write(stream)
+            src._alloc.before_read(stream, ctx._submission)
+            dst._alloc.before_write(stream, ctx._submission)
             ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, src.nbytes, stream._raw)
         ctx.wait_for(stream)
         return dst

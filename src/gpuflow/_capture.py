@@ -122,9 +122,9 @@ def replay(rec: Recording[T], ctx: ExecutionContext) -> T:
     with hazard_lock:  # ordering after the hazards and enqueueing are one step
         for alloc, writes in rec.hazards:
             if writes:
-                alloc.before_write(ctx.stream)
+                alloc.before_write(ctx.stream, ctx._submission)
             else:
-                alloc.before_read(ctx.stream)
+                alloc.before_read(ctx.stream, ctx._submission)
         ctx.backend.launch_graph(rec.raw, ctx.stream._raw)
     return rec.output
 

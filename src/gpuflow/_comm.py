@@ -56,9 +56,10 @@ from ._array import DeviceArray, _allocate, _dtype, _resolve_array, _shape
 from ._backends._base import COMM_DTYPES, REDUCTIONS, CollectiveCall
 from ._bridge import Submission, post
 from ._errors import CommunicatorError, UsageError, UsageTypeError
-from ._hazards import hazard_lock
+from ._hazards import Point, hazard_lock, order_after
 from ._loops import current_loop
 from ._operation import DeviceOperation
+from ._policy import DEFAULT_POLICY
 from ._run import _refuse_blocking, ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
 from ._scope import _Tracked
@@ -276,9 +277,10 @@ class Communicator:
         #: the last run that used it on each stream: runs of one stream end in
         #: order, so these are what the scope's end waits for
         self._last: dict[Stream, Submission] = {}
-        #: the stream of each local rank's latest collective: the next one,
-        #: on any stream, is ordered after it (under the hazard lock)
-        self._tails: dict[int, Stream] = {}
+        #: the stream of each local rank's latest collective, and the run that
+        #: issued it: the next one, on any stream, is ordered after it (under
+        #: the hazard lock)
+        self._tails: dict[int, tuple[Stream, Point | None]] = {}
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -691,9 +693,8 @@ class _Collective(DeviceOperation[Any]):
             dev = comm.devices[i]
             if dev == ctx.device:
                 stream = ctx.stream
-            else:  # another device's part: on the stream its array was last written on
-                known = o if o is not None else x
-                stream = known._alloc.writer if known is not None else ctx._runtime.pool(dev)[0]
+            else:  # another device's part: on a stream the default policy gives
+                stream = DEFAULT_POLICY.next_stream(dev)
             if o is None and what == "recv":
                 assert self._like is not None
                 o = _allocate(ctx, self._like[0], self._like[1], stream)
@@ -759,19 +760,21 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     be = ctx.backend
     with hazard_lock:
+        run = ctx._submission
         for p in prepared:
             for arr, s in p.reads:
-                arr._alloc.before_read(s)
+                arr._alloc.before_read(s, run)
             for arr, s in p.writes:
-                arr._alloc.before_write(s)
+                arr._alloc.before_write(s, run)
         # a rank runs its collectives in the order they were issued, as NCCL
         # requires of every rank (two on different streams could otherwise
-        # run in one order on one rank and the other order on another)
+        # run in one order on one rank and the other order on another): after
+        # the previous one itself, not whatever its stream ran later
         for comm, i, _call, s in calls:
             tail = comm._tails.get(i)
-            if tail is not None and tail != s:
-                be.wait_event(s._raw, be.record_event(tail._raw))
-            comm._tails[i] = s
+            if tail is not None:
+                order_after(be, s, tail[0], tail[1])
+            comm._tails[i] = (s, run)
         be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
     here = ctx.stream
     joined: list[Stream] = []

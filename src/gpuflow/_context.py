@@ -74,10 +74,17 @@ class ExecutionContext:
         return self._policy.next_stream(self.device)
 
     def wait_for(self, other: Stream) -> None:
-        """Make later work on ``self.stream`` wait for what ``other`` has enqueued."""
+        """Make later work on ``self.stream`` wait for what ``other`` has enqueued
+        (the join of work this run forked onto ``other``): the event also
+        marks, for hazard tracking, where the run's work on ``other`` ends."""
         if other != self.stream:
             be = self._runtime.backend
-            be.wait_event(self.stream._raw, be.record_event(other._raw))
+            event = be.record_event(other._raw)
+            be.wait_event(self.stream._raw, event)
+            sub = self._submission
+            if sub.arms is None:
+                sub.arms = {}
+            sub.arms[other._raw] = event
 
     def __repr__(self) -> str:
         return f"<ExecutionContext device={self.device} stream={self.stream!r}>"

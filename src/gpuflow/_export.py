@@ -137,15 +137,11 @@ def _order_for_consumer(
     # the interop stream only ever waits (gpuflow's import tracks its own
     # uses): made a writer, it would carry frees that later imports wait for
     arrival = own and rt.is_interop(consumer)
-    be = rt.backend
     with hazard_lock:
         if own and not arrival:
             alloc.before_write(consumer)
         else:
-            for event in alloc.foreign.values():
-                be.wait_event(consumer._raw, event)
-            for s in {alloc.writer, *alloc.readers}:
-                be.wait_event(consumer._raw, be.record_event(s._raw))
+            alloc.wait_for_uses(consumer)
     if own:
         return functools.partial(_keep, alloc)
     return functools.partial(_after_consumer, alloc, consumer)

@@ -3,10 +3,16 @@
 An :class:`Allocation` is one device buffer and its hazard state.  An
 operation that uses it on another stream orders itself after the last write
 (read-after-write) or after every use since (write-after-read,
-write-after-write) with an event, and work that stays on one stream pays
-nothing.  When the last array of an allocation goes, it is freed *in stream
-order*, after every use that was enqueued: nothing the GPU still reads is
-freed early.
+write-after-write), and work that stays on one stream pays nothing.  Each
+use is remembered with *where* on its stream it happened (a :class:`Point`):
+the run that made it, whose mark the GPU writes right after the run's work
+(or, for a ``zip`` arm, the event of its join), so that the wait is for that
+use, never for whatever its stream ran later; a use already known to be
+done costs no wait at all.  A use whose point is not known yet (its run is
+still being enqueued) is waited for with an event recorded when asked.
+When the last array of an allocation goes, it is freed *in stream order*,
+after every use that was enqueued: nothing the GPU still reads is freed
+early.
 
 Inside a graph capture nothing runs, so uses are logged instead
 (:data:`capture_log`) and every replay is ordered after them.
@@ -27,11 +33,43 @@ import warnings
 from collections.abc import Hashable, Mapping
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ._backends._base import Backend, RawBuffer
     from ._stream import Stream
+
+
+class Point(Protocol):
+    """Where on a stream a use of an allocation happened (a run's
+    :class:`Submission`, an :class:`EventPoint`)."""
+
+    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
+        """Make later work on raw ``stream`` wait for this point of raw
+        ``on`` (nothing where it is known to be done); False where this
+        point cannot say where on ``on`` it is."""
+
+
+class EventPoint:
+    """A use followed, on its stream, by an event recorded right after it."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
+        backend.wait_event(stream, self.event)
+        return True
+
+
+def order_after(backend: Backend, stream: Stream, on: Stream, point: Point | None) -> None:
+    """Make later work on ``stream`` wait for the use at ``point`` of ``on``
+    (for a use with no known point, for everything enqueued on ``on``)."""
+    if on == stream:
+        return
+    if point is None or not point.order(backend, stream._raw, on._raw):
+        backend.wait_event(stream._raw, backend.record_event(on._raw))
 
 #: The hazard log of the capture running in this context, if any: allocation
 #: id -> (allocation, whether the captured work writes it).
@@ -54,20 +92,33 @@ class Allocation:
     """One device buffer and its hazard state.  Freed in stream order on GC.
 
     ``before_read``/``before_write`` are called under :data:`hazard_lock`,
-    together with the enqueue of the use they order.
+    together with the enqueue of the use they order; ``run`` is the run
+    that makes the use (its :class:`Point`), None outside a run.
     """
 
     __slots__ = (
-        "backend", "buffer", "foreign", "generation", "readers", "readonly", "synced", "writer",
+        "backend",
+        "buffer",
+        "foreign",
+        "generation",
+        "readers",
+        "readonly",
+        "synced",
+        "writer",
+        "wrote",
     )  # fmt: skip
 
-    def __init__(self, backend: Backend, buffer: RawBuffer, stream: Stream) -> None:
+    def __init__(
+        self, backend: Backend, buffer: RawBuffer, stream: Stream, point: Point | None = None
+    ) -> None:
         self.backend = backend
         self.buffer = buffer
         self.generation = stream._generation
         self.writer: Stream = stream  # the allocation itself is ordered on it
+        self.wrote: Point | None = point  # where on it
         self.synced: set[Stream] = {stream}  # streams already ordered after the last write
-        self.readers: set[Stream] = set()
+        #: the streams that read it since the last write, each with where
+        self.readers: dict[Stream, Point | None] = {}
         #: events of other libraries' uses since the last write, the latest of
         #: each of their streams, each a write for ordering (``synced`` streams
         #: have waited for them); replaced, never changed in place
@@ -82,7 +133,7 @@ class Allocation:
             self.foreign = {**self.foreign, stream: event}
             self.synced = set()
 
-    def before_read(self, stream: Stream) -> None:
+    def before_read(self, stream: Stream, run: Point | None = None) -> None:
         log = capture_log.get()
         if log is not None:  # captured work runs at replay: the launch orders it
             log.setdefault(id(self), (self, False))
@@ -92,27 +143,35 @@ class Allocation:
                 be = self.backend
                 for ev in self.foreign.values():
                     be.wait_event(stream._raw, ev)
-                be.wait_event(stream._raw, be.record_event(self.writer._raw))
+                order_after(be, stream, self.writer, self.wrote)
                 self.synced.add(stream)
-            self.readers.add(stream)
+            # the latest read of a stream stands for the earlier ones: its
+            # point comes after them on that stream
+            self.readers[stream] = run
 
-    def before_write(self, stream: Stream) -> None:
+    def before_write(self, stream: Stream, run: Point | None = None) -> None:
         log = capture_log.get()
         if log is not None:
             log[id(self)] = (self, True)
             return
         with hazard_lock:
-            be = self.backend
-            if stream not in self.synced:
-                for ev in self.foreign.values():
-                    be.wait_event(stream._raw, ev)
-            for s in {self.writer, *self.readers}:
-                if s != stream:
-                    be.wait_event(stream._raw, be.record_event(s._raw))
+            self.wait_for_uses(stream)
             self.writer = stream
+            self.wrote = run
             self.synced = {stream}
-            self.readers = set()
+            self.readers = {}
             self.foreign = _NO_FOREIGN
+
+    def wait_for_uses(self, stream: Stream) -> None:
+        """Make later work on ``stream`` wait for every use so far (without
+        making it a use).  Under :data:`hazard_lock`."""
+        be = self.backend
+        if stream not in self.synced:
+            for ev in self.foreign.values():
+                be.wait_event(stream._raw, ev)
+            order_after(be, stream, self.writer, self.wrote)
+        for s, point in self.readers.items():
+            order_after(be, stream, s, point)
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -120,16 +179,11 @@ class Allocation:
             # (a stream, the driver) may be frozen holding a lock: never hang
             return
         try:
-            be = self.backend
             stream = self.writer
             rt = stream._runtime
             if not rt.live or stream._generation != rt.generation(stream.device):
                 return  # the context is gone with its memory: leak, never dangle
-            for ev in self.foreign.values():
-                be.wait_event(stream._raw, ev)
-            for s in self.readers:
-                if s != stream:
-                    be.wait_event(stream._raw, be.record_event(s._raw))
-            be.free(self.buffer, stream._raw)
+            self.wait_for_uses(stream)
+            self.backend.free(self.buffer, stream._raw)
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: could not free {self.buffer!r}: {exc!r}", stacklevel=1)

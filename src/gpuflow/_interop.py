@@ -49,7 +49,7 @@ from ._backends._base import Backend, RawBuffer
 from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
-from ._hazards import Allocation, hazard_lock
+from ._hazards import Allocation, EventPoint, hazard_lock
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, get_runtime
 from ._stream import Stream
@@ -72,6 +72,10 @@ class ImportedAllocation(Allocation):
         self, backend: Backend, buffer: RawBuffer, stream: Stream, owner: object, readonly: bool
     ) -> None:
         super().__init__(backend, buffer, stream)
+        if stream._runtime.is_interop(stream):
+            # right after the waits for its producer: a first use waits for
+            # this import's producer, not for those of imports made after it
+            self.wrote = EventPoint(backend.record_event(stream._raw))
         self.owner = owner
         self.readonly = readonly
 
@@ -80,7 +84,6 @@ class ImportedAllocation(Allocation):
             return  # (the process is going away; see Allocation.__del__)
         owner = self.owner
         try:
-            be = self.backend
             stream = self.writer
             rt = stream._runtime
             if not rt.live or stream._generation != rt.generation(stream.device):
@@ -90,11 +93,7 @@ class ImportedAllocation(Allocation):
                 # not written since the import: wait on a stream that used it,
                 # never on the interop stream, which later imports wait for
                 stream = next(iter(self.readers), None) or rt.pool(stream.device)[0]
-            for ev in self.foreign.values():
-                be.wait_event(stream._raw, ev)
-            for s in self.readers:
-                if s != stream:
-                    be.wait_event(stream._raw, be.record_event(s._raw))
+            self.wait_for_uses(stream)
             release = Submission(stream.device)
             release.keep.append(owner)
             rt.dispatcher.submit(stream._raw, release)
@@ -425,7 +424,7 @@ class _Foreign(DeviceOperation[Any]):
         # ordering, the foreign enqueues and the imports are one step (as a launch)
         with hazard_lock:
             for a in arrays:  # the code may write any array it gets
-                a._alloc.before_write(stream)
+                a._alloc.before_write(stream, ctx._submission)
             with contextlib.ExitStack() as on_stream:
                 with _adapters_lock:
                     adapters = list(_adapters)

@@ -450,10 +450,11 @@ class _Launch(DeviceOperation[Any]):
                 args.append(a)
         raw = self._raw_kernel(ctx)
         with hazard_lock:  # ordering after the hazards and enqueueing are one step
+            run = ctx._submission
             for alloc in reads:
-                alloc.before_read(stream)
+                alloc.before_read(stream, run)
             for alloc in writes:
-                alloc.before_write(stream)
+                alloc.before_write(stream, run)
             ctx.backend.launch(raw, cfg.grid, cfg.block, cfg.shmem, args, stream._raw)
         if not written:
             return None

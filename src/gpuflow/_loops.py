@@ -1,19 +1,23 @@
 """Everything that depends on which event loop runs: one adapter per loop.
 
-gpuflow speaks to a running loop in four ways only: schedule a call at the
+gpuflow speaks to a running loop in five ways only: schedule a call at the
 end of the loop's current turn, from the loop's own thread (``call_soon``);
 post a call from any thread without blocking (``post``); park the current
-task until such a call wakes it (``parker``); and have the loop itself call
-back whenever a file descriptor is readable (``watch``: how the GPU wakes a
-loop with no thread in between).  :func:`current_loop` picks the adapter
-once per run, and nothing else in gpuflow asks which loop it is on.
+task until such a call wakes it (``parker``); run a function once per loop
+turn for as long as it asks to (``start_poller``: how a busy loop reads the
+GPU's completion words); and have the loop itself call back whenever a file
+descriptor is readable (``watch``: how the GPU wakes a sleeping loop with no
+thread in between).  :func:`current_loop` picks the adapter once per run,
+and nothing else in gpuflow asks which loop it is on.
 
 * asyncio (and loops built on it, such as uvloop): ``loop.call_soon``,
-  ``loop.call_soon_threadsafe``, a future, and ``loop.add_reader``.
+  ``loop.call_soon_threadsafe``, a future, a callback that schedules itself
+  again with ``call_soon``, and ``loop.add_reader``.
 * Trio: ``TrioToken.run_sync_soon`` for both kinds of call (it is safe from
   any thread and never blocks), ``wait_task_rescheduled`` / ``reschedule``
-  to park and wake the task directly, and a system task in
-  ``wait_readable`` (Trio has no reader callbacks).
+  to park and wake the task directly, a system task that checkpoints once
+  per batch, and a system task in ``wait_readable`` (Trio has no reader
+  callbacks).
 
 A post to a loop that has finished raises :class:`RuntimeError` (Trio's
 ``RunFinishedError`` is one): the caller drops it, since nobody waits there.
@@ -52,6 +56,12 @@ class Loop(Protocol):
         cancelled, which raises the loop's own cancellation.  ``wake`` is
         idempotent and harmless after a cancellation."""
 
+    def start_poller(self, poll: Callable[[], bool]) -> Call:
+        """Run ``poll()`` in the loop once per turn while it returns True.
+        Returns ``kick``, which starts it again after it returned False
+        (harmless while it runs).  From the loop's own thread only;
+        ``poll`` must not raise."""
+
     def watch(self, fd: int, on_ready: Call) -> None:
         """Call ``on_ready()`` in the loop each time ``fd`` is readable, until
         the loop ends.  ``on_ready`` must not raise.  NotImplementedError
@@ -85,6 +95,25 @@ class _Asyncio:
     def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
         fut: asyncio.Future[None] = self._loop.create_future()
         return _wake_future(fut), lambda: fut
+
+    def start_poller(self, poll: Callable[[], bool]) -> Call:
+        call_soon = self._loop.call_soon
+        running = False
+
+        def turn() -> None:
+            nonlocal running
+            if poll():
+                call_soon(turn)  # runs in the next turn: the selector polls in between
+            else:
+                running = False
+
+        def kick() -> None:
+            nonlocal running
+            if not running:
+                running = True
+                call_soon(turn)
+
+        return kick
 
     def watch(self, fd: int, on_ready: Call) -> None:
         self._loop.add_reader(fd, on_ready)  # NotImplementedError on a proactor loop
@@ -127,6 +156,32 @@ class _Trio:
             await lowlevel.wait_task_rescheduled(abort)
 
         return wake, park
+
+    def start_poller(self, poll: Callable[[], bool]) -> Call:
+        lowlevel = self._trio.lowlevel
+        state = {"running": True, "parked": None}
+
+        async def poller() -> None:
+            # a system task: cancelled only when the run ends, after every
+            # task of the program
+            task = lowlevel.current_task()
+            while True:
+                if not state["running"]:
+                    state["parked"] = task
+                    await lowlevel.wait_task_rescheduled(lambda _: lowlevel.Abort.SUCCEEDED)
+                state["running"] = poll()
+                # one poll a batch of Trio's scheduler, which checks for I/O in between
+                await lowlevel.checkpoint()
+
+        def kick() -> None:
+            if not state["running"]:
+                state["running"] = True
+                task, state["parked"] = state["parked"], None
+                if task is not None:
+                    lowlevel.reschedule(task)
+
+        lowlevel.spawn_system_task(poller, name="gpuflow poller")
+        return kick
 
     def watch(self, fd: int, on_ready: Call) -> None:
         lowlevel = self._trio.lowlevel

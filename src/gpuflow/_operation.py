@@ -397,6 +397,9 @@ class SharedOperation(DeviceOperation[T]):
             try:
                 st.output = st.source.execute(ctx)
                 st.stream = ctx.stream
+                # right after the source: a clone on another stream waits for
+                # it, not for whatever its stream runs later
+                st.event = ctx.backend.record_event(ctx.stream._raw)
             except BaseException as exc:
                 st.error = exc
                 raise
@@ -408,11 +411,7 @@ class SharedOperation(DeviceOperation[T]):
             raise st.error
         assert st.stream is not None
         if st.stream != ctx.stream:
-            be = ctx.backend
-            with st.lock:
-                if st.event is None:
-                    st.event = be.record_event(st.stream._raw)
-            be.wait_event(ctx.stream._raw, st.event)
+            ctx.backend.wait_event(ctx.stream._raw, st.event)
         return st.output  # type: ignore[return-value]
 
     def _label(self) -> str:

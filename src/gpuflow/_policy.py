@@ -8,14 +8,12 @@ lease's stream whatever the policy (see :mod:`._run`).
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ._errors import UsageError
-from ._runtime import get_runtime, new_stream
+from ._runtime import MAX_POOL_STREAMS, get_runtime, new_stream
 from ._stream import Stream
 
 
@@ -32,51 +30,46 @@ class SchedulingPolicy(Protocol):
 
 
 class StreamPoolLeastLoaded:
-    """The default policy: a run goes to a pool stream with nothing pending,
-    else to the least-loaded one; new work does not queue behind long work,
-    such as what a cancelled await left running (the GPU cannot recall it),
-    while another stream could take it.
+    """The default policy: a run goes to a stream of the device with nothing
+    pending; when every stream has work, the device's pool grows by a stream,
+    up to ``max_streams``; at that bound, the least-loaded stream that is
+    still making progress.  New work thus never queues behind other work
+    (such as what a cancelled await left running: the GPU cannot recall it)
+    while the pool can grow, from the first run on.
 
     Each run looks at the device's streams in turn, starting one past where
     the previous run started (so on an idle device runs rotate over the pool
     exactly as with :class:`StreamPoolRoundRobin`, at about the same cost),
     and takes:
 
-    1. the first stream with nothing pending: no awaited or enqueued run the
-       GPU has not been seen to finish, no blocking ``sync`` in flight;
-    2. else, when no stream is *stalled*, the one with the fewest pending
-       runs; a stream is stalled when it has pending runs and none of its
-       runs has been seen to finish for ``stall_s`` seconds (long work);
-    3. else a new stream: the device's pool grows by one, up to
-       ``max_streams`` streams in all.  Where some stream holds long work,
-       work not yet seen to be long may hold up any busy stream, so the new
-       run gets a stream of its own;
-    4. else (at the bound) the least-loaded stream that is not stalled, or
-       the least-loaded one.
+    1. the first stream with nothing pending: the GPU has reached the mark
+       of every run enqueued on it (a read of its completion word, so this
+       is the GPU's own progress, not when someone last looked), and no
+       blocking ``sync`` is in flight on it;
+    2. else a new stream: the pool grows by one, up to ``max_streams``
+       streams in all (32 by default: CUDA's hardware queues, so that no
+       two pool streams share one);
+    3. else the stream with the fewest runs pending, preferring one that is
+       not *stalled* (it finished nothing for ``stall_s`` seconds: long
+       work).
 
-    Streams added in step 3 stay for the life of the device's context (until
+    Streams added in step 2 stay for the life of the device's context (until
     ``gf.reset_device`` or a new ``init_device_contexts``) and take their
-    turn in the rotation; stream leases and :class:`StreamPoolRoundRobin`
-    use only the ``streams_per_device`` streams made at initialisation.  A bound
-    no larger than ``streams_per_device`` turns growth off.  Many short runs
-    with nothing stalled never grow the pool (they share completion signals
-    per stream, which more streams would split).  On CUDA, streams beyond
-    the driver's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which
-    gpuflow sets to 32 unless the user set it) share queues, where long work
-    can still hold up unrelated work.
+    turn in the rotation; on CUDA they are made when the runtime starts, so
+    growing costs no driver call (making a stream can wait until the device
+    is idle).  Stream leases and :class:`StreamPoolRoundRobin` use only the
+    ``streams_per_device`` streams made at initialisation.  A bound no
+    larger than ``streams_per_device`` turns growth off.
 
-    What is pending is read from the completion dispatcher without a lock: a
-    race with a completion makes a choice slightly stale, never wrong (any
-    stream is correct; only latency differs).  Completions are seen by the
-    awaiting loop's thread or the dispatcher thread, either of which may be
-    busy (a loop running other tasks) or wait for the GIL for one switch
-    interval (5 ms) or more: ``stall_s`` (20 ms by default) stays well above
-    that, so short work never looks stalled.
+    What is pending is read without a lock: a race with the GPU makes a
+    choice slightly stale, never wrong (any stream is correct; only latency
+    differs).  A run being enqueued by another thread is not seen until it
+    is submitted.
     """
 
     __slots__ = ("_counter", "_max", "_stall")
 
-    def __init__(self, max_streams: int = 64, stall_s: float = 0.02) -> None:
+    def __init__(self, max_streams: int = MAX_POOL_STREAMS, stall_s: float = 0.02) -> None:
         if not isinstance(max_streams, int) or isinstance(max_streams, bool) or max_streams < 1:
             raise UsageError(f"max_streams must be a positive int, not {max_streams!r}")
         if not isinstance(stall_s, (int, float)) or isinstance(stall_s, bool) or not stall_s > 0:
@@ -99,61 +92,36 @@ class StreamPoolLeastLoaded:
     def next_stream(self, device: int) -> Stream:
         rt = get_runtime()
         streams = rt.streams(device)
-        start = next(self._counter) % len(streams)
-        first = streams[start]
-        dispatcher = rt.dispatcher
-        if not dispatcher.pending and not first._syncs:
-            return first  # nothing pending anywhere: round robin's cost
-        lanes = dispatcher.lanes
-        best = first
-        best_pending = -1
-        best_since = oldest = math.inf
+        n = len(streams)
+        start = next(self._counter) % n
         for s in streams[start:] + streams[:start] if start else streams:
-            lane = lanes.get(s._raw)
-            if lane is None or not lane.subs:  # no lane, or only signals left in flight
-                if not s._syncs:
-                    return s  # idle
-                pending, since = s._syncs, math.inf
-            else:
-                pending, since = len(lane.subs) + s._syncs, lane.since
-                if since < oldest:
-                    oldest = since
-            if best_pending < 0 or pending < best_pending:
-                best, best_pending, best_since = s, pending, since
-        stalled_before = time.monotonic() - self._stall
-        if oldest > stalled_before:
-            return best  # every stream is busy, none stalled
-        if len(streams) < self._max:
+            lane = s._lane
+            if not s._syncs and (lane is None or lane.idle()):
+                return s
+        if n < self._max:
             grown = rt.grow(device, self._max)
             if grown is not None:
                 return grown
-        if best_since > stalled_before:
-            return best
-        return _least_loaded_moving(lanes, streams, start, stalled_before) or best
+        return _least_loaded(streams, time.monotonic() - self._stall)
 
     def __repr__(self) -> str:
         return f"StreamPoolLeastLoaded(max_streams={self._max}, stall_s={self._stall})"
 
 
-def _least_loaded_moving(
-    lanes: Mapping[Any, Any], streams: list[Stream], start: int, stalled_before: float
-) -> Stream | None:
-    """The least-loaded stream that is not stalled (or one fallen idle)."""
-    found: Stream | None = None
-    least = 0
-    for s in streams[start:] + streams[:start]:
-        lane = lanes.get(s._raw)
-        if lane is None or not lane.subs:
-            if not s._syncs:
-                return s
-            pending = s._syncs
-        elif lane.since > stalled_before:
-            pending = len(lane.subs) + s._syncs
+def _least_loaded(streams: list[Stream], stalled_before: float) -> Stream:
+    """The stream with the fewest runs pending, one still moving if any is."""
+    best = streams[0]
+    best_key: tuple[bool, int] | None = None
+    for s in streams:
+        lane = s._lane
+        if lane is None:
+            key = (False, s._syncs)
         else:
-            continue
-        if found is None or pending < least:
-            found, least = s, pending
-    return found
+            stalled = lane.since < stalled_before and lane.read() <= lane.completed
+            key = (stalled, lane.backlog() + s._syncs)
+        if best_key is None or key < best_key:
+            best, best_key = s, key
+    return best
 
 
 class StreamPoolRoundRobin:

@@ -182,6 +182,7 @@ def _sync_run(
     ctx: ExecutionContext,
     traced: _trace.TracedRun | None,
 ) -> Any:
+    dispatcher = stream._runtime.dispatcher
     try:
         out = op.execute(ctx)
     except BaseException:
@@ -189,14 +190,14 @@ def _sync_run(
         try:
             stream.synchronize()
         finally:
-            sub._finish(None)
+            dispatcher.finish(sub)
         raise
     if traced is not None:
         traced.enqueued()
     try:
         stream.synchronize()
     finally:
-        sub._finish(None)
+        dispatcher.finish(sub)
     if sub.error is not None:  # a communicator aborted under the run
         raise sub.error
     return resolve(out)
@@ -245,16 +246,12 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         raise
     if traced is not None:
         traced.enqueued()
-    dispatcher = rt.dispatcher
-    dispatcher.submit(stream._raw, sub, loop)
+    rt.dispatcher.submit(stream._raw, sub)
     try:
         await sub.wait(loop)
     except BaseException as exc:
         if traced is not None:
             traced.ended(exc)
-        # cancelled before the loop's flush: the signal must not wait for a
-        # loop turn that may never come
-        dispatcher.flush()
         if sub.comms is not None and not sub.done:
             # a collective left behind may wait for its peers for ever: abort
             for comm in sub.comms:

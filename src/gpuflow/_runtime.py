@@ -9,6 +9,7 @@ initialise lazily.  The current device is a context variable, so each task
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import warnings
 import weakref
@@ -25,6 +26,36 @@ from ._stream import Stream
 
 _current_device: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
 
+#: The most streams a device's pool grows to under the default policy: as
+#: many as CUDA's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which
+#: gpuflow sets to 32), so that no two pool streams share one.
+MAX_POOL_STREAMS = 32
+#: How long an event loop with runs pending polls the GPU's completion words
+#: before it arms a wake-up and sleeps (see ``init_device_contexts``).
+DEFAULT_BUSY_POLL_US = 200.0
+BUSY_POLL_ENV = "GPUFLOW_BUSY_POLL_US"
+
+
+def _busy_poll_s(busy_poll_us: float | None) -> float:
+    """The busy-poll budget in seconds: the argument, else the environment's, else the default."""
+    where = "busy_poll_us"
+    if busy_poll_us is None:
+        env = os.environ.get(BUSY_POLL_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_BUSY_POLL_US / 1e6
+        where = BUSY_POLL_ENV
+        try:
+            busy_poll_us = float(env)
+        except ValueError:
+            raise UsageError(
+                f"{BUSY_POLL_ENV}={env!r} is not a number of microseconds"
+            ) from None
+    if isinstance(busy_poll_us, bool) or not isinstance(busy_poll_us, int | float):
+        raise UsageError(f"{where} must be a number of microseconds, not {busy_poll_us!r}")
+    if not 0 <= busy_poll_us < float("inf"):
+        raise UsageError(f"{where} must be 0 (no polling) or more microseconds, not {busy_poll_us}")
+    return float(busy_poll_us) / 1e6
+
 
 class Runtime:
     """Backend, devices and stream pools.  Internal: reach it through the API."""
@@ -35,6 +66,7 @@ class Runtime:
         default_device: int,
         devices: list[int],
         streams_per_device: int,
+        busy_poll_s: float = DEFAULT_BUSY_POLL_US / 1e6,
     ) -> None:
         self.backend = backend
         self.default_device = default_device
@@ -53,21 +85,42 @@ class Runtime:
         self._by_handle: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
         #: the private stream of each device for other libraries' arrays
         self._interop: dict[tuple[int, int], Stream] = {}
-        self.dispatcher = Dispatcher(backend)
+        #: per device: backend streams made ahead (see _make_pool)
+        self._spares: dict[int, list[Any]] = {}
+        self.dispatcher = Dispatcher(backend, busy_poll_s)
         for d in devices:
             self._make_pool(d)
 
     def _make_pool(self, device: int) -> None:
+        be = self.backend
+        if be.setup_waits_for_idle:
+            # creating a stream can block the calling thread until the device
+            # is idle (CUDA, when the driver grows its own pool of streams:
+            # seen on the H200, 0.19 s behind a kernel of another stream):
+            # every stream the pool may grow into, and the interop stream,
+            # are made now, before any work runs
+            count = max(self.streams_per_device, MAX_POOL_STREAMS) + 1
+            self._spares[device] = [be.create_stream(device) for _ in range(count)]
         pool = [
-            self.adopt(device, self.backend.create_stream(device))
-            for _ in range(self.streams_per_device)
+            self.adopt(device, self.new_raw_stream(device)) for _ in range(self.streams_per_device)
         ]
         self._pools[device] = pool
         self._streams[device] = list(pool)
 
+    def new_raw_stream(self, device: int) -> Any:
+        """A backend stream of ``device``: one made ahead, while there is one."""
+        spares = self._spares.get(device)
+        if spares:
+            try:
+                return spares.pop()
+            except IndexError:  # taken by another thread meanwhile
+                pass
+        return self.backend.create_stream(device)
+
     def adopt(self, device: int, raw: Any) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
         s = Stream(self, device, raw)
+        s._lane = self.dispatcher.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
         except Exception:  # a backend without handles: no other library can name it
@@ -97,7 +150,7 @@ class Runtime:
         if s is not None:
             return s
         self.check_device(device)
-        made = self.adopt(device, self.backend.create_stream(device))
+        made = self.adopt(device, self.new_raw_stream(device))
         with self._handles_lock:
             s = self._interop.get(key)
             if s is None:
@@ -145,7 +198,7 @@ class Runtime:
             streams = self._streams.get(device)
             if streams is None or len(streams) >= limit or not self.live:
                 return None
-            s = self.adopt(device, self.backend.create_stream(device))
+            s = self.adopt(device, self.new_raw_stream(device))
             streams.append(s)
             return s
 
@@ -169,6 +222,7 @@ class Runtime:
             )
             # raises (and changes nothing of ours) where the driver refuses
             self.backend.reset_device(device)
+            self._spares.pop(device, None)  # gone with the context
             self._pools.pop(device, None)
             old = self._streams.pop(device, [])
             self._generations[device] += 1
@@ -194,6 +248,8 @@ def init_device_contexts(
     num_devices: int | None = None,
     streams_per_device: int = 4,
     backend: str | Backend = "auto",
+    *,
+    busy_poll_us: float | None = None,
 ) -> str:
     """Initialise gpuflow: choose the backend, the devices and their stream pools.
 
@@ -205,8 +261,17 @@ def init_device_contexts(
     device.  Calling it again replaces the runtime; arrays and streams made
     before belong to the old one.  Returns the name of the backend chosen
     (also logged on the ``gpuflow`` logger).
+
+    ``busy_poll_us`` is how long an event loop that awaits GPU work keeps
+    reading the GPU's completion words, once per loop turn, before it arms a
+    wake-up and sleeps in its selector (``None``: the ``GPUFLOW_BUSY_POLL_US``
+    environment variable, else 200).  Polling completes a short run within a
+    few microseconds of the GPU finishing it; the wake-up costs tens of
+    microseconds more but no CPU.  ``0`` turns polling off.  A loop busy with
+    other tasks reads the words once per turn either way.
     """
     global _runtime
+    poll_s = _busy_poll_s(busy_poll_us)
     if not isinstance(streams_per_device, int) or streams_per_device < 1:
         raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
     if num_devices is not None and (not isinstance(num_devices, int) or num_devices < 1):
@@ -223,7 +288,7 @@ def init_device_contexts(
         if not given:
             be.close()
         raise UsageError(f"default_device={default_device} is not one of the {n} devices")
-    rt = Runtime(be, default_device, list(range(n)), streams_per_device)
+    rt = Runtime(be, default_device, list(range(n)), streams_per_device, poll_s)
     with _runtime_lock:
         old, _runtime = _runtime, rt
     if old is not None:
@@ -299,7 +364,7 @@ def new_stream(device: int | None = None) -> Stream:
     """
     rt = get_runtime()
     dev = rt.check_device(current_device() if device is None else device)
-    raw = rt.backend.create_stream(dev)
+    raw = rt.new_raw_stream(dev)
     s = rt.adopt(dev, raw)
     weakref.finalize(s, _retire_stream, rt, raw)
     return s

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._bridge import _Lane
     from ._runtime import Runtime
 
 
@@ -25,7 +26,7 @@ class Stream:
     :func:`gpuflow.wait_stream` and the array protocols.
     """
 
-    __slots__ = ("__weakref__", "_device", "_generation", "_raw", "_runtime", "_syncs")
+    __slots__ = ("__weakref__", "_device", "_generation", "_lane", "_raw", "_runtime", "_syncs")
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
         self._runtime = runtime
@@ -35,6 +36,8 @@ class Stream:
         #: blocking runs (``sync``, ``sync_on``) on this stream now: the
         #: dispatcher never sees them, a scheduling policy should
         self._syncs = 0
+        #: the dispatcher's record of the stream's marks (set by the runtime)
+        self._lane: _Lane | None = None
 
     @property
     def device(self) -> int:

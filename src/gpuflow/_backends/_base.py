@@ -11,14 +11,18 @@ Threading contract: every method may be called from any thread, concurrently.
 raise (report failures as warnings) and must prefer a leak to a dangling
 pointer.  Errors raised keep the driver's code (:class:`DeviceError`).
 
-The completion half of the bridge is split here: the backend provides two
-*native* signals, both delivered without the GIL on CUDA.  ``enqueue_close``
-closes a file descriptor when the GPU reaches it, which makes the read end
-of a pipe that an event loop watches readable: the GPU wakes the loop with
-no thread of gpuflow in between.  ``enqueue_signal`` counts one signal for
-the stream and wakes the front end's dispatcher thread (for runs that no
-loop awaits).  The front end turns signals into completed submissions,
-FIFO per stream.
+The completion half of the bridge is split here.  A backend numbers the
+points of a stream that the front end *marks*: after a run's work,
+:meth:`Backend.mark` enqueues the stream's next mark, and when the GPU
+reaches it the stream's *completion word* becomes that number.  Reading the
+word (:meth:`Backend.completion_reader`) is the fast question "is run n
+done": on CUDA the GPU writes the word into pinned host memory, so the
+answer is a memory read, with no driver call and no thread in between.
+For an event loop that goes to sleep, :meth:`Backend.enqueue_close` closes
+a pipe's write end when the GPU reaches it (no GIL on CUDA): the GPU wakes
+the loop, whose selector watches the read end.  Another stream can wait
+for a mark (:meth:`Backend.wait_mark`), which is how work is ordered after
+a run without waiting for whatever its stream ran later.
 """
 
 from __future__ import annotations
@@ -162,6 +166,11 @@ class Backend(abc.ABC):
     """
 
     name: ClassVar[str]
+    #: Whether making a stream or loading a module can block the calling
+    #: thread until the device is idle (CUDA): then the runtime makes the
+    #: streams it may need when it starts, and modules are loaded when they
+    #: are compiled or the runtime starts, never on the way to a launch.
+    setup_waits_for_idle: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -279,21 +288,26 @@ class Backend(abc.ABC):
 
     # -- the native half of the completion bridge -----------------------------
     @abc.abstractmethod
-    def enqueue_signal(self, stream: Any) -> None:
-        """When the GPU reaches this point of ``stream``, count one signal for it
-        and wake :meth:`wait_signals`.  Never needs the GIL on a real device."""
+    def mark(self, stream: Any) -> int:
+        """Enqueue ``stream``'s next completion mark; return its number.
+
+        A stream's marks are numbered 1, 2, 3, ... in the order they are
+        enqueued (the caller serializes the marks of one stream).  When the
+        GPU reaches a mark, everything enqueued on the stream before it is
+        done, and the stream's completion word becomes the mark's number.  A
+        faulted device reaches no mark.  Inside a capture: UsageError."""
 
     @abc.abstractmethod
-    def wait_signals(self, timeout: float | None) -> None:
-        """Block (without the GIL) until a signal or :meth:`wake`, or the timeout."""
+    def completion_reader(self, stream: Any) -> Callable[[], int]:
+        """A function returning the number of the last mark of ``stream`` the
+        GPU has reached (0 before any).  Cheap: a read of memory the GPU
+        writes, where the device can; callable from any thread, never blocks,
+        never raises.  A stream keeps its numbering for its whole life."""
 
     @abc.abstractmethod
-    def take_signals(self, stream: Any) -> int:
-        """How many signals of ``stream`` arrived since the last call."""
-
-    @abc.abstractmethod
-    def wake(self) -> None:
-        """Wake :meth:`wait_signals` without a signal."""
+    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
+        """Later work on ``stream`` waits until ``other`` (a stream of any
+        device of this backend) has reached its mark ``number``."""
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
         """When the GPU reaches this point of ``stream``, close ``fd`` (once,
@@ -304,10 +318,10 @@ class Backend(abc.ABC):
         caller's to leak, never to close itself."""
         return False
 
-    def signal_fired(self, stream: Any) -> None:
-        """A signal of ``stream`` was seen to fire outside :meth:`take_signals`:
-        deliver what must precede the completion of the work before it (on
-        CUDA, staged device-to-host copies).  Never raises."""
+    def complete_transfers(self, stream: Any) -> None:
+        """Marks of ``stream`` were seen reached: deliver what the work before
+        them must have delivered by the time it is reported done (on CUDA,
+        device-to-host copies staged through pinned memory).  Never raises."""
         return None
 
     # -- communicators (NCCL's model) ------------------------------------------

@@ -7,8 +7,14 @@ CI, with the real concurrency of the real thing:
   reference that sleeps takes time on its stream only);
 * events complete in stream order and cross-stream waits block the waiting
   stream, not the host;
+* completion marks set the stream's completion word when the stream reaches
+  them (in stream order, by the stream itself, as the GPU writes the word),
+  and a stream can wait for another's mark;
 * host signals are delivered by a separate "driver" thread, never by the
   thread that enqueued them, so the bridge's thread hand-off always runs;
+* a stream's worker sleeps on a condition of its own: an item enqueued on one
+  stream wakes that stream only, so that many streams scale as many CUDA
+  streams do (one condition for all woke every stream at every item);
 * a kernel whose reference raises is a *sticky fault*: as on CUDA after an
   illegal address, the device stops, nothing queued runs, host signals never
   fire and every query reports the fault until :meth:`reset_device`; as
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import itertools
 import os
 import threading
@@ -86,7 +93,7 @@ Item = Callable[[], None]
 
 # what a graph holds as edges between its nodes, not as nodes (as CUDA's
 # stream capture turns cross-stream event records and waits into edges)
-_EDGE_ITEMS = frozenset({"event record", "event wait", "host signal"})
+_EDGE_ITEMS = frozenset({"event record", "event wait", "mark wait", "host signal"})
 
 
 @dataclass(eq=False)
@@ -172,13 +179,21 @@ class SimKernel:
 
 
 class SimStream:
-    """One FIFO worker thread; items run in order, outside the backend lock."""
+    """One FIFO worker thread; items run in order, outside the backend lock.
+
+    ``cv`` shares the backend's lock: the worker sleeps on it until an item
+    arrives, and :meth:`SimBackend.synchronize` until the queue is empty.
+    ``word`` is the number of the last completion mark the stream reached,
+    ``issued`` the number of the last one enqueued.
+    """
 
     def __init__(self, backend: SimBackend, device: _SimDevice) -> None:
         self.backend = backend
         self.device = device
         self.queue: collections.deque[tuple[str, Item]] = collections.deque()
-        self.signals = 0
+        self.cv = threading.Condition(backend._lock)
+        self.word = 0
+        self.issued = 0
         self.closed = False
         self.capture: _Capture | None = None
         self.running = False
@@ -193,11 +208,11 @@ class SimStream:
         return f"<sim stream {id(self):#x} on device {self.device.index}>"
 
     def _work(self) -> None:
-        cond = self.backend.cond
+        cv = self.cv
         while True:
-            with cond:
+            with cv:
                 while not self.queue and not self.closed:
-                    cond.wait()
+                    cv.wait()
                 if not self.queue:
                     return
                 what, item = self.queue[0]
@@ -210,10 +225,11 @@ class SimStream:
                     self._run_recorded(what, item, generation, records)
                 else:
                     self._run(what, item, generation)
-            with cond:
+            with cv:
                 self.queue.popleft()
                 self.running = False
-                cond.notify_all()
+                if not self.queue:
+                    cv.notify_all()  # synchronize() waits for an empty queue
 
     def _run(self, what: str, item: Item, generation: int) -> None:
         try:
@@ -228,7 +244,7 @@ class SimStream:
         self._run(what, item, generation)
         end = time.perf_counter()
         activity = Activity(self.device.index, self.serial, what, start, end)
-        with self.backend.cond:
+        with self.cv:
             # appended before the item leaves the queue: once the stream is
             # seen idle, the record holds everything it ran
             for record in records:
@@ -245,7 +261,12 @@ class SimBackend(Backend):
         self, num_devices: int | None = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES
     ) -> None:
         n = 1 if num_devices is None else num_devices
-        self.cond = threading.Condition(threading.Lock())
+        # one lock for the whole simulated device, and conditions on it: this
+        # one for events, marks, faults and communicators (what items wait
+        # for), one per stream for its queue, one for the driver thread
+        self._lock = threading.Lock()
+        self.cond = threading.Condition(self._lock)
+        self._driver_cv = threading.Condition(self._lock)
         self._devices = [_SimDevice(i, memory_bytes) for i in range(n)]
         self._streams: list[SimStream] = []
         self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
@@ -253,7 +274,6 @@ class SimBackend(Backend):
         # the buffers not yet freed, by start address (sorted), for foreign_buffer
         self._starts: list[int] = []
         self._live: weakref.WeakValueDictionary[int, SimBuffer] = weakref.WeakValueDictionary()
-        self._wake_count = 0
         # what host signals do, run in order by the driver thread (under cond)
         self._driver_queue: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
@@ -267,21 +287,28 @@ class SimBackend(Backend):
 
     # -- the driver thread: host signals are called here, never on a stream --
     def _drive(self) -> None:
-        with self.cond:
+        with self._driver_cv:
             while True:
                 while not self._driver_queue and not self._closed:
-                    self.cond.wait()
+                    self._driver_cv.wait()
                 if self._closed:
                     return
                 deliver = self._driver_queue.popleft()
                 deliver()
+
+    def _wake_all(self) -> None:
+        """Under the lock: something every waiter must see (a fault, a reset, closing)."""
+        self.cond.notify_all()
+        for s in self._streams:
+            s.cv.notify_all()
+        self._driver_cv.notify_all()
 
     def close(self) -> None:
         with self.cond:
             self._closed = True
             for s in self._streams:
                 s.closed = True
-            self.cond.notify_all()
+            self._wake_all()
 
     # -- devices -------------------------------------------------------------
     @property
@@ -341,7 +368,7 @@ class SimBackend(Backend):
                             name=err.name,
                             device=other.index,
                         )
-            self.cond.notify_all()
+            self._wake_all()
 
     def reset_device(self, device: int) -> None:
         dev = self._dev(device)
@@ -355,7 +382,7 @@ class SimBackend(Backend):
                     while len(s.queue) > (1 if s.running else 0):
                         s.queue.pop()
                     s.capture = None
-            self.cond.notify_all()
+            self._wake_all()
 
     # -- streams -------------------------------------------------------------
     def create_stream(self, device: int) -> SimStream:
@@ -371,7 +398,7 @@ class SimBackend(Backend):
             if stream in self._streams:
                 self._streams.remove(stream)
             self._handles.pop(stream.handle, None)
-            self.cond.notify_all()
+            stream.cv.notify_all()
 
     def stream_handle(self, stream: Any) -> int:
         return int(stream.handle)
@@ -427,24 +454,28 @@ class SimBackend(Backend):
         """Enqueue ``item`` (or record it into the stream's capture); False,
         with nothing enqueued, for an item that must not be captured."""
         with self.cond:
-            fault = stream.device.fault
-            if fault is not None:
-                raise fault
-            if stream.capture is not None:
-                if not capturable:
-                    return False
-                stream.capture.items.append((what, item))
-                return True
-            stream.queue.append((what, item))
-            self.cond.notify_all()
+            return self._enqueue_locked(stream, what, item, capturable)
+
+    def _enqueue_locked(self, stream: SimStream, what: str, item: Item, capturable: bool) -> bool:
+        fault = stream.device.fault
+        if fault is not None:
+            raise fault
+        if stream.capture is not None:
+            if not capturable:
+                return False
+            stream.capture.items.append((what, item))
             return True
+        stream.queue.append((what, item))
+        if len(stream.queue) == 1:
+            stream.cv.notify_all()  # the worker sleeps only on an empty queue
+        return True
 
     def synchronize(self, stream: Any) -> None:
-        with self.cond:
+        with stream.cv:
             if stream.capture is not None:
                 raise UsageError("cannot synchronize a stream while it is being captured")
             while stream.queue and stream.device.fault is None:
-                self.cond.wait()
+                stream.cv.wait()
             if stream.device.fault is not None:
                 raise stream.device.fault
 
@@ -646,27 +677,52 @@ class SimBackend(Backend):
 
         self._enqueue(stream, f"kernel {kernel.name!r}", run)
 
-    # -- completion signals ---------------------------------------------------
+    # -- completion marks and host signals ---------------------------------------
+    def mark(self, stream: Any) -> int:
+        self._not_destroyed(stream)  # as the cuda backend refuses it
+        with self.cond:
+            if stream.capture is not None:
+                raise UsageError("a completion mark cannot be captured into a graph")
+            number: int = stream.issued + 1
+
+            def reach() -> None:
+                with self.cond:
+                    stream.word = number
+                    self.cond.notify_all()  # mark waits
+
+            self._enqueue_locked(stream, "completion mark", reach, False)
+            stream.issued = number
+            return number
+
+    def completion_reader(self, stream: Any) -> Callable[[], int]:
+        reader: Callable[[], int] = functools.partial(getattr, stream, "word")
+        return reader
+
+    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
+        self._not_destroyed(stream)
+        if other.word >= number and stream.capture is None:
+            return  # reached: nothing to wait for
+        peer = other.device
+
+        def wait() -> None:
+            with self.cond:
+                while other.word < number and peer.fault is None and stream.device.fault is None:
+                    self.cond.wait()
+                if peer.fault is not None and other.word < number:
+                    raise peer.fault
+
+        self._enqueue(stream, "mark wait", wait)
+
     def _host_signal(self, deliver: Callable[[], None]) -> Item:
         """The stream item of a host signal: it hands ``deliver`` to the
-        driver thread, which runs it (under ``cond``), never the stream."""
+        driver thread, which runs it (under the lock), never the stream."""
 
         def signal() -> None:
-            with self.cond:
+            with self._driver_cv:
                 self._driver_queue.append(deliver)
-                self.cond.notify_all()
+                self._driver_cv.notify()
 
         return signal
-
-    def enqueue_signal(self, stream: Any) -> None:
-        self._not_destroyed(stream)  # as the cuda backend refuses it
-
-        def count() -> None:
-            stream.signals += 1
-            self._wake_count += 1
-            self.cond.notify_all()
-
-        self._enqueue(stream, "host signal", self._host_signal(count))
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
         self._not_destroyed(stream)
@@ -674,27 +730,6 @@ class SimBackend(Backend):
         return self._enqueue(
             stream, "host signal", self._host_signal(lambda: os.close(fd)), capturable=False
         )
-
-    def wait_signals(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
-            while self._wake_count == 0:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return
-                self.cond.wait(remaining)
-            self._wake_count = 0
-
-    def take_signals(self, stream: Any) -> int:
-        with self.cond:
-            n: int = stream.signals
-            stream.signals = 0
-            return n
-
-    def wake(self) -> None:
-        with self.cond:
-            self._wake_count += 1
-            self.cond.notify_all()
 
     # -- communicators -------------------------------------------------------------
     def comm_unique_id(self) -> bytes:

@@ -23,6 +23,7 @@ from ._driver import driver, warn_unless_fault
 if TYPE_CHECKING:
     from ._backend import CudaBackend
     from ._staging import HostBuf, Pending
+    from ._words import Word
 
 DEFAULT_SHMEM = 48 * 1024  # dynamic shared memory a kernel may use without opting in
 
@@ -86,24 +87,28 @@ class Capture:
 
 
 class CudaStream:
-    """A non-blocking stream and its completion semaphore.
+    """A non-blocking stream and its completion word (:mod:`._words`).
 
-    A *foreign* stream is another library's (``foreign_stream``): it has no
-    semaphore, gpuflow only records events on it and makes it wait, and
-    never destroys it.
+    ``issued`` is the number of its last mark; with event marks,
+    ``mark_events`` holds the events of the marks not yet seen reached and
+    ``reached`` the last one that was.  A *foreign* stream is another
+    library's (``foreign_stream``): it has no word and no marks, gpuflow
+    only records events on it and makes it wait, and never destroys it.
     """
 
     __slots__ = (
-        "capture", "destroyed", "dev", "foreign", "handle", "obj", "pre_capture", "sem_addr",
-        "sig_events", "token",
+        "capture", "destroyed", "dev", "foreign", "handle", "issued", "mark_events", "mark_lock",
+        "obj", "pre_capture", "reached", "token", "word",
     )  # fmt: skip
 
-    def __init__(self, dev: Dev, handle: Any, sem_addr: int) -> None:
+    def __init__(self, dev: Dev, handle: Any, word: Word | None) -> None:
         self.dev = dev
         self.obj = handle  # the cuda.bindings CUstream, for the launch path
         self.handle = int(handle)
-        self.sem_addr = sem_addr
-        self.sig_events: collections.deque[int] = collections.deque()
+        self.word = word
+        self.issued = self.reached = word.read() if word is not None else 0
+        self.mark_events: collections.deque[tuple[int, int]] = collections.deque()
+        self.mark_lock = threading.Lock()
         self.token = dev.token
         self.capture: Capture | None = None
         self.pre_capture = 0  # an event recorded just before the capture began
