@@ -289,6 +289,30 @@ def test_an_array_is_cuda_memory_of_its_device_to_both_protocols() -> None:
         assert isinstance(cai["stream"], int) and cai["stream"] > 2
 
 
+def test_a_capsule_of_device_1_names_device_1_in_its_tensor() -> None:
+    # a consumer reads the device from the DLTensor itself, not from
+    # __dlpack_device__: both must name the array's device
+    if gf.device_count() < 2:
+        pytest.skip("needs two devices")
+    with gf.use_device(1):
+        a = gf.arange(N, dtype=F32).sync()
+    assert a.device == 1 and a.__dlpack_device__() == (2, 1)
+    for max_version in (None, (1, 0)):
+        capsule = a.__dlpack__(max_version=max_version)
+        t = _dlpack.read_capsule(capsule)
+        assert (t.device_type, t.device_id, t.ptr) == (2, 1, a.ptr)
+        b = gf.from_dlpack(capsule)  # the capsule alone says where the memory is
+        assert (b.device, b.ptr) == (1, a.ptr)
+    # through the protocol, where the producer names the device too: they agree
+    c = gf.from_dlpack(DlpackOnly(a))
+    assert (c.device, c.ptr) == (1, a.ptr)
+    with gf.use_device(1):
+        assert np.array_equal(gf.to_host(c).sync(), np.arange(N))
+    utils = pytest.importorskip("cuda.core.utils")
+    view_of = getattr(utils.StridedMemoryView, "from_dlpack", utils.StridedMemoryView)
+    assert view_of(a, stream_ptr=-1).device_id == 1  # another library's parser
+
+
 @pytest.mark.parametrize(
     ("max_version", "name", "version"),
     [

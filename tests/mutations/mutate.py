@@ -375,6 +375,14 @@ MUTATIONS = [
         "                pass\n",
         ("tests/test_interop.py",),
     ),
+    Mutation(
+        "I13",
+        "a capsule's tensor names device 0, whatever device the array is on",
+        "_dlpack.py",
+        "    t.device = DLDevice(KDL_CUDA, device)\n",
+        "    t.device = DLDevice(KDL_CUDA, 0)\n",
+        ("tests/test_interop.py",),
+    ),
 ]
 
 
