@@ -616,6 +616,44 @@ def test_read_only_memory_is_only_read() -> None:
     assert _dlpack.read_capsule(ro.__dlpack__(max_version=(1, 0))).readonly
 
 
+def versioned_capsule(a: gf.DeviceArray, flags: int) -> tuple[Any, Any]:
+    """A DLPack 1.0 capsule of ``a``'s memory with ``flags``, as another producer
+    makes it (no deleter: ``a`` owns the memory); and its struct, which must
+    outlive the capsule's import."""
+    shape = (ctypes.c_int64 * 1)(a.size)
+    managed = _dlpack.DLManagedTensorVersioned()
+    managed.version = _dlpack.DLPackVersion(1, 0)
+    managed.flags = flags
+    t = managed.dl_tensor
+    t.data, t.device, t.ndim = a.ptr, _dlpack.DLDevice(2, a.device), 1
+    t.dtype = _dlpack.DLDataType(2, 32, 1)  # float32
+    t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    capsule = _new_capsule(ctypes.addressof(managed), b"dltensor_versioned", None)
+    return capsule, (managed, shape)
+
+
+def test_a_read_only_dlpack_import_is_only_read() -> None:
+    a = gf.full(N, 2.0, F32).sync()
+    capsule, _struct = versioned_capsule(a, _dlpack.FLAG_READ_ONLY)
+    ro = gf.from_dlpack(capsule)
+    ro_cai = gf.from_dlpack(CaiOnly(a, data=(a.ptr, True)))
+    # a producer of read-only memory speaking DLPack (as JAX's arrays do)
+    ro_producer = gf.from_dlpack(DlpackOnly(ro_cai))
+    for b in (ro, ro_producer):
+        assert b.ptr == a.ptr and b.readonly
+        with pytest.raises(gf.UsageError, match="read-only"):
+            add(b, 1.0).sync()
+        with pytest.raises(gf.UsageError, match="read-only"):
+            gf.copy(a, out=b).sync()
+        assert np.array_equal(gf.to_host(gf.copy(b)).sync(), np.full(N, 2, F32))
+    # the flag decides, not the memory: the same capsule without it is writable
+    capsule, _struct = versioned_capsule(a, 0)
+    rw = gf.from_dlpack(capsule)
+    assert not rw.readonly
+    add(rw, 1.0).sync()
+    assert np.array_equal(gf.to_host(a).sync(), np.full(N, 3, F32))
+
+
 def test_from_dlpack_refuses_host_memory() -> None:
     class HostArray:
         def __dlpack__(self, **kwargs: Any) -> Any:

@@ -383,6 +383,14 @@ MUTATIONS = [
         "    t.device = DLDevice(KDL_CUDA, 0)\n",
         ("tests/test_interop.py",),
     ),
+    Mutation(
+        "I14",
+        "a read-only DLPack capsule is imported writable",
+        "_interop.py",
+        "(rt.backend, buffer, s, owner, t.readonly)",
+        "(rt.backend, buffer, s, owner, False)",
+        ("tests/test_interop.py",),
+    ),
 ]
 
 
