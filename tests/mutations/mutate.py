@@ -261,6 +261,17 @@ MUTATIONS = [
         ("tests/test_policy.py",),
     ),
     Mutation(
+        "G1",
+        "a graph replay is no reader of its inputs: an update does not wait for it",
+        "_capture.py",
+        "                alloc.before_read(ctx.stream)\n"
+        "        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n",
+        "                alloc.before_read(ctx.stream)\n"
+        "                alloc.readers.discard(ctx.stream)\n"
+        "        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n",
+        ("tests/test_graph.py",),
+    ),
+    Mutation(
         "I1",
         "an export does not make another library's stream wait for gpuflow's uses",
         "_export.py",
