@@ -272,6 +272,14 @@ MUTATIONS = [
         ("tests/test_graph.py",),
     ),
     Mutation(
+        "M18",
+        "leaving a scope waits for its last run only (as if runs ended in order everywhere)",
+        "_scope.py",
+        "            while self._subs:\n                sub = self._subs.pop()\n",
+        "            for sub in self._subs[-1:]:\n",
+        ("tests/test_scopes.py",),
+    ),
+    Mutation(
         "I1",
         "an export does not make another library's stream wait for gpuflow's uses",
         "_export.py",
