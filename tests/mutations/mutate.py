@@ -146,7 +146,13 @@ MUTATIONS = [
         "M12",
         "leaving a scope does not wait for the GPU work it started",
         "_scope.py",
+        "                sub = self._subs.pop()\n"
+        "                if not sub.done:\n"
+        "                    try:\n"
         "                        await sub.wait()\n",
+        "                sub = self._subs.pop()\n"
+        "                if not sub.done:\n"
+        "                    try:\n"
         "                        await anyio.lowlevel.checkpoint()\n",
         ("tests/test_scopes.py", "tests/test_lifetimes.py"),
     ),
