@@ -94,6 +94,35 @@ async def test_update_refreshes_the_input_before_the_next_launch() -> None:
 
 
 @pytest.mark.anyio
+async def test_update_waits_for_a_replay_still_reading_the_input_on_another_stream() -> None:
+    # one replay waits, then reads x into acc (acc += x); the update that
+    # refreshes x for the next launch must wait for that read, wherever it runs
+    x, acc, pause = await aarrays(1.0, 0.0, 0.0)
+    slow = 0.3
+    graph = K.slow_fill(pause, 0.0, slow).then(lambda _: M.saxpy(CFG, 1.0, x, acc, N)).capture()
+    streams: list[gf.Stream] = []
+    enqueued = anyio.Event()
+
+    def launch_on(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+        streams.append(ctx.stream)
+        if len(streams) == 1:
+            enqueued.set()  # the first replay is enqueued once this returns
+        return graph.launch()
+
+    async def first() -> None:
+        await gf.with_context(launch_on)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        await enqueued.wait()
+        graph.update(gf.copy(gf.from_host(np.full(N, 10, F32)), out=x))
+        await gf.with_context(launch_on)
+    assert streams[0] != streams[1]  # the second launch did not queue behind the first
+    # the first replay read the old input, the second the new one
+    np.testing.assert_array_equal(await gf.to_host(acc), np.full(N, 1 + 10, F32))
+
+
+@pytest.mark.anyio
 async def test_replays_are_ordered_like_any_writes_to_the_same_arrays() -> None:
     # one replay is a slow read-modify-write of acc: read it, wait, write acc + 1;
     # replays awaited from many tasks (on different pool streams) must not overlap

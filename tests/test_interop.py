@@ -289,6 +289,30 @@ def test_an_array_is_cuda_memory_of_its_device_to_both_protocols() -> None:
         assert isinstance(cai["stream"], int) and cai["stream"] > 2
 
 
+def test_a_capsule_of_device_1_names_device_1_in_its_tensor() -> None:
+    # a consumer reads the device from the DLTensor itself, not from
+    # __dlpack_device__: both must name the array's device
+    if gf.device_count() < 2:
+        pytest.skip("needs two devices")
+    with gf.use_device(1):
+        a = gf.arange(N, dtype=F32).sync()
+    assert a.device == 1 and a.__dlpack_device__() == (2, 1)
+    for max_version in (None, (1, 0)):
+        capsule = a.__dlpack__(max_version=max_version)
+        t = _dlpack.read_capsule(capsule)
+        assert (t.device_type, t.device_id, t.ptr) == (2, 1, a.ptr)
+        b = gf.from_dlpack(capsule)  # the capsule alone says where the memory is
+        assert (b.device, b.ptr) == (1, a.ptr)
+    # through the protocol, where the producer names the device too: they agree
+    c = gf.from_dlpack(DlpackOnly(a))
+    assert (c.device, c.ptr) == (1, a.ptr)
+    with gf.use_device(1):
+        assert np.array_equal(gf.to_host(c).sync(), np.arange(N))
+    utils = pytest.importorskip("cuda.core.utils")
+    view_of = getattr(utils.StridedMemoryView, "from_dlpack", utils.StridedMemoryView)
+    assert view_of(a, stream_ptr=-1).device_id == 1  # another library's parser
+
+
 @pytest.mark.parametrize(
     ("max_version", "name", "version"),
     [
@@ -590,6 +614,44 @@ def test_read_only_memory_is_only_read() -> None:
     assert np.array_equal(gf.to_host(gf.copy(ro)).sync(), np.full(N, 2, F32))
     assert ro.__cuda_array_interface__["data"][1] is True
     assert _dlpack.read_capsule(ro.__dlpack__(max_version=(1, 0))).readonly
+
+
+def versioned_capsule(a: gf.DeviceArray, flags: int) -> tuple[Any, Any]:
+    """A DLPack 1.0 capsule of ``a``'s memory with ``flags``, as another producer
+    makes it (no deleter: ``a`` owns the memory); and its struct, which must
+    outlive the capsule's import."""
+    shape = (ctypes.c_int64 * 1)(a.size)
+    managed = _dlpack.DLManagedTensorVersioned()
+    managed.version = _dlpack.DLPackVersion(1, 0)
+    managed.flags = flags
+    t = managed.dl_tensor
+    t.data, t.device, t.ndim = a.ptr, _dlpack.DLDevice(2, a.device), 1
+    t.dtype = _dlpack.DLDataType(2, 32, 1)  # float32
+    t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    capsule = _new_capsule(ctypes.addressof(managed), b"dltensor_versioned", None)
+    return capsule, (managed, shape)
+
+
+def test_a_read_only_dlpack_import_is_only_read() -> None:
+    a = gf.full(N, 2.0, F32).sync()
+    capsule, _struct = versioned_capsule(a, _dlpack.FLAG_READ_ONLY)
+    ro = gf.from_dlpack(capsule)
+    ro_cai = gf.from_dlpack(CaiOnly(a, data=(a.ptr, True)))
+    # a producer of read-only memory speaking DLPack (as JAX's arrays do)
+    ro_producer = gf.from_dlpack(DlpackOnly(ro_cai))
+    for b in (ro, ro_producer):
+        assert b.ptr == a.ptr and b.readonly
+        with pytest.raises(gf.UsageError, match="read-only"):
+            add(b, 1.0).sync()
+        with pytest.raises(gf.UsageError, match="read-only"):
+            gf.copy(a, out=b).sync()
+        assert np.array_equal(gf.to_host(gf.copy(b)).sync(), np.full(N, 2, F32))
+    # the flag decides, not the memory: the same capsule without it is writable
+    capsule, _struct = versioned_capsule(a, 0)
+    rw = gf.from_dlpack(capsule)
+    assert not rw.readonly
+    add(rw, 1.0).sync()
+    assert np.array_equal(gf.to_host(a).sync(), np.full(N, 3, F32))
 
 
 def test_from_dlpack_refuses_host_memory() -> None:

@@ -582,6 +582,35 @@ async def test_device_group_exit_waits_for_work_enqueued_on_every_device() -> No
         np.testing.assert_array_equal(await read(x), np.full(N, d + 1, F32))
 
 
+async def test_device_group_exit_waits_for_the_longest_work_whatever_its_order() -> None:
+    # a short kernel on device 0, a long one on device 1, neither awaited: the
+    # exit waits for the long one, whether it was enqueued first or last
+    devices = all_devices()
+    if len(devices) < 2:
+        pytest.skip("needs two devices")
+    slow = 0.3
+    seconds = {0: 0.0, 1: slow}
+
+    async def child(x: gf.DeviceArray, turn: anyio.Event, next_turn: anyio.Event) -> None:
+        await turn.wait()  # one child after the other, whatever the loop's scheduling
+        K.slow_fill(x, float(x.device + 1), seconds[x.device]).enqueue_on(gf.new_stream())
+        next_turn.set()
+
+    for order in ([1, 0], [0, 1], [1, 0], [0, 1]):
+        outs = {d: await gf.zeros(N, F32).run(on(d)) for d in order}
+        turns = [anyio.Event() for _ in range(len(order) + 1)]
+        turns[0].set()
+        t0 = time.perf_counter()
+        async with gf.open_device_group() as group:
+            for i, d in enumerate(order):
+                group.start_soon(child, outs[d], turns[i], turns[i + 1], device=d)
+        elapsed = time.perf_counter() - t0
+        assert testing.pending_runs() == 0, f"order {order}: the long kernel is still running"
+        assert elapsed >= slow - EARLY, f"order {order}: the exit returned after {elapsed:.3f} s"
+        for d, x in outs.items():
+            np.testing.assert_array_equal(await read(x), np.full(N, d + 1, F32))
+
+
 async def test_cancelled_device_group_waits_for_awaited_work_on_every_device() -> None:
     devices = all_devices()
     slow = 0.25

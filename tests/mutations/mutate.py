@@ -146,7 +146,13 @@ MUTATIONS = [
         "M12",
         "leaving a scope does not wait for the GPU work it started",
         "_scope.py",
+        "                sub = self._subs.pop()\n"
+        "                if not sub.done:\n"
+        "                    try:\n"
         "                        await sub.wait()\n",
+        "                sub = self._subs.pop()\n"
+        "                if not sub.done:\n"
+        "                    try:\n"
         "                        await anyio.lowlevel.checkpoint()\n",
         ("tests/test_scopes.py", "tests/test_lifetimes.py"),
     ),
@@ -261,6 +267,25 @@ MUTATIONS = [
         ("tests/test_policy.py",),
     ),
     Mutation(
+        "G1",
+        "a graph replay is no reader of its inputs: an update does not wait for it",
+        "_capture.py",
+        "                alloc.before_read(ctx.stream)\n"
+        "        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n",
+        "                alloc.before_read(ctx.stream)\n"
+        "                alloc.readers.discard(ctx.stream)\n"
+        "        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n",
+        ("tests/test_graph.py",),
+    ),
+    Mutation(
+        "M18",
+        "leaving a scope waits for its last run only (as if runs ended in order everywhere)",
+        "_scope.py",
+        "            while self._subs:\n                sub = self._subs.pop()\n",
+        "            for sub in self._subs[-1:]:\n",
+        ("tests/test_scopes.py",),
+    ),
+    Mutation(
         "I1",
         "an export does not make another library's stream wait for gpuflow's uses",
         "_export.py",
@@ -373,6 +398,22 @@ MUTATIONS = [
         "_interop.py",
         "                stream = next(iter(self.readers), None) or rt.pool(stream.device)[0]\n",
         "                pass\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I13",
+        "a capsule's tensor names device 0, whatever device the array is on",
+        "_dlpack.py",
+        "    t.device = DLDevice(KDL_CUDA, device)\n",
+        "    t.device = DLDevice(KDL_CUDA, 0)\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "I14",
+        "a read-only DLPack capsule is imported writable",
+        "_interop.py",
+        "(rt.backend, buffer, s, owner, t.readonly)",
+        "(rt.backend, buffer, s, owner, False)",
         ("tests/test_interop.py",),
     ),
 ]
