@@ -80,4 +80,4 @@ class ExecutionContext:
             be.wait_event(self.stream._raw, be.record_event(other._raw))
 
     def __repr__(self) -> str:
-        return f"<ExecutionContext device={self.device} stream={self.stream!r}>"
+        return f"<gpuflow.ExecutionContext device={self.device} stream={self.stream!r}>"

@@ -242,6 +242,9 @@ class Module:
     def __dir__(self) -> list[str]:
         return [*super().__dir__(), *self._kernels]
 
+    def __repr__(self) -> str:
+        return f"<gpuflow.Module kernels: {', '.join(self._kernels) or 'none'}>"
+
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
         # a kernel handle belongs to one runtime, device and context generation
         rt = ctx._runtime
