@@ -528,10 +528,21 @@ async def test_combinators_refuse_non_operations() -> None:
         gf.value(1).map("x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"with_context\(\) expected a callable, got NoneType"):
         gf.with_context(None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"to_host\(\) expected a gpuflow DeviceOperation"):
-        gf.to_host(np.zeros(3))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"copy\(\) source expected a gpuflow DeviceOperation"):
+    # host data is not wrapped in gf.value (to_host could not copy that): it is on the host
+    with pytest.raises(TypeError, match=r"to_host\(\) takes a DeviceArray.*got ndarray: "
+                       r"that is host data already \(gf\.from_host\(x\)") as info:
+        gf.to_host(np.ones(3))  # type: ignore[arg-type]
+    assert "gf.value" not in str(info.value)
+    with pytest.raises(TypeError, match=r"copy\(\) source takes a DeviceArray.*list.*from_host"):
         gf.copy([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"copy\(\) out .*got int"):
+        gf.copy(gf.zeros(1), out=3)  # type: ignore[arg-type]
+
+    class Foreign:  # another library's array
+        def __dlpack__(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"got Foreign: another library's array: gf\.from_dlpack"):
+        gf.to_host(Foreign())  # type: ignore[arg-type]
 
 
 async def test_then_function_must_return_an_operation() -> None:
