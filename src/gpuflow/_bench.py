@@ -35,7 +35,7 @@ import gpuflow as gf
 
 from ._backends._nvrtc import compile_source
 from ._bench_comm import bench_collectives
-from ._bench_rows import ROWS, event_loops, median_us, row
+from ._bench_rows import ROWS, event_loops, median_us, missing_loops, row
 from ._runtime import get_runtime
 from .lowlevel import pool_streams
 
@@ -659,6 +659,9 @@ def main(argv: list[str]) -> int:
           + ", ".join(be.device_name(d) for d in range(gf.device_count())))
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
+    if missing_loops():
+        print(f"(not installed, so not measured: {', '.join(missing_loops())}; "
+              "pip install 'gpuflow[trio]' adds Trio)")
     mod = gf.compile(EMPTY, references=_refs())
     only = set(args.only) or set(BENCHES)
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
