@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -89,6 +90,17 @@ def test_a_recipe_runs_its_work_each_time_sync() -> None:
     make = gf.zeros(4, F32)
     a, b = make.sync(), make.sync()
     assert a is not b and a.ptr != b.ptr
+
+
+@pytest.mark.sim_only  # the documentation, the same on every backend
+def test_the_docs_say_a_recipe_runs_each_time_and_shared_runs_once() -> None:
+    doc = " ".join((gf.DeviceOperation.__doc__ or "").split())
+    assert "awaiting the same operation twice launches its kernels twice" in doc
+    assert "op.shared()" in doc
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = " ".join(readme.split("\n* ", 1)[1].split("\n* ", 1)[0].split())
+    assert first.startswith("A `DeviceOperation` is a recipe")
+    assert "awaiting `op` twice runs its kernels twice" in first and "op.shared()" in first
 
 
 # -- value, with_context, then, map ---------------------------------------------------------------
