@@ -659,9 +659,10 @@ def main(argv: list[str]) -> int:
           + ", ".join(be.device_name(d) for d in range(gf.device_count())))
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
-    if missing_loops():
-        print(f"(not installed, so not measured: {', '.join(missing_loops())}; "
-              "pip install 'gpuflow[trio]' adds Trio)")
+    missing = missing_loops()
+    if missing:
+        extra = "; pip install 'gpuflow[trio]' adds Trio" if "trio" in missing else ""
+        print(f"(not installed, so not measured: {', '.join(missing)}{extra})")
     mod = gf.compile(EMPTY, references=_refs())
     only = set(args.only) or set(BENCHES)
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
