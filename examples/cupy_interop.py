@@ -6,7 +6,8 @@ running CuPy code as a step of a gpuflow pipeline, on gpuflow's stream;
 ``await gf.wait_stream(cupy_stream)`` waiting for CuPy work on a stream of
 its own.
 
-Needs CuPy with a CUDA device; without them it says so and skips.
+Needs CuPy with a CUDA device; without them it says so and skips.  Needs
+Trio too: python3 -m pip install 'gpuflow[trio]'.
 Run it:  python examples/cupy_interop.py [--backend auto|cuda]
 """
 
@@ -17,9 +18,14 @@ import importlib.util
 import sys
 
 import numpy as np
-import trio
 
 import gpuflow as gf
+
+try:
+    import trio
+except ModuleNotFoundError:
+    sys.exit("this example runs under Trio, which gpuflow's trio extra installs: "
+             "python3 -m pip install 'gpuflow[trio]' (from a checkout: -e '.[trio]')")
 
 SOURCE = r"""
 extern "C" __global__ void scale(float* x, float s, int n) {

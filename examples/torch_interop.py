@@ -32,6 +32,7 @@ extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
 
 async def main() -> None:
     import torch
+    from torch.utils.dlpack import from_dlpack  # torch.from_dlpack, which its stubs hide
 
     mod = gf.compile(SOURCE)
     n = 1 << 20
@@ -40,7 +41,7 @@ async def main() -> None:
     y = await gf.ones(n, dtype=np.float32)
 
     # zero-copy both ways: the same device memory, seen by both libraries
-    t = torch.from_dlpack(x)  # torch's stream waits for x's writes; no copy
+    t = from_dlpack(x)  # torch's stream waits for x's writes; no copy
     assert t.data_ptr() == x.ptr
     back = gf.from_dlpack(t)
     assert back.ptr == x.ptr
@@ -49,7 +50,7 @@ async def main() -> None:
     # gpuflow -> PyTorch -> gpuflow, one pipeline on gpuflow's stream, awaited
     op = (
         mod.saxpy(cfg, 2.0, x, y, n)  # y = 2x + 1
-        .then(lambda y: gf.foreign(lambda v: torch.relu(torch.from_dlpack(v) - 1000.0), y))
+        .then(lambda y: gf.foreign(lambda v: torch.relu(from_dlpack(v) - 1000.0), y))
         .then(lambda r: mod.saxpy(cfg, 1.0, x, r, n))  # r + x
     )
     got = await gf.to_host(op)

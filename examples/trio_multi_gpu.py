@@ -10,18 +10,25 @@ The job: each device squares a block of numbers and sums it; then the same
 job again with one device failing half-way, to show the cancellation.
 
 Run it:  python examples/trio_multi_gpu.py [--backend auto|cuda|sim]
-(on a machine without a GPU it simulates two devices).
+(on a machine without a GPU it simulates two devices).  It needs Trio:
+python3 -m pip install 'gpuflow[trio]'.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
-import trio
 
 import gpuflow as gf
+
+try:
+    import trio
+except ModuleNotFoundError:
+    sys.exit("this example runs under Trio, which gpuflow's trio extra installs: "
+             "python3 -m pip install 'gpuflow[trio]' (from a checkout: -e '.[trio]')")
 
 SOURCE = r"""
 extern "C" __global__ void square(float* x, int n, long long ns) {

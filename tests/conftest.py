@@ -14,8 +14,10 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from importlib.util import find_spec
+from typing import Any
 
 import pytest
 
@@ -33,6 +35,10 @@ def _cuda_devices() -> int:
 
 
 CUDA_DEVICES = _cuda_devices()
+
+#: Why every test's ``cuda`` variant is skipped where there is no GPU (about
+#: half the suite there: the summary counts them on one line)
+NO_CUDA = "cuda variant: no CUDA device present (the sim variant runs)"
 
 
 #: The event loops every async test runs under: asyncio, uvloop (an asyncio
@@ -59,9 +65,9 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Initialise gpuflow on each backend; ``sim`` gets two devices."""
     name = str(request.param)
     if name == "cuda" and CUDA_DEVICES == 0:
-        pytest.skip("no CUDA device present")
+        pytest.skip(NO_CUDA)
     if name == "sim" and request.node.get_closest_marker("cuda_only"):
-        pytest.skip("needs a real CUDA device")
+        pytest.skip("sim variant of a cuda-only test: needs a real CUDA device")
     if name == "cuda" and request.node.get_closest_marker("sim_only"):
         pytest.skip("exercises a property of the simulator itself")
     gf.init_device_contexts(backend=name, num_devices=2 if name == "sim" else None)
@@ -73,6 +79,30 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     yield name
     gc.collect()
     testing.assert_quiescent(timeout=5.0)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    loops = ", ".join(str(p.id) for p in LOOPS)
+    if CUDA_DEVICES:
+        return f"gpuflow: every test on sim and on cuda ({CUDA_DEVICES} device(s)); loops {loops}"
+    return (
+        "gpuflow: every test on sim; no CUDA device present, so every test's cuda variant "
+        f"is skipped (the summary counts them); loops {loops}"
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The skips counted by reason, one line each: ``-rs`` gives a line per
+    test, hundreds without a GPU, and pytest's own count alone reads as breakage."""
+    reasons: Counter[str] = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section("skipped tests, by reason", sep="-")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:6d}  {reason}")
 
 
 def pytest_configure(config: pytest.Config) -> None:

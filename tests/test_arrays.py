@@ -198,9 +198,31 @@ async def test_copy_to_another_device() -> None:
     out = await gf.zeros(10, np.float32)
     await gf.copy(gf.copy(on1, device=0), out=out).run(policy)
     np.testing.assert_array_equal(await gf.to_host(out), np.arange(10, dtype=np.float32))
-    # reading a device-1 array in a device-0 run is refused, naming both
-    with pytest.raises(gf.UsageError, match="device 1"):
-        await gf.to_host(on1)
+    # to_host copies from the array's device, whichever device the run is on
+    assert gf.current_device() == 0
+    np.testing.assert_array_equal(await gf.to_host(on1), np.arange(10, dtype=np.float32))
+    np.testing.assert_array_equal(
+        await gf.to_host(gf.copy(src, device=1)), np.arange(10, dtype=np.float32)
+    )
+    # a policy bound to device 0 (its stream cannot take the copy); an empty array
+    np.testing.assert_array_equal(
+        await gf.to_host(on1).run(gf.SingleStream(device=0)), np.arange(10, dtype=np.float32)
+    )
+    empty = await gf.zeros(0, np.float32).run(policy)
+    assert (await gf.to_host(empty)).shape == (0,)
+    # the copy waits for the array's last write, on its device
+    with gf.use_device(1):
+        K.slow_fill(on1, 6.0, 0.05).enqueue_on(gf.new_stream())  # still running
+    np.testing.assert_array_equal(await gf.to_host(on1), np.full(10, 6, np.float32))
+
+
+def test_to_host_of_another_devices_array_blocking() -> None:
+    if K.num_devices() < 2:
+        pytest.skip("needs two devices")
+    on1 = gf.copy(gf.arange(4, dtype=np.float32), device=1).sync()
+    want = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(gf.to_host(on1).sync(), want)
+    np.testing.assert_array_equal(gf.to_host(on1).sync_on(gf.new_stream(0)), want)
 
 
 async def test_copy_refuses_mismatched_out() -> None:

@@ -11,7 +11,11 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 
+import pytest
+
 import gpuflow as gf
+from gpuflow.__main__ import main as gpuflow_main
+from gpuflow._bench import main as bench_main
 
 
 def test_bench_runs_from_an_installed_copy_of_the_package(
@@ -43,7 +47,7 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
     report = json.loads((work / "bench.json").read_text())
     assert report["backend"] == device_backend
     names = [r["name"] for r in report["rows"]]
-    loops = ["asyncio", "uvloop", "trio"] if find_spec("uvloop") else ["asyncio", "trio"]
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
     assert names == [f"awaited ops per second ({loop})" for loop in loops]
     assert all(r["unit"] == "op/s" and r["value"] > 0 for r in report["rows"])
     # --trace: a timeline of every run; each loop awaited at least 3 x 64 x 20 kernels
@@ -51,3 +55,46 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
     runs = [e for e in events if e.get("cat") == "gpuflow.run"]
     assert len(runs) >= len(loops) * 3 * 64 * 20
     assert {e["name"] for e in runs} == {"kernel empty"}
+
+
+# -- the command line's help ---------------------------------------------------------------------
+
+
+@pytest.mark.sim_only  # no backend involved
+def test_the_command_line_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpuflow_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m gpuflow COMMAND [options]")
+    for command in ("demo", "bench", "info"):
+        assert f"\n  {command}  " in out, command
+    for markup in ("``", ":class:", ":func:"):  # reStructuredText a terminal shows raw
+        assert markup not in out
+    assert gpuflow_main([]) == 2 and "usage:" in capsys.readouterr().err
+    assert gpuflow_main(["nope"]) == 2 and "expected one of demo" in capsys.readouterr().err
+
+
+@pytest.mark.sim_only  # no backend involved
+def test_bench_help_describes_it_and_every_name_only_takes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        bench_main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "gpuflow's benchmarks. Each row:" in out
+    names = out[out.index("names for --only"):]
+    for name in ("launch", "throughput", "chain", "hold", "lease", "deadlines", "fanout",
+                 "torch", "nccl", "fault"):
+        assert f"\n  {name:<11} " in names, name
+    with pytest.raises(SystemExit) as done:  # a misspelt name runs nothing, and says so
+        bench_main(["--only", "lanch"])
+    assert done.value.code == 2
+    assert "invalid choice: 'lanch' (choose from 'launch'" in capsys.readouterr().err
+
+
+@pytest.mark.sim_only  # no backend involved
+def test_info_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        gpuflow_main(["info", "--help"])
+    assert done.value.code == 0
+    assert "what a bug report needs" in capsys.readouterr().out

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 
 #: example -> (libraries it needs, lines its output must contain)
 EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -89,3 +92,40 @@ def test_the_data_parallel_example_runs_under_mpiexec() -> None:
     # rank 0 says ok after a barrier; mpiexec may still forward rank 1's last
     # line after it (two pipes), so the line is looked for, not its place
     assert "ok" in out.splitlines(), out
+
+
+#: The examples that run under Trio, which only the trio (and test) extra installs
+TRIO_EXAMPLES = sorted(
+    p.name for p in EXAMPLES.glob("*.py") if re.search(r"^\s*import trio$", p.read_text(), re.M)
+)
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("name", TRIO_EXAMPLES)
+def test_an_example_that_needs_trio_says_how_to_install_it(name: str) -> None:
+    """What ``pip install -e .`` alone leaves: no Trio.  The example says
+    which extra installs it, with no traceback."""
+    hide_trio = (
+        "import runpy, sys; sys.modules['trio'] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    src = str(ROOT / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", hide_trio, str(EXAMPLES / name), "--backend", "sim"],
+        capture_output=True, text=True, timeout=100, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "pip install 'gpuflow[trio]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.sim_only
+def test_the_trio_extra_installs_trio_and_the_readme_says_so() -> None:
+    assert TRIO_EXAMPLES == ["cupy_interop.py", "trio_multi_gpu.py"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert [r for r in extras["trio"] if r.startswith("trio")]
+    assert [r for r in extras["test"] if r.startswith("trio")]  # the suite runs under Trio
+    assert not [r for r in project["dependencies"] if r.startswith("trio")]
+    readme = (ROOT / "README.md").read_text()
+    assert "python3 -m pip install -e '.[trio]'" in readme

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib.metadata
 import math
 import os
 import subprocess
@@ -948,6 +949,13 @@ def test_info_reports_backend_devices_and_libraries(tmp_path: Path) -> None:
     for name, module in (("PyTorch", "torch"), ("CuPy", "cupy")):
         installed = find_spec(module) is not None
         assert (f"{name}: not installed" in out) != installed
+    # the optional packages: event loops, the MPI bootstrap, NCCL
+    for dist in ("trio", "uvloop", "mpi4py", "nccl4py", "nvidia-nccl-cu13"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        assert f"{dist} {version}" in out, dist
 
 
 # -- PyTorch and CuPy (on a CUDA device) ------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -131,6 +132,33 @@ def test_compile_checks_references() -> None:
         gf.compile(K.SOURCE, references={"saxpy": 3})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"expected CUDA C\+\+ source text, got bytes"):
         gf.compile(b"extern")  # type: ignore[arg-type]
+
+
+def test_compile_checks_each_reference_takes_the_kernels_arguments() -> None:
+    src = 'extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {}'
+
+    def defaults(a: float, x: Any, y: Any, n: int, extra: int = 0) -> None: ...
+
+    # what can be called with the kernel's four arguments is taken
+    for ok in (lambda a, x, y, n: None, lambda *args: None, lambda a, *rest: None, defaults,
+               functools.partial(lambda k, a, x, y, n: None, 1), max):  # max: no signature to read
+        gf.compile(src, references={"saxpy": ok})
+    # what cannot is refused at once, naming the kernel and its parameters
+    for bad in (lambda a, x, y: None, lambda a, x, y, n, m: None, lambda a, x, y, n, *, k: None):
+        with pytest.raises(gf.UsageError) as info:
+            gf.compile(src, references={"saxpy": bad})
+        assert isinstance(info.value, TypeError)
+        assert "reference for kernel 'saxpy' takes (a, x, y" in str(info.value)
+        assert "saxpy(float a, const float* x, float* y, int n)" in str(info.value)
+    with pytest.raises(gf.UsageError, match=r"kernel 'empty' takes \(x\).* in order: empty\(\)$"):
+        gf.compile('extern "C" __global__ void empty() {}', references={"empty": lambda x: None})
+
+
+def test_compile_documents_the_reference_convention() -> None:
+    doc = gf.compile.__doc__ or ""
+    for point in ("one argument per kernel parameter", "flat, 1-D NumPy view",
+                  "read-only", "Python numbers", "in place"):
+        assert point in " ".join(doc.split()), point
 
 
 async def test_launch_with_arrays_and_scalars() -> None:

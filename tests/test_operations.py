@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -89,6 +90,17 @@ def test_a_recipe_runs_its_work_each_time_sync() -> None:
     make = gf.zeros(4, F32)
     a, b = make.sync(), make.sync()
     assert a is not b and a.ptr != b.ptr
+
+
+@pytest.mark.sim_only  # the documentation, the same on every backend
+def test_the_docs_say_a_recipe_runs_each_time_and_shared_runs_once() -> None:
+    doc = " ".join((gf.DeviceOperation.__doc__ or "").split())
+    assert "awaiting the same operation twice launches its kernels twice" in doc
+    assert "op.shared()" in doc
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = " ".join(readme.split("\n* ", 1)[1].split("\n* ", 1)[0].split())
+    assert first.startswith("A `DeviceOperation` is a recipe")
+    assert "awaiting `op` twice runs its kernels twice" in first and "op.shared()" in first
 
 
 # -- value, with_context, then, map ---------------------------------------------------------------
@@ -528,10 +540,21 @@ async def test_combinators_refuse_non_operations() -> None:
         gf.value(1).map("x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"with_context\(\) expected a callable, got NoneType"):
         gf.with_context(None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"to_host\(\) expected a gpuflow DeviceOperation"):
-        gf.to_host(np.zeros(3))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"copy\(\) source expected a gpuflow DeviceOperation"):
+    # host data is not wrapped in gf.value (to_host could not copy that): it is on the host
+    with pytest.raises(TypeError, match=r"to_host\(\) takes a DeviceArray.*got ndarray: "
+                       r"that is host data already \(gf\.from_host\(x\)") as info:
+        gf.to_host(np.ones(3))  # type: ignore[arg-type]
+    assert "gf.value" not in str(info.value)
+    with pytest.raises(TypeError, match=r"copy\(\) source takes a DeviceArray.*list.*from_host"):
         gf.copy([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"copy\(\) out .*got int"):
+        gf.copy(gf.zeros(1), out=3)  # type: ignore[arg-type]
+
+    class Foreign:  # another library's array
+        def __dlpack__(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"got Foreign: another library's array: gf\.from_dlpack"):
+        gf.to_host(Foreign())  # type: ignore[arg-type]
 
 
 async def test_then_function_must_return_an_operation() -> None:

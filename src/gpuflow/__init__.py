@@ -1,12 +1,36 @@
 """gpuflow: lazy, composable GPU operations awaited under structured concurrency.
 
-Build :class:`DeviceOperation` recipes (kernels, copies, allocations joined
-with ``then``, ``zip``, ``unzip``, ``shared``), then run them with
-``op.sync()`` or ``await op`` under asyncio or Trio (through AnyIO).  The GPU
-wakes the awaiting task itself; nothing polls.  GPU work of other libraries
-joins in without copies: ``gf.from_dlpack`` (their arrays),
-``gf.wait_stream`` (their streams, awaited), ``gf.foreign`` (their code, on
-gpuflow's stream), and ``torch.from_dlpack(arr)`` / ``cupy.asarray(arr)``.
+Build DeviceOperation recipes (kernels, copies, allocations joined with
+then, zip, unzip, shared), then run them with op.sync() or `await op` under
+asyncio or Trio (through AnyIO).  A recipe runs its work each time it is run;
+op.shared() runs it once.  The GPU wakes the awaiting task itself; nothing
+polls.  GPU work of other libraries joins in without copies.
+
+The API by topic (help(gpuflow.NAME) tells more of each):
+
+  operations     DeviceOperation, SharedOperation, Graph, value, with_context, zip
+  arrays         DeviceArray, zeros, ones, full, arange, from_host, to_host, copy
+  kernels        compile, Module, Kernel, LaunchConfig
+  devices        init_device_contexts, current_backend, current_device,
+                 device_count, use_device, new_stream, reset_device, Stream,
+                 ExecutionContext
+  scheduling     SchedulingPolicy, StreamPoolLeastLoaded, StreamPoolRoundRobin,
+                 SingleStream
+  scopes         open_stream_lease, StreamLease, open_device_group, DeviceGroup
+  interop        from_dlpack (other libraries' arrays), wait_stream (their
+                 streams, awaited), foreign (their code, on gpuflow's stream)
+  communicators  open_communicator, Communicator, RankInfo, new_unique_id,
+                 bootstrap_mpi, spawn_ranks
+  errors         GpuflowError > UsageError > UsageTypeError;
+                 GpuflowError > DeviceError > DeviceFaultError,
+                 OutOfMemoryError, LaunchError, CommunicatorError;
+                 GpuflowError > CompileError
+  timelines      trace
+  submodules     gpuflow.lowlevel (new kinds of operations, backends, raw
+                 handles), gpuflow.testing (checks for test suites)
+
+Modules whose names start with an underscore are private: import from
+gpuflow, gpuflow.lowlevel and gpuflow.testing only.
 """
 
 from . import lowlevel as lowlevel
@@ -67,3 +91,55 @@ from ._stream import Stream as Stream
 from ._trace import trace as trace
 
 __version__ = "0.1.0.dev0"
+
+__all__ = [
+    # operations and running them
+    "DeviceOperation", "SharedOperation", "Graph", "value", "with_context", "zip",
+    # arrays
+    "DeviceArray", "zeros", "ones", "full", "arange", "from_host", "to_host", "copy",
+    # kernels
+    "compile", "Module", "Kernel", "LaunchConfig",
+    # devices, streams, scheduling, scopes
+    "init_device_contexts", "current_backend", "current_device", "device_count",
+    "use_device", "new_stream", "reset_device", "Stream", "ExecutionContext",
+    "SchedulingPolicy", "StreamPoolLeastLoaded", "StreamPoolRoundRobin", "SingleStream",
+    "open_stream_lease", "StreamLease", "open_device_group", "DeviceGroup",
+    # other libraries' arrays, streams and code
+    "from_dlpack", "wait_stream", "foreign",
+    # communicators
+    "open_communicator", "Communicator", "RankInfo", "new_unique_id", "bootstrap_mpi",
+    "spawn_ranks",
+    # errors
+    "GpuflowError", "UsageError", "UsageTypeError", "DeviceError", "DeviceFaultError",
+    "OutOfMemoryError", "LaunchError", "CommunicatorError", "CompileError",
+    # a timeline of the runs
+    "trace",
+]
+
+
+def _fixup_module_metadata(public: str, names: list[str], namespace: dict[str, object]) -> None:
+    """Present what the private modules define as ``public.Name`` (as Trio
+    does): tracebacks, reprs, ``help()`` and pickles name the module a user
+    imports, not the private one that happens to define it."""
+    seen: set[int] = set()
+
+    def fix(obj: object) -> None:
+        module = getattr(obj, "__module__", None)
+        if id(obj) in seen or not isinstance(module, str) or not module.startswith("gpuflow._"):
+            return
+        seen.add(id(obj))
+        obj.__module__ = public
+        if isinstance(obj, type):  # its methods too, as help() and inspect see them
+            for attr in vars(obj).values():
+                if isinstance(attr, type) or hasattr(attr, "__code__"):  # a class, a function
+                    fix(attr)
+
+    for name in names:
+        fix(namespace[name])
+
+
+# the package first: a name both it and a submodule offer reads `gpuflow.Name`
+_fixup_module_metadata(__name__, __all__, globals())
+_fixup_module_metadata(lowlevel.__name__, lowlevel.__all__, vars(lowlevel))
+_fixup_module_metadata(testing.__name__, testing.__all__, vars(testing))
+del _fixup_module_metadata

@@ -1,15 +1,29 @@
-"""``python -m gpuflow demo`` runs the main job; ``python -m gpuflow bench`` the benchmarks;
-``python -m gpuflow info`` prints what a bug report needs (versions, driver, devices)."""
+"""python -m gpuflow COMMAND [options]
+
+commands:
+  demo   the main job: a 22-layer, 132-kernel token loop run three ways (a
+         sync after every kernel, one awaited chain a token, a graph replay),
+         then fanned out over every device
+  bench  the benchmarks: each measurement beside a baseline measured in the
+         same run, their ratio and the target
+  info   what a bug report needs: gpuflow's, Python's and the packages'
+         versions, the CUDA driver, the devices, the backend gpuflow picks
+
+"python -m gpuflow COMMAND --help" tells more of one.  Without a GPU, demo
+and bench run on sim, gpuflow's simulation of a CUDA device, and say so.
+"""
 
 from __future__ import annotations
 
 import sys
 
+COMMANDS = ("demo", "bench", "info")
+
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("usage: python -m gpuflow {demo,bench,info} [options]")
+        # the docstring is the help: plain text, as a terminal shows it
+        print("usage: " + (__doc__ or "").strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
@@ -24,7 +38,8 @@ def main(argv: list[str]) -> int:
         from ._info import main as info
 
         return info(rest)
-    print(f"unknown command {cmd!r}: expected 'demo', 'bench' or 'info'", file=sys.stderr)
+    print(f"unknown command {cmd!r}: expected one of {', '.join(COMMANDS)} "
+          "(python -m gpuflow --help)", file=sys.stderr)
     return 2
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from . import _export
 from ._errors import UsageError, UsageTypeError
 from ._hazards import Allocation, hazard_lock
-from ._operation import DeviceOperation, _as_op
+from ._operation import DeviceOperation
 from ._pending import PendingHost
 from ._policy import DEFAULT_POLICY
 
@@ -194,6 +194,26 @@ def _allocate(
     return DeviceArray(Allocation(ctx.backend, buf, s, ctx._submission), shape, dtype)
 
 
+def _check_device_input(x: object, what: str) -> None:
+    """Refuse what is not a device array or an operation, saying where the
+    data is and what brings it to the device (``gf.value`` would not)."""
+    if isinstance(x, DeviceArray | DeviceOperation):
+        return
+    if isinstance(x, np.ndarray | np.generic | list | tuple | int | float | complex):
+        hint = "that is host data already (gf.from_host(x) copies host data to the device)"
+    elif hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        hint = (
+            "another library's array: gf.from_dlpack(x) takes its device memory without "
+            "a copy; gf.from_host(x) copies host memory to the device"
+        )
+    else:
+        hint = "gpuflow's arrays come from gf.zeros, gf.from_host, gf.from_dlpack, kernels, ..."
+    raise UsageTypeError(
+        f"{what} takes a DeviceArray or an operation producing one, got "
+        f"{type(x).__name__}: {hint}"
+    )
+
+
 def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
     if isinstance(x, DeviceOperation):
         x = x.execute(ctx)
@@ -340,16 +360,15 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
             raise UsageError(
                 "to_host inside a graph capture: device-to-host copies cannot be captured"
             )
-        if a.device != ctx.device:
-            raise UsageError(
-                f"to_host: {a!r} is on device {a.device}, the run on device {ctx.device}"
-            )
         out = np.empty(a.shape, a.dtype)
         if a.nbytes:
+            # the copy runs on the array's device; a run on another device joins it
+            stream = ctx.stream if a.device == ctx.device else _stream_on(a.device)
             with hazard_lock:
-                a._alloc.before_read(ctx.stream, ctx._submission)
-                ctx.backend.copy_to_host(out, a._alloc.buffer, ctx.stream._raw)
+                a._alloc.before_read(stream, ctx._submission)
+                ctx.backend.copy_to_host(out, a._alloc.buffer, stream._raw)
             ctx.keep(out)
+            ctx.wait_for(stream)
         return PendingHost(out)
 
     def _label(self) -> str:
@@ -362,10 +381,20 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
         return "copy"
 
 
+def _stream_on(device: int) -> Stream:
+    """A stream of ``device`` for a part of a run on another device: the
+    default policy's (an idle one where it can), so that the part queues
+    behind no unrelated work there (the run's own policy may be bound to
+    its device, or to a stream lease of it)."""
+    return DEFAULT_POLICY.next_stream(device)
+
+
 def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np.ndarray[Any, Any]]:
-    """An operation producing a NumPy copy of a device array (or of an operation's output)."""
-    if not isinstance(x, DeviceArray):
-        _as_op(x, "to_host()")
+    """An operation producing a NumPy copy of a device array (or of an operation's output).
+
+    The copy runs on the array's device, whichever device the run is on.
+    """
+    _check_device_input(x, "to_host()")
     return _ToHost(x)
 
 
@@ -396,14 +425,14 @@ class _Copy(DeviceOperation[DeviceArray]):
                 raise UsageError(f"copy(): out {dst!r} is read-only memory of another library")
         else:
             dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
-            stream = ctx.stream if dev == ctx.device else DEFAULT_POLICY.next_stream(dev)
+            stream = ctx.stream if dev == ctx.device else _stream_on(dev)
             dst = _allocate(ctx, src.shape, src.dtype, stream)
         if not src.nbytes:
             return dst
         # the copy runs on the destination's device (on a stream the default
         # policy gives, so that it queues behind no unrelated work there);
         # the run's stream joins it
-        stream = ctx.stream if dst.device == ctx.device else DEFAULT_POLICY.next_stream(dst.device)
+        stream = ctx.stream if dst.device == ctx.device else _stream_on(dst.device)
         with hazard_lock:
             src._alloc.before_read(stream, ctx._submission)
             dst._alloc.before_write(stream, ctx._submission)
@@ -430,10 +459,9 @@ def copy(
     """Copy a device array on the device: into ``out``, or into a new array on
     ``device`` (default: the device of the run).  Across devices the copy goes
     peer to peer where the hardware allows."""
-    if not isinstance(src, DeviceArray):
-        _as_op(src, "copy() source")
-    if out is not None and not isinstance(out, DeviceArray):
-        _as_op(out, "copy() out")
+    _check_device_input(src, "copy() source")
+    if out is not None:
+        _check_device_input(out, "copy() out")
     if device is not None and (not isinstance(device, int) or device < 0):
         raise UsageError(f"copy(): device must be a device ordinal, not {device!r}")
     return _Copy(src, out, device)

@@ -22,6 +22,7 @@ import math
 import os
 import random
 import statistics
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -34,7 +35,7 @@ import gpuflow as gf
 
 from ._backends._nvrtc import compile_source
 from ._bench_comm import bench_collectives
-from ._bench_rows import ROWS, event_loops, median_us, row
+from ._bench_rows import ROWS, event_loops, median_us, missing_loops, row
 from ._runtime import get_runtime
 from .lowlevel import pool_streams
 
@@ -598,13 +599,55 @@ def bench_torch(quick: bool, cuda: bool) -> None:
     assert float(x[0]) == 1.0 + adds, "the PyTorch ops did not all run"
 
 
+#: The names ``--only`` takes, in the order they run, and what each measures.
+BENCHES = {
+    "launch": "one awaited empty kernel under each event loop, against "
+              "to_thread(stream.synchronize), a naive one-pipe bridge and a blocking "
+              "launch + synchronize",
+    "throughput": "awaited operations per second: 64 tasks each awaiting tiny kernels",
+    "chain": "a 132-kernel then chain awaited once, and its captured graph replayed, "
+             "against a sync after every kernel and the raw driver",
+    "hold": "how long the host function of each kind of completion signal holds its "
+            "stream while Python holds the GIL (cuda only)",
+    "lease": "a task in a stream lease cancelled 5 ms into 20 ms of GPU work: how long "
+             "after the work's end the lease is left",
+    "deadlines": "a service with per-request deadlines: the fast requests that miss, "
+                 "round robin against the default policy",
+    "fanout": "a device group over two devices against one device (needs two)",
+    "torch": "await gf.wait_stream on PyTorch work against "
+             "to_thread(torch.cuda.synchronize) (needs PyTorch and cuda)",
+    "nccl": "all-reduce bandwidth against nccl4py's own call, and an awaited 4-byte "
+            "all-reduce (needs nccl4py and cuda)",
+    "fault": "a faulting kernel to DeviceFaultError in its await, against the driver's "
+             "first report (runs last: on cuda the fault lasts as long as the process)",
+}
+
+
+def _help_epilog() -> str:
+    lines = ["names for --only (default: all, in this order):"]
+    for name, what in BENCHES.items():
+        lines += textwrap.wrap(what, 78, initial_indent=f"  {name:<11} ",
+                               subsequent_indent=" " * 14)
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpuflow bench")
-    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    p = argparse.ArgumentParser(
+        prog="python -m gpuflow bench",
+        description=textwrap.fill(
+            "gpuflow's benchmarks. Each row: what was measured, gpuflow's median, a "
+            "baseline measured in the same run and their ratio, and the target. Absolute "
+            "times mean something only on a GPU (--backend cuda); on sim the gpuflow side "
+            "runs and the raw-driver baselines are left out. With $OUT set, the rows are "
+            "also written to $OUT/bench.json.", 78),
+        epilog=_help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"],
+                   help="where to run (default: cuda where a device is present, else sim)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
-    p.add_argument("--only", action="append", default=[],
-                   help="launch, throughput, chain, hold, lease, deadlines, fanout, fault, "
-                   "torch, nccl (repeatable)")
+    p.add_argument("--only", action="append", default=[], choices=list(BENCHES),
+                   metavar="NAME", help="run only NAME (repeatable; the names are below)")
     p.add_argument("--trace", metavar="PATH",
                    help="also write a timeline of every run to PATH (Chrome trace-event "
                    "JSON, for ui.perfetto.dev); tracing slows the runs it records")
@@ -616,11 +659,12 @@ def main(argv: list[str]) -> int:
           + ", ".join(be.device_name(d) for d in range(gf.device_count())))
     if not cuda:
         print("(sim: absolute times mean nothing; raw-driver baselines are left out)")
+    missing = missing_loops()
+    if missing:
+        extra = "; pip install 'gpuflow[trio]' adds Trio" if "trio" in missing else ""
+        print(f"(not installed, so not measured: {', '.join(missing)}{extra})")
     mod = gf.compile(EMPTY, references=_refs())
-    only = set(args.only) or {
-        "launch", "throughput", "chain", "hold", "lease", "deadlines", "fanout", "fault",
-        "torch", "nccl",
-    }
+    only = set(args.only) or set(BENCHES)
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
     print(f"{head} {'ratio':>8}  target")
     with gf.trace(args.trace) if args.trace else contextlib.nullcontext():

@@ -28,9 +28,15 @@ def median_us(samples: list[float]) -> float:
 
 def event_loops() -> list[tuple[str, str, dict[str, Any]]]:
     """``(name, AnyIO backend, backend options)`` of every loop measured:
-    asyncio, uvloop (an asyncio loop; where it is importable) and Trio."""
+    asyncio, and uvloop (an asyncio loop) and Trio where they are importable."""
     loops: list[tuple[str, str, dict[str, Any]]] = [("asyncio", "asyncio", {})]
     if importlib.util.find_spec("uvloop") is not None:
         loops.append(("uvloop", "asyncio", {"use_uvloop": True}))
-    loops.append(("trio", "trio", {}))
+    if importlib.util.find_spec("trio") is not None:
+        loops.append(("trio", "trio", {}))
     return loops
+
+
+def missing_loops() -> list[str]:
+    """The loops :func:`event_loops` leaves out here."""
+    return [m for m in ("uvloop", "trio") if importlib.util.find_spec(m) is None]

@@ -87,4 +87,4 @@ class ExecutionContext:
             sub.arms[other._raw] = event
 
     def __repr__(self) -> str:
-        return f"<ExecutionContext device={self.device} stream={self.stream!r}>"
+        return f"<gpuflow.ExecutionContext device={self.device} stream={self.stream!r}>"

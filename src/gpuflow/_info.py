@@ -1,7 +1,8 @@
 """``python -m gpuflow info``: the facts a bug report needs, in one paste.
 
 As ``cupy.show_config()`` and ``python -m torch.utils.collect_env`` do:
-gpuflow's and Python's versions, the packages gpuflow runs with, the CUDA
+gpuflow's and Python's versions, the packages gpuflow runs with and the
+optional ones (event loops, MPI, NCCL; "not installed" where absent), the CUDA
 driver and devices (or why there are none), the backend gpuflow would pick
 and its devices (name, compute capability, memory), and whether PyTorch
 and CuPy can be imported here, with the CUDA they were built for.  Nothing
@@ -10,6 +11,7 @@ fails: a part that cannot be learnt says why.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import platform
@@ -18,7 +20,10 @@ from typing import Any
 
 from ._backends import cuda_probe, load_backend
 
-_PACKAGES = ("numpy", "anyio", "trio", "cuda-bindings", "nvidia-cuda-nvrtc", "cuda-core")
+_PACKAGES = ("numpy", "anyio", "cuda-bindings", "nvidia-cuda-nvrtc")
+#: What extras install: event loops, the bootstrap under mpiexec, NCCL, and
+#: the tests' DLPack reader
+_OPTIONAL = ("trio", "uvloop", "mpi4py", "nccl4py", "nvidia-nccl-cu13", "cuda-core")
 
 
 def _version(dist: str) -> str:
@@ -86,6 +91,7 @@ def report() -> str:
         f"python {platform.python_version()} ({platform.python_implementation()}, "
         f"{platform.system()} {platform.machine()})",
         "packages: " + ", ".join(f"{p} {_version(p)}" for p in _PACKAGES),
+        "optional: " + ", ".join(f"{p} {_version(p)}" for p in _OPTIONAL),
     ]
     count, driver, problem = cuda_probe()
     lines.append(f"CUDA driver: {driver if driver else 'none'}")
@@ -97,8 +103,11 @@ def report() -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv:
-        print(f"info takes no arguments, got {' '.join(argv)}", file=sys.stderr)
-        return 2
+    argparse.ArgumentParser(
+        prog="python -m gpuflow info",
+        description="Print what a bug report needs: gpuflow's, Python's and the packages' "
+        "versions (optional ones too), the CUDA driver and devices, the backend gpuflow "
+        "picks here, and whether PyTorch and CuPy import.",
+    ).parse_args(argv)
     print(report())
     return 0

@@ -8,13 +8,13 @@ raises a :class:`UsageError` naming the kernel and the parameter before
 anything is enqueued.  ``const T*`` parameters are read, ``T*`` ones are
 written: that decides the hazards a launch orders itself after.
 
-On ``sim``, a kernel runs its NumPy reference from ``references=``: it gets
-flat NumPy views of the arrays, typed by the signature (read-only for
-``const``), and Python scalars.
+On ``sim``, a kernel runs its NumPy reference from ``references=`` (the
+convention is in :func:`compile`'s docstring).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import threading
@@ -242,6 +242,9 @@ class Module:
     def __dir__(self) -> list[str]:
         return [*super().__dir__(), *self._kernels]
 
+    def __repr__(self) -> str:
+        return f"<gpuflow.Module kernels: {', '.join(self._kernels) or 'none'}>"
+
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
         # a kernel handle belongs to one runtime, device and context generation
         rt = ctx._runtime
@@ -263,9 +266,34 @@ def compile(
 ) -> Module:
     """Compile CUDA C++ with NVRTC and parse its ``extern "C" __global__`` kernels.
 
-    ``references`` maps kernel names to NumPy functions that the ``sim``
-    backend runs in their place.  Raises :class:`CompileError` (with
-    ``.log``) when NVRTC rejects the source, on any machine.
+    NVRTC runs at once, on any machine (no GPU needed): a source it rejects
+    raises :class:`CompileError`, with NVRTC's log in ``.log``.  ``options``
+    are more NVRTC options (``"-DN=4"``, ``"-I/path"``).  Each kernel is an
+    attribute of the returned :class:`Module`:
+    ``mod.saxpy(gf.LaunchConfig(grid, block), *args)`` is an operation that
+    launches it, its arguments checked against the C signature first.
+
+    ``references`` maps kernel names to Python functions that the ``sim``
+    backend runs in the kernels' place (``cuda`` runs the device code).  A
+    reference computes what the whole launch computes, and is called:
+
+    * with one argument per kernel parameter, in the signature's order (a
+      reference that cannot take that many is refused here);
+    * with each pointer as a flat, 1-D NumPy view of the whole array, of the
+      dtype its C type names (``float*``: float32; ``void*``: the array's
+      own), whatever the array's shape;
+    * with ``const T*`` views read-only, ``T*`` views writable;
+    * with scalars as Python numbers (``int``, ``float``, ``bool``);
+    * without the launch configuration.
+
+    It writes its results in place, into the writable views; what it returns
+    is ignored.  A reference that raises is a sticky fault of the device, as
+    an illegal address is on a GPU.  For example::
+
+        extern "C" __global__ void saxpy(float a, const float* x, float* y, int n)
+
+        def saxpy(a: float, x: np.ndarray, y: np.ndarray, n: int) -> None:
+            y[:n] = a * x[:n] + y[:n]
     """
     if not isinstance(source, str):
         raise UsageTypeError(
@@ -283,7 +311,25 @@ def compile(
     for n, fn in refs.items():
         if not callable(fn):
             raise UsageError(f"reference for kernel {n!r} is not callable")
+        _check_arity(n, sigs[n], fn)
     return Module(source, refs, opts, sigs)
+
+
+def _check_arity(kernel: str, params: tuple[Param, ...], fn: Callable[..., Any]) -> None:
+    # on sim a reference called with the wrong number of arguments would fail
+    # only at its first launch, as a sticky fault of the whole device
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none to read: trust them
+        return
+    try:
+        sig.bind(*params)  # *args and defaults take part, as in the real call
+    except TypeError:
+        wanted = ", ".join(p.describe() for p in params)
+        raise UsageTypeError(
+            f"the reference for kernel {kernel!r} takes {sig}, but it is called with one "
+            f"argument per kernel parameter, in order: {kernel}({wanted})"
+        ) from None
 
 
 def _scalar(kernel: str, p: Param, v: Any) -> np.generic:

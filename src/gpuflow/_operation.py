@@ -54,6 +54,13 @@ def _as_op(x: object, what: str) -> DeviceOperation[Any]:
 class DeviceOperation(Generic[T]):
     """A lazy recipe of GPU work producing a ``T``.
 
+    Building one does no work.  Each run (``sync()``, ``sync_on(stream)``,
+    ``enqueue_on(stream)``, ``await``) does all of it again: awaiting the
+    same operation twice launches its kernels twice, and an allocation makes
+    a new array each time.  To run it once and hand its output to every
+    awaiter, await ``op.shared()`` (its clones, from any task or thread, get
+    that one output).
+
     Subclass it and implement :meth:`execute` for a new kind of work.
     Operations are immutable and may be shared between tasks and threads;
     every run is independent (except :meth:`shared`).

@@ -20,6 +20,12 @@ from ._operation import Graph
 from ._runtime import current_device, get_runtime
 from ._stream import Stream
 
+__all__ = [
+    "Backend", "CollectiveCall", "PointerArg", "register_backend", "current_backend_object",
+    "ExecutionContext", "Submission", "pool_streams", "graph_exec_handle",
+    "ImportedAllocation", "StreamAdapter", "register_stream_adapter",
+]
+
 
 def current_backend_object() -> Backend:
     """The backend instance serving this process (raw handles, for interop and benchmarks)."""

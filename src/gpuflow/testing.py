@@ -14,6 +14,11 @@ from ._backends._base import Activity as Activity
 from ._runtime import get_runtime
 from ._scope import leases_held as leases_held
 
+__all__ = [
+    "assert_quiescent", "pending_runs", "leases_held", "use_after_free_count",
+    "record_activity", "Activity", "overlapped",
+]
+
 
 def pending_runs() -> int:
     """Runs handed to the completion dispatcher that the GPU has not finished."""
