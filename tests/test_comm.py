@@ -87,6 +87,29 @@ async def test_all_reduce_over_the_devices_of_a_process(op: str, dtype: Any) -> 
             np.testing.assert_array_equal(await get(x), h)
 
 
+async def test_another_devices_part_does_not_queue_behind_unrelated_work() -> None:
+    """The part of a collective on another device than the run's waits for its
+    array's own last write, not for whatever that write's stream ran after."""
+    two_devices()
+    import time
+
+    host = shards(2)
+    async with gf.open_communicator([0, 1]) as comm:
+        xs = [await put(h, d) for h, d in zip(host, [0, 1], strict=True)]
+        writer = gf.new_stream(1)  # x1's last writer
+        gf.copy(await put(host[1], 1), out=xs[1]).enqueue_on(writer)
+        with gf.use_device(1):
+            junk = await gf.zeros(64, F32)
+        K.slow_fill(junk, 1.0, 1.0, 64).enqueue_on(writer)  # unrelated long work there
+        t0 = time.perf_counter()
+        outs = await comm.all_reduce(xs, "sum")
+        took = time.perf_counter() - t0
+        assert took < 0.5, f"the all-reduce waited {took:.2f} s for unrelated work"
+        np.testing.assert_array_equal(await get(outs[1]), host[0] + host[1])
+        with gf.use_device(1):
+            await gf.wait_stream(writer)
+
+
 async def test_in_place_all_reduce_writes_its_input() -> None:
     devs = devices()
     host = shards(len(devs))

@@ -153,6 +153,79 @@ def test_a_writer_waits_for_every_reader_on_every_stream() -> None:
     np.testing.assert_array_equal(gf.to_host(x).sync(), full_f32(4))
 
 
+# -- a use waits for the array's own uses, never for whatever their stream ran later ------------
+
+LONG = 1.0  # unrelated work in flight: a wait for it is unmistakable
+
+
+def test_a_use_on_another_stream_does_not_wait_for_unrelated_later_work() -> None:
+    a, b = two_streams()
+    y = gf.zeros(16, F32).sync_on(a)  # done, a idle
+    z = gf.zeros(16, F32).sync_on(a)
+    K.slow_fill(z, 1.0, LONG, 16).enqueue_on(a)  # unrelated long work on a, touching z only
+    t0 = time.perf_counter()
+    K.slow_fill(y, 2.0, 0.001, 16).sync_on(b)  # writes y on b
+    took = time.perf_counter() - t0
+    assert took < LONG / 2, f"the write on b waited {took:.2f} s for a's unrelated kernel"
+    np.testing.assert_array_equal(gf.to_host(y).sync_on(b), np.full(16, 2, F32))
+    a.synchronize()
+
+
+def test_a_use_waits_for_a_pending_write_but_not_for_what_its_stream_ran_after() -> None:
+    a, b = two_streams()
+    y = gf.zeros(N, F32).sync()
+    z = gf.zeros(N, F32).sync()
+    K.slow_fill(y, 5.0, SLOW).enqueue_on(a)  # y's write, pending
+    K.slow_fill(z, 1.0, LONG).enqueue_on(a)  # then unrelated long work on a
+    t0 = time.perf_counter()
+    got = gf.to_host(y).sync_on(b)  # waits for y's write (the mark of its run) only
+    took = time.perf_counter() - t0
+    np.testing.assert_array_equal(got, full_f32(5))
+    assert SLOW - 0.05 <= took < LONG / 2, took
+    # and a write on b after the pending reads of a run on a
+    x = gf.full(N, 1.0, dtype=F32).sync()
+    out = gf.zeros(N, F32).sync()
+    late_copy(x, out, SLOW).enqueue_on(a)  # reads x after SLOW (behind the long work!)
+    a.synchronize()
+    late_copy(x, out, SLOW).enqueue_on(a)
+    K.slow_fill(z, 2.0, LONG).enqueue_on(a)
+    fill(x, 9.0).sync_on(b)  # waits for the read, not for the long fill after it
+    np.testing.assert_array_equal(gf.to_host(out).sync_on(b), full_f32(1))
+    a.synchronize()
+
+
+def test_a_zip_arms_write_is_waited_for_up_to_its_join_only() -> None:
+    a, b = two_streams()
+    y, z = gf.zeros(N, F32).sync(), gf.zeros(N, F32).sync()
+    arm: list[gf.Stream] = []
+
+    def on_arm(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+        arm.append(ctx.stream)
+        return K.slow_fill(y, 4.0, SLOW)
+
+    # the second arm forks onto another stream, which the run joins back
+    gf.zip(gf.value(None), gf.with_context(on_arm)).enqueue_on(a)
+    assert arm[0] != a
+    K.slow_fill(z, 1.0, LONG).enqueue_on(arm[0])  # unrelated, after the arm on its stream
+    t0 = time.perf_counter()
+    np.testing.assert_array_equal(gf.to_host(y).sync_on(b), full_f32(4))
+    assert time.perf_counter() - t0 < LONG / 2
+    arm[0].synchronize()
+    a.synchronize()
+
+
+def test_a_shared_clone_waits_for_the_source_not_its_streams_later_work() -> None:
+    a, b = two_streams()
+    z = gf.zeros(N, F32).sync()
+    shared = gf.full(N, 6.0, dtype=F32).shared()
+    shared.sync_on(a)  # the source runs on a
+    K.slow_fill(z, 1.0, LONG).enqueue_on(a)  # then unrelated long work there
+    t0 = time.perf_counter()
+    np.testing.assert_array_equal(gf.to_host(shared.clone()).sync_on(b), full_f32(6))
+    assert time.perf_counter() - t0 < LONG / 2
+    a.synchronize()
+
+
 def test_views_of_one_allocation_share_its_hazards() -> None:
     a, b = two_streams()
     x = gf.zeros(N, F32).sync()

@@ -547,6 +547,20 @@ async def test_the_first_use_of_an_import_waits_for_the_producers_work(protocol:
 
 
 @pytest.mark.anyio
+async def test_a_first_use_waits_for_its_own_producer_not_for_later_imports() -> None:
+    a, b = await gf.zeros(N, F32), await gf.zeros(N, F32)
+    late_fill(a, 7.0).enqueue_on(gf.new_stream())  # the first producer: SLOW
+    late_fill(b, 8.0, 3 * SLOW).enqueue_on(gf.new_stream())  # the second: far longer
+    x = gf.from_dlpack(DlpackOnly(a))  # the interop stream waits for the first...
+    y = gf.from_dlpack(DlpackOnly(b))  # ...then for the second
+    t0 = time.perf_counter()
+    assert np.array_equal(await gf.to_host(x), np.full(N, 7, F32))
+    took = time.perf_counter() - t0
+    assert took < 2 * SLOW, f"x's first use waited {took:.2f} s, for the later import's producer"
+    assert np.array_equal(await gf.to_host(y), np.full(N, 8, F32))
+
+
+@pytest.mark.anyio
 async def test_an_import_does_not_wait_for_the_uses_of_another() -> None:
     first, second = await gf.full(N, 1.0, F32), await gf.full(N, 2.0, F32)
     a = gf.from_dlpack(CaiOnly(first))

@@ -225,3 +225,48 @@ async def test_mixed_deadlines_round_robin_misses_far_more_than_the_default() ->
     assert ours / requests * 2 <= rr / rr_requests, (
         f"default missed {ours} of {requests}, round robin {rr} of {rr_requests}"
     )
+
+
+async def test_from_the_first_request_no_fast_run_queues_behind_slow_work() -> None:
+    """A burst right after the runtime is made (the pool is still its four
+    streams): 160 requests, 16 in flight, one in eight running 0.4 s of GPU
+    work under a 0.2 s deadline, three awaits each.  Every run of a fast
+    request must start on a stream with nothing pending: the pool grows
+    the moment every stream is busy, not after a stall."""
+    m = K.module()
+    draw = random.Random(7).random
+    queued: list[tuple[int, int]] = []  # (request, runs pending on its stream) where > 0
+    missed: list[int] = []
+
+    def seen(i: int, op: gf.DeviceOperation[Any]) -> gf.DeviceOperation[Any]:
+        def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+            lane = ctx.stream._lane
+            pending = (lane.backlog() if lane is not None else 0) + ctx.stream._syncs
+            if pending:
+                queued.append((i, pending))
+            return op
+
+        return gf.with_context(fn)
+
+    async def request(i: int, slots: anyio.Semaphore) -> None:
+        async with slots:
+            is_slow = draw() < 1 / 8
+            with anyio.move_on_after(0.2) as scope:
+                if is_slow:
+                    await K.slow_fill(await gf.zeros(N, F32), 1.0, 0.4)
+                else:
+                    c = await seen(i, gf.zeros(N, np.int32))
+                    await seen(i, m.add_i32(K.cfg(N), c, 1, N))
+                    await seen(i, gf.to_host(c))
+            if not is_slow and scope.cancelled_caught:
+                missed.append(i)
+
+    slots = anyio.Semaphore(16)
+    async with anyio.create_task_group() as tg:
+        for i in range(160):
+            tg.start_soon(request, i, slots)
+    while testing.pending_runs():  # the abandoned slow work, still running
+        await anyio.sleep(0.01)
+    assert queued == [], f"fast runs queued behind pending work: {queued[:10]}"
+    assert len(gf.lowlevel.pool_streams()) > POOL  # it grew to serve the burst
+    assert len(missed) <= 1, f"fast requests that missed their deadline: {missed}"

@@ -77,13 +77,9 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
         raise UsageError("capture() inside a capture")
     cap_stream = stream or new_stream(device)
     policy = _CapturePolicy(device, 3)
-    # the capture starts after everything already enqueued on the device's
-    # pool and the streams the default policy added to it, so that replays
-    # never race with work that made the inputs
+    # (nothing to wait for first: every replay is ordered after the work that
+    # made its inputs by the hazards the capture logs, and only after that)
     be = rt.backend
-    for s in rt.streams(device):
-        if s != cap_stream:
-            be.wait_event(cap_stream._raw, be.record_event(s._raw))
     sub = Submission(device)
     ctx = ExecutionContext(rt, cap_stream, policy, sub, capturing=True)
     log: dict[int, tuple[Allocation, bool]] = {}

@@ -18,6 +18,7 @@ import inspect
 import math
 import re
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from ._backends._nvrtc import CHECK_ARCH, compile_source
 from ._errors import CompileError, UsageError, UsageTypeError
 from ._hazards import Allocation, hazard_lock
 from ._operation import DeviceOperation
+from ._runtime import Runtime, current_runtime, runtime_started
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext
@@ -246,17 +248,34 @@ class Module:
         return f"<gpuflow.Module kernels: {', '.join(self._kernels) or 'none'}>"
 
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
+        return self._load_on(ctx._runtime, ctx.device, name)
+
+    def _load_on(self, rt: Runtime, device: int, name: str) -> Any:
         # a kernel handle belongs to one runtime, device and context generation
-        rt = ctx._runtime
-        key = (ctx.device, rt.generation(ctx.device), name)
+        key = (device, rt.generation(device), name)
         with self._lock:
             loaded = self._loaded.get(rt)
             if loaded is None:
                 loaded = self._loaded[rt] = {}
             k = loaded.get(key)
             if k is None:
-                k = loaded[key] = ctx.backend.load_kernel(ctx.device, self, name)
+                k = loaded[key] = rt.backend.load_kernel(device, self, name)
         return k
+
+    def _load_ahead(self, rt: Runtime) -> None:
+        """Load every kernel on every device of ``rt`` now, where loading can
+        wait until the device is idle (CUDA: seen on the H200, a module's
+        load waited for a kernel running on another stream): a first launch
+        then never stalls the thread that makes it.  A failure is a warning,
+        and the load is tried again at the first launch (which raises)."""
+        if not rt.backend.setup_waits_for_idle or not rt.live:
+            return
+        try:
+            for device in rt.devices:
+                for name in self._kernels:
+                    self._load_on(rt, device, name)
+        except Exception as exc:
+            warnings.warn(f"gpuflow: loading a module ahead failed: {exc!r}", stacklevel=2)
 
 
 def compile(
@@ -312,7 +331,24 @@ def compile(
         if not callable(fn):
             raise UsageError(f"reference for kernel {n!r} is not callable")
         _check_arity(n, sigs[n], fn)
-    return Module(source, refs, opts, sigs)
+    module = Module(source, refs, opts, sigs)
+    _compiled.add(module)
+    rt = current_runtime()
+    if rt is not None:
+        module._load_ahead(rt)
+    return module
+
+
+#: Every live module: a runtime made later loads them ahead (see Module._load_ahead).
+_compiled: weakref.WeakSet[Module] = weakref.WeakSet()
+
+
+def _load_compiled(rt: Runtime) -> None:
+    for module in list(_compiled):
+        module._load_ahead(rt)
+
+
+runtime_started.append(_load_compiled)
 
 
 def _check_arity(kernel: str, params: tuple[Param, ...], fn: Callable[..., Any]) -> None:

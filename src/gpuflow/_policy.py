@@ -42,10 +42,10 @@ class StreamPoolLeastLoaded:
     exactly as with :class:`StreamPoolRoundRobin`, at about the same cost),
     and takes:
 
-    1. the first stream with nothing pending: the GPU has reached the mark
-       of every run enqueued on it (a read of its completion word, so this
-       is the GPU's own progress, not when someone last looked), and no
-       blocking ``sync`` is in flight on it;
+    1. the first stream with nothing pending that no stream lease holds:
+       the GPU has reached the mark of every run enqueued on it (a read of
+       its completion word, so this is the GPU's own progress, not when
+       someone last looked), and no blocking ``sync`` is in flight on it;
     2. else a new stream: the pool grows by one, up to ``max_streams``
        streams in all (32 by default: CUDA's hardware queues, so that no
        two pool streams share one);
@@ -96,7 +96,7 @@ class StreamPoolLeastLoaded:
         start = next(self._counter) % n
         for s in streams[start:] + streams[:start] if start else streams:
             lane = s._lane
-            if not s._syncs and (lane is None or lane.idle()):
+            if not s._syncs and not s._leased and (lane is None or lane.idle()):
                 return s
         if n < self._max:
             grown = rt.grow(device, self._max)
@@ -109,16 +109,17 @@ class StreamPoolLeastLoaded:
 
 
 def _least_loaded(streams: list[Stream], stalled_before: float) -> Stream:
-    """The stream with the fewest runs pending, one still moving if any is."""
+    """The stream with the fewest runs pending, one still moving if any is,
+    one no stream lease holds if any is."""
     best = streams[0]
-    best_key: tuple[bool, int] | None = None
+    best_key: tuple[bool, bool, int] | None = None
     for s in streams:
         lane = s._lane
         if lane is None:
-            key = (False, s._syncs)
+            key = (s._leased, False, s._syncs)
         else:
             stalled = lane.since < stalled_before and lane.read() <= lane.completed
-            key = (stalled, lane.backlog() + s._syncs)
+            key = (s._leased, stalled, lane.backlog() + s._syncs)
         if best_key is None or key < best_key:
             best, best_key = s, key
     return best

@@ -13,7 +13,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -235,12 +235,27 @@ class Runtime:
         its backend too unless the runtime replacing it goes on with it."""
         self.live = False
         self.dispatcher.close()
+        # the streams it made go with it (work still on them completes first;
+        # a stream given out by new_stream goes with its last reference)
+        be = self.backend
+        with self._lock:
+            made = [raw for spares in self._spares.values() for raw in spares]
+            made += [s._raw for streams in self._streams.values() for s in streams]
+            made += [s._raw for s in self._interop.values()]
+            self._spares.clear()
+        for raw in made:
+            self.dispatcher.retire_stream(raw)
+            be.destroy_stream(raw)
         if backend:
-            self.backend.close()
+            be.close()
 
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
+
+#: Called with each new runtime, before it is used (``gpuflow._kernel`` loads
+#: the modules compiled so far where loading can wait for an idle device).
+runtime_started: list[Callable[[Runtime], None]] = []
 
 
 def init_device_contexts(
@@ -289,6 +304,8 @@ def init_device_contexts(
             be.close()
         raise UsageError(f"default_device={default_device} is not one of the {n} devices")
     rt = Runtime(be, default_device, list(range(n)), streams_per_device, poll_s)
+    for started in runtime_started:
+        started(rt)
     with _runtime_lock:
         old, _runtime = _runtime, rt
     if old is not None:

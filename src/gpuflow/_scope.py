@@ -96,15 +96,36 @@ class _LeasePool:
                 slot.append(stream)
                 self.held += 1
             else:
+                stream._leased = False
                 self.free.append(stream)
                 return
         post(target, poster, [event.set])
+
+    def _take(self) -> Stream:
+        """The free stream the GPU is least busy with: one with nothing
+        pending where there is one (a lease must not start behind work it
+        does not depend on, such as what a cancelled await left running).
+        Under the lock."""
+        best = 0
+        for i, s in enumerate(self.free):
+            lane = s._lane
+            load = s._syncs + (lane.backlog() if lane is not None else 0)
+            if load == 0:
+                best = i
+                break
+            best_s = self.free[best]
+            best_lane = best_s._lane
+            if load < best_s._syncs + (best_lane.backlog() if best_lane is not None else 0):
+                best = i
+        stream = self.free.pop(best)
+        stream._leased = True
+        return stream
 
     async def acquire(self) -> Stream:
         with self.lock:
             if self.free and not self.waiters:
                 self.held += 1
-                return self.free.pop(0)
+                return self._take()
             event = anyio.Event()
             slot: list[Stream] = []
             loop = current_loop()

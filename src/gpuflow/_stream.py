@@ -26,7 +26,9 @@ class Stream:
     :func:`gpuflow.wait_stream` and the array protocols.
     """
 
-    __slots__ = ("__weakref__", "_device", "_generation", "_lane", "_raw", "_runtime", "_syncs")
+    __slots__ = (
+        "__weakref__", "_device", "_generation", "_lane", "_leased", "_raw", "_runtime", "_syncs",
+    )  # fmt: skip
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
         self._runtime = runtime
@@ -38,6 +40,8 @@ class Stream:
         self._syncs = 0
         #: the dispatcher's record of the stream's marks (set by the runtime)
         self._lane: _Lane | None = None
+        #: held by a stream lease: the default policy gives it to no other run
+        self._leased = False
 
     @property
     def device(self) -> int:

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from ._backends._base import Activity as Activity
 from ._runtime import get_runtime
 from ._scope import leases_held as leases_held
+from ._stalls import Stall as Stall
+from ._stalls import assert_no_stall as assert_no_stall
 
 __all__ = [
     "assert_quiescent", "pending_runs", "leases_held", "use_after_free_count",
-    "record_activity", "Activity", "overlapped",
+    "record_activity", "Activity", "overlapped", "assert_no_stall", "Stall",
 ]
 
 

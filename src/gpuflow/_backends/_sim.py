@@ -197,6 +197,7 @@ class SimStream:
         self.closed = False
         self.capture: _Capture | None = None
         self.running = False
+        self.wakeups = 0  # how often the worker woke (what a test of the herd counts)
         self.serial = next(backend._stream_serials)
         self.handle = _STREAM_HANDLE_BASE + self.serial * _ADDRESS_ALIGN
         self.thread = threading.Thread(
@@ -213,6 +214,7 @@ class SimStream:
             with cv:
                 while not self.queue and not self.closed:
                     cv.wait()
+                    self.wakeups += 1
                 if not self.queue:
                     return
                 what, item = self.queue[0]
