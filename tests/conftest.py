@@ -58,6 +58,22 @@ def anyio_backend(request: pytest.FixtureRequest) -> object:
     return request.param
 
 
+_CUDA: list[Any] = []
+
+
+def _cuda_backend() -> Any:
+    """One cuda backend for the session, as a long-running program has one
+    (each test still gets a runtime of its own: streams, pools, dispatcher);
+    a new one where a test left a device faulted."""
+    from gpuflow._backends import load_backend
+
+    if _CUDA and any(_CUDA[0].device_fault(d) is not None for d in range(CUDA_DEVICES)):
+        _CUDA.clear()
+    if not _CUDA:
+        _CUDA.append(load_backend("cuda", None))
+    return _CUDA[0]
+
+
 @pytest.fixture(
     params=["sim", pytest.param("cuda", marks=pytest.mark.gpu)], autouse=True, scope="function"
 )
@@ -70,7 +86,10 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip("sim variant of a cuda-only test: needs a real CUDA device")
     if name == "cuda" and request.node.get_closest_marker("sim_only"):
         pytest.skip("exercises a property of the simulator itself")
-    gf.init_device_contexts(backend=name, num_devices=2 if name == "sim" else None)
+    if name == "cuda":
+        gf.init_device_contexts(backend=_cuda_backend())
+    else:
+        gf.init_device_contexts(backend=name, num_devices=2)
     # the replaced runtime is garbage now; on CUDA a finalizer of its driver
     # objects may wait for the device to be idle (seen on the H200), so a
     # collection during the test could stall until the test's own GPU work is

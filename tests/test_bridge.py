@@ -371,6 +371,7 @@ class _StoppedLoop:
         self.watched: list[int] = []
         self.kicks = 0
         self.ended = False
+        self.yielded = 0.0
 
     def start_poller(self, poll: Any) -> Any:
         def kick() -> None:

@@ -424,3 +424,46 @@ def test_a_library_imported_after_a_compile_works(library: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     if library == "torch":
         assert "(str tag) -> ()" in proc.stdout
+
+
+@pytest.mark.sim_only
+def test_modules_load_ahead_where_loading_can_wait_for_the_device() -> None:
+    """Where loading a module can wait until the device is idle (CUDA), a
+    module is loaded when it is compiled or when a runtime starts, never at a
+    first launch (which would stall the thread launching)."""
+    import uuid
+
+    from gpuflow._backends._sim import SimBackend  # the sim, told that loading waits
+    from gpuflow.lowlevel import Backend
+
+    loads: list[tuple[int, str]] = []
+
+    class Waiting(SimBackend):
+        setup_waits_for_idle = True
+
+        def load_kernel(self, device: int, module: Any, name: str) -> Any:
+            loads.append((device, name))
+            return super().load_kernel(device, module, name)
+
+    assert not SimBackend.setup_waits_for_idle and Backend.setup_waits_for_idle is False
+    tag = uuid.uuid4().hex
+    src = (
+        f'extern "C" __global__ void a_{tag}(int* x) {{}}\n'
+        f'extern "C" __global__ void b_{tag}(int* x) {{}}'
+    )
+    refs = {f"a_{tag}": lambda x: None, f"b_{tag}": lambda x: None}
+    before = gf.compile(src.replace(tag, tag + "0"), references={
+        k.replace(tag, tag + "0"): v for k, v in refs.items()
+    })
+    gf.init_device_contexts(backend=Waiting(2))  # the runtime starts: loads what was compiled
+    assert {(d, n) for d, n in loads if tag in n} == {
+        (d, f"{k}_{tag}0") for d in (0, 1) for k in ("a", "b")
+    }
+    loads.clear()
+    mod = gf.compile(src, references=refs)  # compiled with a runtime: loaded now
+    assert sorted(loads) == [(d, f"{k}_{tag}") for d in (0, 1) for k in ("a", "b")]
+    loads.clear()
+    x = gf.zeros(4, np.int32).sync()
+    getattr(mod, f"a_{tag}")(gf.LaunchConfig(1, 1), x).sync()
+    getattr(before, f"b_{tag}0")(gf.LaunchConfig(1, 1), x).sync()
+    assert loads == []  # the first launches loaded nothing

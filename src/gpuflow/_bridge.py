@@ -62,6 +62,15 @@ WATCHDOG_S = 0.02
 #: work queued behind them on their stream, which a host function cannot
 #: mark any more).
 FAST_WATCH_S = 0.001
+#: How long the task of a lone await (nothing else of its loop pending)
+#: reads its word before it parks: a short kernel is then seen done without
+#: a loop turn.  The loop runs nothing else meanwhile, so this stays short.
+INLINE_SPIN_S = 20e-6
+#: An await whose run is done before it would park (an inline spin saw it
+#: done) yields to the loop only if the loop's tasks have not been let run
+#: at one of gpuflow's awaits for this long: a task awaiting short kernels
+#: back to back skips the loop turns in between, and still lets others run.
+YIELD_EVERY_S = 1e-3
 #: After the last pending run, keep ticking this long so that a busy program
 #: does not pay a wake-up of the thread per run.
 _IDLE_GRACE_S = 1.0
@@ -203,11 +212,18 @@ class Submission:
         the GPU is done.  While it waits, the loop's poller watches the run's
         stream.
         """
+        lane = self.lane
+        if loop is None:
+            loop = current_loop()
+        if not self.done and lane is not None:
+            # (before a waiter is registered: finished here, nobody is woken)
+            lane.dispatcher.spin(loop, lane, self.number)
         if self.done:
-            await anyio.lowlevel.checkpoint()
+            now = time.perf_counter()
+            if now - loop.yielded >= YIELD_EVERY_S:
+                loop.yielded = now
+                await anyio.lowlevel.checkpoint()
         else:
-            if loop is None:
-                loop = current_loop()
             wake, park = loop.parker()
             self.waiters.append((loop.target, loop.post, wake))
             # the run may have been finished between the check and the
@@ -215,9 +231,9 @@ class Submission:
             if self.done:
                 await anyio.lowlevel.checkpoint()
             else:
-                lane = self.lane
                 if lane is not None:
                     lane.dispatcher.watch(loop, lane)
+                loop.yielded = time.perf_counter()
                 await park()
         if self.error is not None:
             raise self.error
@@ -248,8 +264,19 @@ class _Lane:
     """
 
     __slots__ = (
-        "completed", "device", "dispatcher", "fast_for", "issued", "polled_until", "raw", "read",
-        "retired", "since", "subs", "wake_for",
+        "completed",
+        "device",
+        "dispatcher",
+        "fast_for",
+        "issued",
+        "polled_until",
+        "raw",
+        "reached_at",
+        "read",
+        "retired",
+        "since",
+        "subs",
+        "wake_for",
     )  # fmt: skip
 
     def __init__(
@@ -267,6 +294,9 @@ class _Lane:
         self.fast_for = 0  # the mark the dispatcher thread watches for a loop
         #: a loop polls the word every turn until then: the thread leaves it be
         self.polled_until = 0.0
+        #: when the dispatcher thread first saw reached a mark a loop's pipe
+        #: will report (it leaves that to the loop for a tick)
+        self.reached_at = 0.0
         self.retired = False  # its stream is being destroyed
 
     def idle(self) -> bool:
@@ -501,6 +531,26 @@ class Dispatcher:
         waking whoever waits for it."""
         self._deliver([(sub, error)])
 
+    def spin(self, loop: Loop, lane: _Lane, number: int) -> None:
+        """A lone await (nothing else of ``loop`` pending): read the word for
+        up to :data:`INLINE_SPIN_S` (within the busy-poll budget), and
+        complete the run here if it is reached."""
+        limit = min(INLINE_SPIN_S, self.busy_poll_s)
+        if limit <= 0:
+            return
+        poller = self._pollers.get(loop.target)
+        if poller is not None and poller.lanes:
+            return  # other runs of the loop: its poller reads them all, once a turn
+        read = lane.read
+        clock = time.perf_counter
+        deadline = clock() + limit
+        reached = read()
+        while reached < number:
+            if clock() > deadline:
+                return
+            reached = read()
+        self._complete(self._advance([(lane, reached)], time.monotonic()), loop.target)
+
     def watch(self, loop: Loop, lane: _Lane) -> None:
         """A task of ``loop`` (running this) waits for a run of ``lane``."""
         poller = self._pollers.get(loop.target)
@@ -671,9 +721,8 @@ class Dispatcher:
                 active = list(self._active)
             now = time.monotonic()
             try:
-                # (not the words a loop is polling: it completes those itself)
                 moved = [
-                    (x, n) for x in active if x.polled_until < now and (n := x.read()) > x.completed
+                    (x, n) for x in active if self._mine(x, now) and (n := x.read()) > x.completed
                 ]
                 self._complete(self._advance(moved, now))
                 if self._fast:
@@ -688,6 +737,23 @@ class Dispatcher:
             except BaseException as exc:  # pragma: no cover - never kills the thread
                 warnings.warn(f"gpuflow: the dispatcher thread failed: {exc!r}", stacklevel=1)
                 time.sleep(WATCHDOG_S)
+
+    @staticmethod
+    def _mine(lane: _Lane, now: float) -> bool:
+        """Whether the dispatcher thread completes ``lane``'s reached marks
+        now: not while a loop polls it every turn, nor, for a tick, those a
+        loop's pipe will wake it for (a loop that stopped gets them later)."""
+        if lane.polled_until >= now:
+            return False
+        subs = lane.subs
+        if subs and lane.wake_for >= subs[0].number and lane.fast_for < subs[0].number:
+            if lane.read() < lane.wake_for:
+                lane.reached_at = 0.0
+                return True  # (an earlier run of the lane may be reached)
+            if not lane.reached_at:
+                lane.reached_at = now
+            return now - lane.reached_at >= WATCHDOG_S
+        return True
 
     def _poll_comms(self) -> None:
         with self._lock:

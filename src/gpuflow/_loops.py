@@ -40,6 +40,10 @@ Call = Callable[[], object]
 class Loop(Protocol):
     """The running event loop, as gpuflow uses it."""
 
+    #: When a task of this loop last let the others run at one of gpuflow's
+    #: awaits (``time.perf_counter``): see ``_bridge.YIELD_EVERY_S``.
+    yielded: float
+
     @property
     def target(self) -> Any:
         """The loop (or Trio token): the identity completions are grouped by."""
@@ -81,10 +85,11 @@ def _wake_future(fut: asyncio.Future[None]) -> Call:
 
 
 class _Asyncio:
-    __slots__ = ("_loop", "call_soon", "post")
+    __slots__ = ("_loop", "call_soon", "post", "yielded")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.yielded = 0.0
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
 
@@ -123,11 +128,12 @@ class _Asyncio:
 
 
 class _Trio:
-    __slots__ = ("_ended", "_token", "_trio", "call_soon", "post")
+    __slots__ = ("_ended", "_token", "_trio", "call_soon", "post", "yielded")
 
     def __init__(self, trio: Any) -> None:
         self._trio = trio
         self._ended = False
+        self.yielded = 0.0
         self._token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks

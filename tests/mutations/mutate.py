@@ -48,40 +48,47 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "M3",
-        "a cancelled await releases what its enqueued work uses",
-        "_run.py",
-        "        dispatcher.flush()\n        raise\n",
-        "        dispatcher.flush()\n        sub.keep = []\n        raise\n",
-        ("tests/test_lifetimes.py",),
+        'a cancelled await releases what its enqueued work uses',
+        '_run.py',
+        '            traced.ended(exc)\n'
+        '        if sub.comms is not None and not sub.done:\n',
+        '            traced.ended(exc)\n'
+        '        sub.keep = []\n'
+        '        if sub.comms is not None and not sub.done:\n',
+        ('tests/test_lifetimes.py',),
     ),
     Mutation(
         "M3b",
-        "a cancelled await marks its run finished at once",
-        "_run.py",
-        "        dispatcher.flush()\n        raise\n",
-        "        dispatcher.flush()\n        sub._finish(None)\n        raise\n",
-        ("tests/test_lifetimes.py",),
+        'a cancelled await marks its run finished at once',
+        '_run.py',
+        '            traced.ended(exc)\n'
+        '        if sub.comms is not None and not sub.done:\n',
+        '            traced.ended(exc)\n'
+        '        sub._finish(None)\n'
+        '        if sub.comms is not None and not sub.done:\n',
+        ('tests/test_lifetimes.py',),
     ),
     Mutation(
         "M10",
-        "a sync() that fails half-way releases without synchronising the stream",
-        "_run.py",
-        "    except BaseException:\n"
-        "        # what was enqueued finishes before what it uses is released\n"
-        "        try:\n"
-        "            stream.synchronize()\n"
-        "        finally:\n"
-        "            sub._finish(None)\n",
-        "    except BaseException:\n        sub._finish(None)\n",
-        ("tests/test_lifetimes.py",),
+        'a sync() that fails half-way releases without synchronising the stream',
+        '_run.py',
+        '    except BaseException:\n'
+        '        # what was enqueued finishes before what it uses is released\n'
+        '        try:\n'
+        '            stream.synchronize()\n'
+        '        finally:\n'
+        '            dispatcher.finish(sub)\n',
+        '    except BaseException:\n'
+        '        dispatcher.finish(sub)\n',
+        ('tests/test_lifetimes.py',),
     ),
     Mutation(
         "M2b",
-        "a shared() clone consumed on another stream does not wait for the producer",
-        "_operation.py",
-        "            be.wait_event(ctx.stream._raw, st.event)\n",
-        "            pass\n",
-        ("tests/test_lifetimes.py", "tests/test_operations.py"),
+        'a shared() clone consumed on another stream does not wait for the producer',
+        '_operation.py',
+        '            ctx.backend.wait_event(ctx.stream._raw, st.event)\n',
+        '            pass\n',
+        ('tests/test_lifetimes.py', 'tests/test_operations.py', 'tests/test_hazards.py'),
     ),
     Mutation(
         "M5",
@@ -108,31 +115,30 @@ MUTATIONS = [
     ),
     Mutation(
         "M7",
-        "a read on another stream does not wait for the last write (read after write)",
-        "_hazards.py",
-        "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n"
-        "                self.synced.add(stream)\n",
-        "                self.synced.add(stream)\n",
-        ("tests/test_hazards.py", "tests/test_arrays.py"),
+        'a read on another stream does not wait for the last write (read after write)',
+        '_hazards.py',
+        '                order_after(be, stream, self.writer, self.wrote)\n'
+        '                self.synced.add(stream)\n',
+        '                self.synced.add(stream)\n',
+        ('tests/test_hazards.py', 'tests/test_arrays.py'),
     ),
     Mutation(
         "M8",
-        "a write on another stream does not wait for earlier reads (write after read)",
-        "_hazards.py",
-        "            for s in {self.writer, *self.readers}:\n",
-        "            for s in {self.writer}:\n",
-        ("tests/test_hazards.py",),
+        'a write on another stream does not wait for earlier reads (write after read)',
+        '_hazards.py',
+        '        for s, point in self.readers.items():\n'
+        '            order_after(be, stream, s, point)\n',
+        '        pass\n',
+        ('tests/test_hazards.py',),
     ),
     Mutation(
         "M9",
-        "an allocation is freed without waiting for its readers on other streams",
-        "_hazards.py",
-        "            for s in self.readers:\n"
-        "                if s != stream:\n"
-        "                    be.wait_event(stream._raw, be.record_event(s._raw))\n"
-        "            be.free(self.buffer, stream._raw)\n",
-        "            be.free(self.buffer, stream._raw)\n",
-        ("tests/test_hazards.py", "tests/test_cancellation.py"),
+        'an allocation is freed without waiting for its readers on other streams',
+        '_hazards.py',
+        '            self.wait_for_uses(stream)\n'
+        '            self.backend.free(self.buffer, stream._raw)\n',
+        '            self.backend.free(self.buffer, stream._raw)\n',
+        ('tests/test_hazards.py', 'tests/test_cancellation.py'),
     ),
     Mutation(
         "M11",
@@ -166,52 +172,57 @@ MUTATIONS = [
     ),
     Mutation(
         "B1",
-        "a pipe signal completes every run of its stream, not only those before it",
-        "_bridge.py",
-        "        n = lane.advance(sig.mark, now, done)  # type: ignore[arg-type]\n",
-        "        n = lane.advance(lane.appended, now, done)  # type: ignore[arg-type]\n",
-        ("tests/test_bridge.py",),
+        'a reached mark completes every run of its stream, not only those up to it',
+        '_bridge.py',
+        '                while subs and subs[0].number <= reached:\n',
+        '                while subs:\n',
+        ('tests/test_bridge.py',),
     ),
     Mutation(
         "B2",
-        "the watchdog never completes what a loop that stopped left behind",
-        "_bridge.py",
-        "                        elif not sig.seen:\n",
-        "                        elif True:\n",
-        ("tests/test_bridge.py",),
+        'the dispatcher thread never completes what a loop that stopped left behind',
+        '_bridge.py',
+        '            return now - lane.reached_at >= WATCHDOG_S\n',
+        '            return False\n',
+        ('tests/test_bridge.py',),
     ),
     Mutation(
         "B3",
-        "a handled signal's read end is never closed (a descriptor leak)",
-        "_bridge.py",
-        "                for fd in handled:\n"
-        "                    os.close(fd)  # also leaves the epoll set\n",
-        "                pass\n",
-        ("tests/test_bridge.py",),
+        "a fired pipe's read end is never closed (a descriptor leak)",
+        '_bridge.py',
+        '            for fd in fired:\n'
+        '                os.close(fd)  # (also leaves the epoll set)\n',
+        '            pass\n',
+        ('tests/test_bridge.py',),
     ),
     Mutation(
         "B4",
-        "a run submitted after its loop signalled in this turn waits for a flush nobody scheduled",
-        "_bridge.py",
-        "            if not turn.scheduled:\n                try:\n",
-        "            if False:\n                try:\n",
-        ("tests/test_bridge.py",),
+        "a word is read as reached too early (the stream's last mark enqueued, not reached)",
+        '_backends/_sim.py',
+        '        reader: Callable[[], int] = functools.partial(getattr, stream, "word")\n',
+        '        reader: Callable[[], int] = functools.partial(getattr, stream, "issued")\n',
+        ('tests/test_bridge.py', 'tests/test_lifetimes.py', 'tests/test_hazards.py'),
     ),
     Mutation(
         "B5",
-        "a stream dropped with runs left to a later signal is destroyed before it is signalled",
-        "_runtime.py",
-        "        rt.dispatcher.retire_stream(raw)\n",
-        "        pass\n",
-        ("tests/test_bridge.py",),
+        "a loop's poller stops polling while runs are pending (and arms nothing)",
+        '_bridge.py',
+        '            if now < self.deadline:\n'
+        '                for lane in self.lanes:\n'
+        '                    lane.polled_until = self.deadline\n'
+        '                return True\n',
+        '            if now < self.deadline:\n'
+        '                return False\n',
+        ('tests/test_bridge.py',),
     ),
     Mutation(
         "B6",
-        "every enqueue_on run signals on its own, even while one signal is in flight",
-        "_bridge.py",
-        "            if lane.marks:\n                # a counted signal",
-        "            if False:\n                # a counted signal",
-        ("tests/test_bridge.py",),
+        'a spin that ends never arms the sleeping wake-up',
+        '_bridge.py',
+        '                return True\n'
+        '            self.arm()\n',
+        '                return True\n',
+        ('tests/test_bridge.py',),
     ),
     Mutation(
         "C1",
@@ -223,11 +234,13 @@ MUTATIONS = [
     ),
     Mutation(
         "C2",
-        "the watchdog never asks a busy communicator for its asynchronous error",
-        "_bridge.py",
-        "                for comm in comms:\n                    try:\n",
-        "                for comm in []:\n                    try:\n",
-        ("tests/test_comm.py",),
+        'the watchdog never asks a busy communicator for its asynchronous error',
+        '_bridge.py',
+        '        for comm in comms:\n'
+        '            try:\n',
+        '        for comm in []:\n'
+        '            try:\n',
+        ('tests/test_comm.py',),
     ),
     Mutation(
         "M14",
@@ -240,23 +253,21 @@ MUTATIONS = [
     ),
     Mutation(
         "M15",
-        "the default policy deals streams whatever is pending on them (round robin)",
-        "_policy.py",
-        "            if lane is None or not lane.subs:  # no lane, or only signals left in flight\n"
-        "                if not s._syncs:\n"
-        "                    return s  # idle\n",
-        "            if True:\n"
-        "                if True:\n"
-        "                    return s  # idle\n",
-        ("tests/test_policy.py",),
+        'the default policy deals streams whatever is pending on them (round robin)',
+        '_policy.py',
+        '            if not s._syncs and not s._leased and (lane is None or lane.idle()):\n'
+        '                return s\n',
+        '            if True:\n'
+        '                return s\n',
+        ('tests/test_policy.py',),
     ),
     Mutation(
         "M16",
-        "the default policy never grows the pool, however stalled",
-        "_policy.py",
-        "        if len(streams) < self._max:\n",
-        "        if False:\n",
-        ("tests/test_policy.py",),
+        'the default policy never grows the pool, however busy',
+        '_policy.py',
+        '        if n < self._max:\n',
+        '        if False:\n',
+        ('tests/test_policy.py',),
     ),
     Mutation(
         "M17",
@@ -268,14 +279,14 @@ MUTATIONS = [
     ),
     Mutation(
         "G1",
-        "a graph replay is no reader of its inputs: an update does not wait for it",
-        "_capture.py",
-        "                alloc.before_read(ctx.stream)\n"
-        "        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n",
-        "                alloc.before_read(ctx.stream)\n"
-        "                alloc.readers.discard(ctx.stream)\n"
-        "        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n",
-        ("tests/test_graph.py",),
+        'a graph replay is no reader of its inputs: an update does not wait for it',
+        '_capture.py',
+        '                alloc.before_read(ctx.stream, ctx._submission)\n'
+        '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
+        '                alloc.before_read(ctx.stream, ctx._submission)\n'
+        '                alloc.readers.pop(ctx.stream, None)\n'
+        '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
+        ('tests/test_graph.py',),
     ),
     Mutation(
         "M18",
@@ -288,13 +299,12 @@ MUTATIONS = [
     Mutation(
         "I1",
         "an export does not make another library's stream wait for gpuflow's uses",
-        "_export.py",
-        "            for event in alloc.foreign.values():\n"
-        "                be.wait_event(consumer._raw, event)\n"
-        "            for s in {alloc.writer, *alloc.readers}:\n"
-        "                be.wait_event(consumer._raw, be.record_event(s._raw))\n",
-        "            pass\n",
-        ("tests/test_interop.py",),
+        '_export.py',
+        '        else:\n'
+        '            alloc.wait_for_uses(consumer)\n',
+        '        else:\n'
+        '            pass\n',
+        ('tests/test_interop.py',),
     ),
     Mutation(
         "I2",
@@ -375,22 +385,24 @@ MUTATIONS = [
     Mutation(
         "I10",
         "a read after another library's use does not wait for it",
-        "_hazards.py",
-        "                for ev in self.foreign.values():\n"
-        "                    be.wait_event(stream._raw, ev)\n"
-        "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n",
-        "                be.wait_event(stream._raw, be.record_event(self.writer._raw))\n",
-        ("tests/test_interop.py",),
+        '_hazards.py',
+        '                for ev in self.foreign.values():\n'
+        '                    be.wait_event(stream._raw, ev)\n'
+        '                order_after(be, stream, self.writer, self.wrote)\n',
+        '                order_after(be, stream, self.writer, self.wrote)\n',
+        ('tests/test_interop.py',),
     ),
     Mutation(
         "I11",
         "a free does not wait for another library's use",
-        "_hazards.py",
-        "            for ev in self.foreign.values():\n"
-        "                be.wait_event(stream._raw, ev)\n"
-        "            for s in self.readers:\n",
-        "            for s in self.readers:\n",
-        ("tests/test_interop.py",),
+        '_hazards.py',
+        '            for ev in self.foreign.values():\n'
+        '                be.wait_event(stream._raw, ev)\n'
+        '            order_after(be, stream, self.writer, self.wrote)\n'
+        '        for s, point',
+        '            order_after(be, stream, self.writer, self.wrote)\n'
+        '        for s, point',
+        ('tests/test_interop.py',),
     ),
     Mutation(
         "I12",
@@ -416,7 +428,69 @@ MUTATIONS = [
         "(rt.backend, buffer, s, owner, False)",
         ("tests/test_interop.py",),
     ),
-]
+
+    Mutation(
+        "B7",
+        'a wake-up is armed on the stream even behind work queued after the run',
+        '_bridge.py',
+        '            if first != lane.issued or not self._pipe(lane, first):\n',
+        '            if not self._pipe(lane, first):\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B8",
+        "a hazard waits on a zip arm's join event recorded before the run was submitted",
+        '_bridge.py',
+        '        if lane is None:\n'
+        '            # still being enqueued',
+        '        if False:\n'
+        '            # still being enqueued',
+        ('tests/test_cancellation.py', 'tests/test_hazards.py'),
+    ),
+    Mutation(
+        "B9",
+        "a use on another stream waits for whatever the writer's stream ran later",
+        '_hazards.py',
+        '    if point is None or not point.order(backend, stream._raw, on._raw):\n',
+        '    if True:\n',
+        ('tests/test_hazards.py',),
+    ),
+    Mutation(
+        "I15",
+        "an import's first use waits for the interop stream's later imports too",
+        '_interop.py',
+        '        if stream._runtime.is_interop(stream):\n',
+        '        if False:\n',
+        ('tests/test_interop.py',),
+    ),
+    Mutation(
+        "S1",
+        "an item wakes every stream's worker, not its own",
+        '_backends/_sim.py',
+        '        if len(stream.queue) == 1:\n'
+        '            stream.cv.notify_all()  # the worker sleeps only on an empty queue\n',
+        '        self._wake_all()\n',
+        ('tests/test_sim.py',),
+    ),
+    Mutation(
+        "P1",
+        'a stream lease takes the first free stream, however busy',
+        '_scope.py',
+        '            if load == 0:\n'
+        '                best = i\n'
+        '                break\n',
+        '            if True:\n'
+        '                break\n',
+        ('tests/test_stalls.py',),
+    ),
+    Mutation(
+        "K1",
+        'a module is loaded at its first launch, not ahead',
+        '_kernel.py',
+        '        if not rt.backend.setup_waits_for_idle or not rt.live:\n',
+        '        if True:\n',
+        ('tests/test_kernels.py',),
+    ),]
 
 
 def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:

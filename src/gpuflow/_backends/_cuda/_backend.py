@@ -90,7 +90,7 @@ from ._kernels import (
 from ._native import Native
 from ._nccl import NcclComms
 from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending, Staging
-from ._words import WORDS, EventMarks, WordMarks
+from ._words import SLAB_BYTES, WORDS, EventMarks, WordMarks
 
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
@@ -207,17 +207,21 @@ class CudaBackend(Backend):
             raise error_for(rc, "cuStreamWriteValue64", dev)
         return events
 
-    def _register_host(self, addr: int, size: int) -> int:
-        """Make ``size`` bytes of host memory at ``addr`` writable by every
-        device (page-locked, mapped); their device address."""
+    def _register_host(self, addr: int) -> tuple[int, int]:
+        """Make the slab of host memory at ``addr`` writable by every device
+        (page-locked, mapped): ``(host address, device address)`` of it, or of
+        memory the driver allocated where it refuses to register ours."""
         dev = self._devices[0]
         self._cur(dev)
         cu = self._cu
-        (err,) = cu.cuMemHostRegister(addr, size, _HOST_REGISTER_PORTABLE_DEVICEMAP)
+        (err,) = cu.cuMemHostRegister(addr, SLAB_BYTES, _HOST_REGISTER_PORTABLE_DEVICEMAP)
         if int(err) not in (CUDA_SUCCESS, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-            raise error_for(int(err), "cuMemHostRegister", dev)
+            flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+            (addr,) = check(cu.cuMemHostAlloc(SLAB_BYTES, flags), "cuMemHostAlloc", dev)
+            addr = int(addr)
+            ctypes.memset(addr, 0, SLAB_BYTES)
         (dptr,) = check(cu.cuMemHostGetDevicePointer(addr, 0), "cuMemHostGetDevicePointer", dev)
-        return int(dptr)
+        return addr, int(dptr)
 
     def _cur(self, dev: Dev) -> ThreadState:
         """Make ``dev``'s primary context current on this thread (cached per thread)."""

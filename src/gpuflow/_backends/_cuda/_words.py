@@ -12,11 +12,14 @@ The memory is gpuflow's own (an anonymous mapping), registered with the
 driver rather than allocated by it: freeing page-locked memory waits until
 the device is idle, and a context reset would free driver-allocated memory
 under a reader; this memory is never freed, and stays readable whatever
-happens to the contexts.  A word outlives its stream: a destroyed stream's
-work still completes and writes it, and another stream may still wait for
-it, so a word is given to a new stream only once its old stream's last
-mark was reached, and numbering goes on from there (a wait for an old
-number is then already satisfied).
+happens to the contexts.  Where the driver refuses to register it, the
+driver allocates it instead (and it is never freed either).
+
+A word outlives its stream: a destroyed stream's work still completes and
+writes it, and another stream may still wait for it, so a word is given to
+a new stream only once its old stream's last mark was reached, and
+numbering goes on from there (a wait for an old number is then already
+satisfied).
 
 Where the driver refuses stream memory operations, :class:`EventMarks`
 keeps an event per mark instead.
@@ -48,14 +51,27 @@ _HOST_REGISTER_DEVICEMAP = 2
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 
 
-class _Slab:
-    __slots__ = ("addr", "dev_addr", "map", "view")
+SLAB_BYTES = _SLAB_WORDS * 8
 
-    def __init__(self) -> None:
-        self.map = mmap.mmap(-1, _SLAB_WORDS * 8)  # page-aligned, zeroed
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        self.view = memoryview(self.map).cast("Q")
-        self.dev_addr = 0  # where the devices see it (the same, with unified addressing)
+#: Makes ``SLAB_BYTES`` of host memory device-writable for every context:
+#: given the address of gpuflow's own page, returns ``(host address, device
+#: address)`` of the memory to use (that page, or one the driver allocated).
+Register = Callable[[int], tuple[int, int]]
+
+
+class _Slab:
+    __slots__ = ("addr", "dev_addr", "map", "own", "view")
+
+    def __init__(self, register: Register) -> None:
+        self.map = mmap.mmap(-1, SLAB_BYTES)  # page-aligned, zeroed
+        own = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.addr, self.dev_addr = register(own)
+        self.own = self.addr == own
+        if self.own:
+            self.view = memoryview(self.map).cast("Q")
+        else:
+            buf = (ctypes.c_char * SLAB_BYTES).from_address(self.addr)
+            self.view = memoryview(buf).cast("B").cast("Q")
 
 
 #: Every slab made, for the life of the process: a stream's work may write a
@@ -83,15 +99,12 @@ class Words:
         #: words of destroyed streams, with the last number enqueued on them
         self._retired: collections.deque[tuple[Word, int]] = collections.deque()
 
-    def take(self, register: Callable[[int, int], int]) -> Word:
-        """A word for a new stream (its numbering continues from its value);
-        ``register`` makes new host memory device-writable for every context
-        and returns its device address."""
+    def take(self, register: Register) -> Word:
+        """A word for a new stream (its numbering continues from its value)."""
         with self._lock:
             self._reuse()
             if not self._free:
-                slab = _Slab()
-                slab.dev_addr = register(slab.addr, _SLAB_WORDS * 8)
+                slab = _Slab(register)
                 _SLABS.append(slab)
                 self._free = [Word(slab, i) for i in reversed(range(_SLAB_WORDS))]
             return self._free.pop()
@@ -109,11 +122,12 @@ class Words:
             else:
                 self._retired.append((word, issued))
 
-    def register_all(self, register: Callable[[int, int], int]) -> None:
+    def register_all(self, register: Register) -> None:
         """Register every slab again (after a context reset dropped them)."""
         with self._lock:
             for slab in _SLABS:
-                register(slab.addr, _SLAB_WORDS * 8)
+                if slab.own:  # (the driver's own went with the context: it cannot be)
+                    register(slab.addr)
 
 
 WORDS = Words()
