@@ -151,8 +151,12 @@ async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
 
     async def worker(c: gf.DeviceArray) -> None:
         for _ in range(4):
-            await K.module().count(gf.LaunchConfig(1, 1), c).run(pool)
+            # (a kernel long enough that many are pending at once on every backend)
+            await K.module().count(gf.LaunchConfig(1, 1), c).then(
+                lambda _c: K.slow_fill(f, 1.0, 0.0005, 16)
+            ).run(pool)
 
+    f = await gf.zeros(16, F32)
     async with anyio.create_task_group() as tg:
         for c in counters:
             tg.start_soon(worker, c)
@@ -372,6 +376,9 @@ class _StoppedLoop:
         self.kicks = 0
         self.ended = False
         self.yielded = 0.0
+
+    def others_ready(self) -> bool:
+        return True
 
     def start_poller(self, poll: Any) -> Any:
         def kick() -> None:

@@ -67,9 +67,10 @@ FAST_WATCH_S = 0.001
 #: a loop turn.  The loop runs nothing else meanwhile, so this stays short.
 INLINE_SPIN_S = 20e-6
 #: An await whose run is done before it would park (an inline spin saw it
-#: done) yields to the loop only if the loop's tasks have not been let run
-#: at one of gpuflow's awaits for this long: a task awaiting short kernels
-#: back to back skips the loop turns in between, and still lets others run.
+#: done) yields to the loop when another task or callback is ready to run,
+#: or when the loop's tasks have not been let run at one of gpuflow's awaits
+#: for this long: a lone task awaiting short kernels back to back skips the
+#: loop turns in between, and others still run.
 YIELD_EVERY_S = 1e-3
 #: After the last pending run, keep ticking this long so that a busy program
 #: does not pay a wake-up of the thread per run.
@@ -220,7 +221,7 @@ class Submission:
             lane.dispatcher.spin(loop, lane, self.number)
         if self.done:
             now = time.perf_counter()
-            if now - loop.yielded >= YIELD_EVERY_S:
+            if now - loop.yielded >= YIELD_EVERY_S or loop.others_ready():
                 loop.yielded = now
                 await anyio.lowlevel.checkpoint()
         else:

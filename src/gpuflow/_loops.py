@@ -44,6 +44,10 @@ class Loop(Protocol):
     #: awaits (``time.perf_counter``): see ``_bridge.YIELD_EVERY_S``.
     yielded: float
 
+    def others_ready(self) -> bool:
+        """Whether another task or callback of the loop is ready to run now
+        (True where the loop cannot tell)."""
+
     @property
     def target(self) -> Any:
         """The loop (or Trio token): the identity completions are grouped by."""
@@ -85,11 +89,14 @@ def _wake_future(fut: asyncio.Future[None]) -> Call:
 
 
 class _Asyncio:
-    __slots__ = ("_loop", "call_soon", "post", "yielded")
+    __slots__ = ("_loop", "_ready", "call_soon", "post", "yielded")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.yielded = 0.0
+        # the callbacks the loop runs in its next turn: asyncio's own loop
+        # keeps them in a deque (uvloop keeps them where Python cannot see)
+        self._ready: Any = getattr(loop, "_ready", None)
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
 
@@ -100,6 +107,10 @@ class _Asyncio:
     def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
         fut: asyncio.Future[None] = self._loop.create_future()
         return _wake_future(fut), lambda: fut
+
+    def others_ready(self) -> bool:
+        ready = self._ready
+        return ready is None or bool(ready)
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
         call_soon = self._loop.call_soon
@@ -128,12 +139,13 @@ class _Asyncio:
 
 
 class _Trio:
-    __slots__ = ("_ended", "_token", "_trio", "call_soon", "post", "yielded")
+    __slots__ = ("_ended", "_statistics", "_token", "_trio", "call_soon", "post", "yielded")
 
     def __init__(self, trio: Any) -> None:
         self._trio = trio
         self._ended = False
         self.yielded = 0.0
+        self._statistics = trio.lowlevel.current_statistics
         self._token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks
@@ -188,6 +200,9 @@ class _Trio:
 
         lowlevel.spawn_system_task(poller, name="gpuflow poller")
         return kick
+
+    def others_ready(self) -> bool:
+        return bool(self._statistics().tasks_runnable)
 
     def watch(self, fd: int, on_ready: Call) -> None:
         lowlevel = self._trio.lowlevel
