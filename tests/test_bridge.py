@@ -442,11 +442,18 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     sub = Submission(0)
     sub.keep.append(sentinel)
     del sentinel
-    K.slow_fill(x, 3.0, 0.05).enqueue_on(stream)
+    # the run's stream waits for slow work elsewhere (so that the run is the
+    # only one on its stream: a sleeping loop's wake-up is a pipe on it)
+    other = gf.new_stream()
+    K.slow_fill(x, 3.0, 0.05).enqueue_on(other)
+    be = get_runtime().backend
+    be.wait_event(stream.raw, be.record_event(other.raw))
     dispatcher.submit(stream.raw, sub)
     assert sub.lane is not None
     dispatcher.watch(stopped, sub.lane)  # what an await does before it parks
     assert len(stopped.watched) == 1  # the loop was given its epoll set
+    if busy_poll_us == 0:
+        assert sub.lane.wake_for == sub.number  # a pipe was armed, on the run's stream
     assert alive() is not None and not sub.done
     _wait_done(sub)
     assert sub.error is None and alive() is None
