@@ -422,6 +422,7 @@ class _Poller:
                 d.fail_device(lane.device, exc)
         if enqueued:
             lane.wake_for = number
+            lane.reached_at = 0.0
             if not self.spares:  # the next one, made while the GPU works
                 spare = self._new_pipe()
                 if spare is not None:
@@ -728,7 +729,9 @@ class Dispatcher:
                 self._complete(self._advance(moved, now))
                 if self._fast:
                     with self._lock:
-                        for lane in [x for x in self._fast if x.completed >= x.fast_for]:
+                        for lane in [
+                            x for x in self._fast if not x.subs or x.completed >= x.fast_for
+                        ]:
                             del self._fast[lane]
                 if now - last_check >= WATCHDOG_S:
                     last_check = now
