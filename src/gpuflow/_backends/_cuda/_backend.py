@@ -524,13 +524,20 @@ class CudaBackend(Backend):
         self._cur(dev)
         return CudaEvent(dev, self._record(dev, stream.handle), stream.capture)
 
-    def wait_event(self, stream: Any, event: Any) -> None:
-        dev = self._live(stream)
-        other = event.dev
-        if event.token is not other.token:
-            return  # its work went with a reset context: nothing left to wait for
+    def _worth_waiting(self, dev: Dev, other: Dev, token: Token) -> bool:
+        """Whether work of ``other``'s context life ``token`` is left to wait
+        for (a reset context took its work with it); another device's fault
+        is raised."""
+        if token is not other.token:
+            return False
         if other.fault is not None and other is not dev:
             raise other.fault
+        return True
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        dev = self._live(stream)
+        if not self._worth_waiting(dev, event.dev, event.token):
+            return
         if stream.foreign:
             if event.capture is not None:
                 raise UsageError(
@@ -912,11 +919,8 @@ class CudaBackend(Backend):
 
     def wait_mark(self, stream: Any, other: Any, number: int) -> None:
         dev = self._live(stream)
-        odev = other.dev
-        if other.token is not odev.token:
-            return  # its work went with a reset context: nothing left to wait for
-        if odev.fault is not None and odev is not dev:
-            raise odev.fault
+        if not self._worth_waiting(dev, other.dev, other.token):
+            return
         marks = self._marks
         if stream.foreign:
             rc = self._foreign_call(dev, lambda: marks.wait(dev, stream, other, number))
