@@ -34,7 +34,13 @@ import gpuflow as gf
 
 from ._backends._nvrtc import compile_source
 from ._bench_comm import bench_collectives
-from ._bench_poll import bench_cpu, bench_enqueue, bench_poll_turn, bench_torch_requests
+from ._bench_poll import (
+    bench_cpu,
+    bench_enqueue,
+    bench_in_flight,
+    bench_poll_turn,
+    bench_torch_requests,
+)
 from ._bench_rows import ROWS, event_loops, median_us, missing_loops, row
 from ._runtime import get_runtime
 from .lowlevel import pool_streams
@@ -583,6 +589,7 @@ BENCHES = {
     "cpu": "the CPU an idle runtime uses over a second, and the CPU of one awaited "
            "1-second kernel",
     "poll": "one turn of a loop's poller that completes nothing",
+    "inflight": "200 short requests with 32 in flight against 8, and the latency at 32",
     "chain": "a 132-kernel then chain awaited once, and its captured graph replayed, "
              "against a sync after every kernel and the raw driver",
     "hold": "how long a completion mark and a sleeping loop's wake-up hold their "
@@ -669,6 +676,8 @@ def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None
         bench_cpu(mod, quick, cuda)
     if "poll" in only:
         bench_poll_turn(mod, quick, cuda)
+    if "inflight" in only:
+        bench_in_flight(mod, quick, cuda)
     if "chain" in only:
         bench_chain_and_graph(mod, quick, cuda)
     if "hold" in only:
