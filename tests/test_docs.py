@@ -1,0 +1,82 @@
+"""The documentation site (``docs/``) and the README, its front door.
+
+The reference pages must document every public name: a name added to an
+``__all__`` without its entry in ``docs/reference/`` fails here, before
+Sphinx runs (CI then builds the site with ``-W``, where a docstring that
+does not render fails too).  The README stays short and points to the site.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+
+import gpuflow as gf
+from gpuflow import lowlevel, testing
+
+pytestmark = pytest.mark.sim_only  # properties of the sources, the same on every backend
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+REFERENCE = DOCS / "reference"
+README = (ROOT / "README.md").read_text()
+NAMESPACES = [gf, lowlevel, testing]
+
+#: A directive that documents a Python object, and the object's full name
+#: (``.. autofunction:: gpuflow.zip``, ``.. py:data:: gpuflow.lowlevel.X``)
+DIRECTIVE = re.compile(
+    r"^\.\. (auto|py:)(class|function|exception|data|decorator)::\s+([\w.]+)", re.M
+)
+
+
+def _documented() -> dict[str, str]:
+    """Every object the reference pages document: its full name, and the page."""
+    names: dict[str, str] = {}
+    for page in sorted(REFERENCE.glob("*.rst")):
+        for _, _, name in DIRECTIVE.findall(page.read_text()):
+            assert name not in names, f"{name} is documented twice ({names[name]}, {page.name})"
+            names[name] = page.name
+    return names
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_the_reference_documents_every_public_name(ns: types.ModuleType) -> None:
+    documented = _documented()
+    page = f"{ns.__name__.rsplit('.', 1)[-1]}.rst"
+    missing = [n for n in ns.__all__ if f"{ns.__name__}.{n}" not in documented]
+    assert missing == [], f"add these to docs/reference/{page}"
+    elsewhere = {n: documented[f"{ns.__name__}.{n}"] for n in ns.__all__}
+    assert set(elsewhere.values()) == {page}, elsewhere
+    # and each documents itself: autodoc renders the docstring
+    assert [n for n in ns.__all__ if not (getattr(ns, n).__doc__ or "").strip()] in (
+        [], ["StreamAdapter"]  # a type alias, described on the page itself
+    )
+
+
+def test_the_reference_documents_only_public_names() -> None:
+    public = {f"{ns.__name__}.{n}" for ns in NAMESPACES for n in ns.__all__}
+    stale = [n for n in _documented() if n not in public and not n.endswith("__version__")]
+    assert stale == [], "documented, but in no __all__"
+
+
+def test_every_page_is_in_the_table_of_contents() -> None:
+    """Sphinx says so too (a warning, an error under ``-W``); this says which."""
+    index = (DOCS / "index.md").read_text()
+    pages = {p.stem for p in DOCS.glob("*.md") if p.stem != "index"}
+    assert [p for p in sorted(pages) if not re.search(rf"^{p}$", index, re.M)] == []
+    assert re.search(r"^reference/index$", index, re.M)
+
+
+def test_ci_builds_the_docs_with_warnings_as_errors() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m pip install -q -e '.[docs]'" in ci
+    assert "python3 -m sphinx -W -b html docs docs/_build/html" in ci
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert {r.split("=")[0] for r in extras["docs"]} >= {"sphinx", "myst-parser"}
+    assert "docs/_build/" in (ROOT / ".gitignore").read_text().splitlines()
