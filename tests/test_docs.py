@@ -8,7 +8,10 @@ does not render fails too).  The README stays short and points to the site.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 import types
 from pathlib import Path
@@ -80,3 +83,38 @@ def test_ci_builds_the_docs_with_warnings_as_errors() -> None:
     ]
     assert {r.split("=")[0] for r in extras["docs"]} >= {"sphinx", "myst-parser"}
     assert "docs/_build/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+# -- the tutorial's programs run as written -------------------------------------------------------
+
+TUTORIAL = (DOCS / "tutorial.md").read_text()
+#: The tutorial's complete programs (its Python blocks), and what each prints
+PROGRAMS = re.findall(r"^```python\n(.*?)^```", TUTORIAL, re.M | re.S)
+PRINTS = [
+    [],
+    ["[10. 12. 14. 16.]"],
+    ["sum 1024,", "cancelled: True", "ok"],
+    ["10: 'ok 1024'", "20: 'ok 1024'", "30: 'ok 1024'", "500: 'timeout'"],
+]
+
+
+def test_the_tutorial_is_its_programs() -> None:
+    assert len(PROGRAMS) == len(PRINTS)
+    assert all("anyio.run(main" in p for p in PROGRAMS)
+
+
+@pytest.mark.parametrize("index", range(len(PRINTS)))
+def test_a_tutorial_program_runs(index: int, tmp_path: Path) -> None:
+    """Each program as a user saves and runs it: on ``sim`` where there is no
+    GPU, on ``cuda`` where there is one (gpuflow's own choice, as in the
+    tutorial)."""
+    path = tmp_path / f"program_{index}.py"
+    path.write_text(PROGRAMS[index])
+    src = str(ROOT / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for line in PRINTS[index]:
+        assert line in proc.stdout, proc.stdout
