@@ -101,6 +101,8 @@ PRINTS = [
 def test_the_tutorial_is_its_programs() -> None:
     assert len(PROGRAMS) == len(PRINTS)
     assert all("anyio.run(main" in p for p in PROGRAMS)
+    # the README's first program is the tutorial's
+    assert re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)[0] == PROGRAMS[0]
 
 
 @pytest.mark.parametrize("index", range(len(PRINTS)))
@@ -118,3 +120,28 @@ def test_a_tutorial_program_runs(index: int, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for line in PRINTS[index]:
         assert line in proc.stdout, proc.stdout
+# -- the README: the short front door -------------------------------------------------------------
+
+
+def test_the_readme_lists_every_example() -> None:
+    rows = set(re.findall(r"^\| `examples/(\w+\.py)` \|", README, re.M))
+    assert rows == {p.name for p in (ROOT / "examples").glob("*.py")}
+
+
+def test_the_readme_links_resolve() -> None:
+    links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)(?:#[^)]*)?\)", README)
+    assert links, "the README links to the documentation pages"
+    assert [link for link in links if not (ROOT / link).exists()] == []
+    # every page of the site is one click away
+    linked = {Path(link).name for link in links}
+    assert {"tutorial.md", "concepts.md", "performance.md"} <= linked
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """What, install, a first program, links: the measurements and the design
+    live on the site, each figure with its command and hardware."""
+    assert len(README.splitlines()) < 200
+    assert "µs" not in README and "H200" not in README  # no measurements
+    for word in ("issue", "target"):  # nothing a user cannot see
+        assert not re.search(rf"\b{word}s?\b", README, re.I), word
+    assert "python -m sphinx -b html docs docs/_build/html" in README
