@@ -3,8 +3,10 @@
 Build DeviceOperation recipes (kernels, copies, allocations joined with
 then, zip, unzip, shared), then run them with op.sync() or `await op` under
 asyncio or Trio (through AnyIO).  A recipe runs its work each time it is run;
-op.shared() runs it once.  The GPU wakes the awaiting task itself; nothing
-polls.  GPU work of other libraries joins in without copies.
+op.shared() runs it once.  An await never blocks the event loop: while the
+loop is busy it reads the GPU's completion marks once a turn, and when idle it
+sleeps until the GPU wakes it.  GPU work of other libraries joins in without
+copies.
 
 The API by topic (help(gpuflow.NAME) tells more of each):
 

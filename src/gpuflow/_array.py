@@ -70,6 +70,9 @@ class DeviceArray:
     ``cupy.from_dlpack(arr)``, ``cupy.asarray(arr)``; it is a device array
     of its CUDA device, also on ``sim``, and never host memory to NumPy
     (``gf.to_host`` copies it there).
+
+    ``shape`` (a tuple of ints) and ``dtype`` (a NumPy dtype) are as NumPy's,
+    and so are ``size``, ``ndim``, ``nbytes`` and ``len(arr)``.
     """
 
     __slots__ = ("__weakref__", "_alloc", "dtype", "shape")
@@ -81,18 +84,22 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
+        """How many elements the array has."""
         return math.prod(self.shape)
 
     @property
     def ndim(self) -> int:
+        """How many dimensions the array has."""
         return len(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """How many bytes the elements take."""
         return self.size * self.dtype.itemsize
 
     @property
     def device(self) -> int:
+        """The ordinal of the device the memory is on."""
         return self._alloc.buffer.device
 
     @property

@@ -147,7 +147,7 @@ class Submission:
         return lane is not None and lane.read() >= self.number
 
     def order(self, backend: Backend, stream: Any, on: Any) -> bool:
-        """As a hazard point (:class:`._hazards.Point`): make later work on
+        """As a hazard point: make later work on
         raw ``stream`` wait for this run's work on raw ``on``: nothing once it
         is known done, its mark on its own stream, the join event of a
         ``zip`` arm on another; False where it cannot say (not submitted yet:

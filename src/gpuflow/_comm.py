@@ -216,8 +216,8 @@ def open_communicator(
 
     Leaving the scope waits for the collectives it issued, then destroys the
     communicator.  Leaving with an error or a cancellation while collectives
-    are pending aborts it instead (see the module's story): nothing is left
-    waiting for a peer, and nothing the GPU uses is freed early.
+    are pending aborts it instead (its collectives' kernels return): nothing
+    is left waiting for a peer, and nothing the GPU uses is freed early.
     """
     rt = get_runtime()
     if isinstance(devices, RankInfo):

@@ -23,7 +23,8 @@ class ExecutionContext:
     """The device, stream and backend an operation enqueues on.
 
     Only valid during :meth:`DeviceOperation.execute`; safe to use from the
-    thread running it.
+    thread running it.  ``device`` is the ordinal of the run's device and
+    ``stream`` the :class:`gpuflow.Stream` to enqueue on.
     """
 
     __slots__ = ("_capturing", "_policy", "_runtime", "_submission", "device", "stream")
@@ -50,6 +51,7 @@ class ExecutionContext:
 
     @property
     def backend_name(self) -> str:
+        """The name of the backend (``"cuda"``, ``"sim"``)."""
         return self._runtime.backend.name
 
     @property

@@ -155,7 +155,10 @@ Dims = int | np.integer[Any] | Sequence[int | np.integer[Any]]
 
 
 class LaunchConfig:
-    """Grid and block dimensions (ints or up to 3-tuples) and dynamic shared memory bytes."""
+    """Grid and block dimensions (ints or up to 3-tuples) and dynamic shared memory bytes.
+
+    ``grid`` and ``block`` read back as 3-tuples, ``shmem`` as an int.
+    """
 
     __slots__ = ("block", "grid", "shmem")
 
@@ -225,6 +228,7 @@ class Module:
 
     @property
     def kernels(self) -> dict[str, Kernel]:
+        """The module's kernels, by name."""
         return dict(self._kernels)
 
     def binary_for(self, arch: str) -> bytes:
@@ -417,6 +421,7 @@ class Kernel:
 
     @property
     def signature(self) -> str:
+        """The kernel's C signature as gpuflow parsed it (``saxpy(float a, ...)``)."""
         return f"{self.name}({', '.join(p.describe() for p in self.params)})"
 
     def __call__(self, config: LaunchConfig, *args: Any) -> DeviceOperation[Any]:

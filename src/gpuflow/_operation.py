@@ -72,7 +72,8 @@ class DeviceOperation(Generic[T]):
         """Enqueue this operation's work on ``ctx.stream``; return the output handle.
 
         The work may still be running when it returns.  Only the four entry
-        points (:meth:`sync`, :meth:`sync_on`, :meth:`enqueue_on`, ``await``)
+        points (:meth:`~DeviceOperation.sync`, :meth:`~DeviceOperation.sync_on`,
+        :meth:`~DeviceOperation.enqueue_on`, ``await``)
         should call it, and combinators on behalf of them.
         """
         raise NotImplementedError(f"{type(self).__name__}.execute")

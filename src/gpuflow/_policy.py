@@ -26,7 +26,9 @@ class SchedulingPolicy(Protocol):
     block.
     """
 
-    def next_stream(self, device: int) -> Stream: ...
+    def next_stream(self, device: int) -> Stream:
+        """The stream of ``device`` that the next run (or ``zip`` arm) goes to."""
+        ...
 
 
 class StreamPoolLeastLoaded:

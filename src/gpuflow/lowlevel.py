@@ -1,7 +1,7 @@
 """Lower-level pieces for writing new kinds of operations and for interop.
 
 Subclass :class:`gpuflow.DeviceOperation` and implement ``execute(ctx)``
-with the :class:`ExecutionContext` it gets; everything the enqueued work
+with the :class:`gpuflow.ExecutionContext` it gets; everything the enqueued work
 still uses must be handed to ``ctx.keep``.
 """
 

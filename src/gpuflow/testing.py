@@ -56,14 +56,15 @@ def record_activity() -> Iterator[list[Activity]]:
 
     Yields a list that fills with one :class:`Activity` ``(device, stream,
     what, start, end)`` per item a stream runs: a kernel (``"kernel 'name'"``),
-    a copy, a fill, an event record or wait, a host signal, a graph replay
-    (one item, ``"graph of N nodes"``, however many nodes it has).  The record
+    a copy, a fill, an event record or wait, a run's completion mark or a wait
+    for one, a host signal (a sleeping loop's wake-up), a graph replay (one
+    item, ``"graph of N nodes"``, however many nodes it has).  The record
     is the simulated device's own: each stream's worker thread appends the
     item it ran, with :func:`time.perf_counter` times it took right before and
     right after running it, so two items whose intervals overlap really ran at
     the same time, and the order of a stream's items is the order it ran them.
     Once a run has completed (``sync``, ``await``) every item it enqueued
-    before its completion signal is in the list.  Items that straddle the
+    before its completion mark is in the list.  Items that straddle the
     opening or closing of the block may be missing; nothing is appended once
     the block has exited.
 

@@ -104,8 +104,8 @@ class CollectiveCall(NamedTuple):
     whole buffer otherwise.  ``send`` is None for ``recv`` (and where the
     rank's send buffer is never read: a broadcast's non-root), ``recv`` None
     for ``send``; both may be the same buffer (in place).  ``op`` is one of
-    :data:`REDUCTIONS` for the reductions; ``peer`` the root of a broadcast,
-    the other rank of a send or recv.
+    ``"sum"``, ``"prod"``, ``"max"``, ``"min"``, ``"avg"`` for the reductions;
+    ``peer`` the root of a broadcast, the other rank of a send or recv.
     """
 
     kind: str
@@ -339,14 +339,14 @@ class Backend(abc.ABC):
         """The raw communicators of this process's ranks: ``ranks[i]`` on
         ``devices[i]``, of ``nranks`` in all.  ``unique_id`` None: the devices
         are every rank (one process).  Blocks until every rank has joined;
-        a :class:`UsageError` for an id the backend did not make."""
+        a :class:`gpuflow.UsageError` for an id the backend did not make."""
         raise self._no_comms()
 
     def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
         """Enqueue ``(comm, call, stream)`` calls as one group (NCCL's
         ``ncclGroupStart``/``End``): the parts of one collective on several
         devices of this process, or a send and the recv that matches it.
-        :class:`CommunicatorError` where NCCL refuses them."""
+        :class:`gpuflow.CommunicatorError` where NCCL refuses them."""
         raise self._no_comms()
 
     def comm_async_error(self, comm: Any) -> CommunicatorError | None:
@@ -394,7 +394,7 @@ class Backend(abc.ABC):
         never destroys it.  Both calls on it may run inside another
         library's code (a DLPack deleter, on any thread): they leave the
         calling thread as they found it (its current CUDA context).  A
-        handle the backend cannot use is a :class:`UsageError`.
+        handle the backend cannot use is a :class:`gpuflow.UsageError`.
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's streams")
 
@@ -406,7 +406,7 @@ class Backend(abc.ABC):
         on it.  ``device`` is the device the producer names (None: the
         pointer's own).  Memory that is not device memory of one of the
         backend's devices (host memory, another device's, an address in no
-        allocation) is a :class:`UsageError` saying which.
+        allocation) is a :class:`gpuflow.UsageError` saying which.
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's memory")
 
@@ -422,7 +422,7 @@ class Backend(abc.ABC):
     def start_activity_record(self) -> list[Activity]:
         """Start a record of every item the streams run; return the list it fills.
 
-        Backends that keep no such record raise :class:`UsageError`.
+        Backends that keep no such record raise :class:`gpuflow.UsageError`.
         """
         raise UsageError(
             f"backend {self.name!r} keeps no record of device activity: "
