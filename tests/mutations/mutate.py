@@ -370,7 +370,7 @@ MUTATIONS = [
         "foreign() does not order the arrays it is given",
         "_interop.py",
         "            for a in arrays:  # the code may write any array it gets\n"
-        "                a._alloc.before_write(stream)\n",
+        "                a._alloc.before_write(stream, ctx._submission)\n",
         "            pass\n",
         ("tests/test_interop.py",),
     ),
