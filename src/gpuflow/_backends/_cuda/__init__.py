@@ -30,6 +30,6 @@ gpuflow may add to a launch.
 from __future__ import annotations
 
 from ._backend import CudaBackend
-from ._driver import cuda_device_count, cuda_probe
+from ._driver import cuda_detect, cuda_device_count, cuda_probe
 
-__all__ = ["CudaBackend", "cuda_device_count", "cuda_probe"]
+__all__ = ["CudaBackend", "cuda_detect", "cuda_device_count", "cuda_probe"]
