@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
 import gpuflow as gf
+from gpuflow import _bench_rows
 from gpuflow.__main__ import main as gpuflow_main
 from gpuflow._bench import main as bench_main
+from gpuflow._demo import main as demo_main
+from gpuflow._demo import run_fan_out
 
 
 def test_bench_runs_from_an_installed_copy_of_the_package(
@@ -104,3 +109,112 @@ def test_info_help(capsys: pytest.CaptureFixture[str]) -> None:
         gpuflow_main(["info", "--help"])
     assert done.value.code == 0
     assert "what a bug report needs" in capsys.readouterr().out
+
+
+# -- rows: no negative times, targets on their own loop's rows -----------------------------------
+
+
+@pytest.fixture
+def fresh_rows() -> Iterator[None]:
+    """The bench's rows (one list, shared by every bench module) empty for one test."""
+    saved = list(_bench_rows.ROWS)
+    _bench_rows.ROWS.clear()
+    yield
+    _bench_rows.ROWS[:] = saved
+
+
+@pytest.mark.usefixtures("fresh_rows")
+def test_bench_lease_exit_is_never_negative_and_rows_keep_their_loops(
+    device_backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench_main(["--backend", device_backend, "--quick", "--only", "launch",
+                       "--only", "lease"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
+    lease = [r for r in rows if r["name"].startswith("lease exit beyond the GPU work's end")]
+    assert [r["loop"] for r in lease] == loops
+    for r in lease:
+        # the lease waits for the work, which cannot end before its enqueue + 20 ms
+        assert r["unit"] == "ms" and r["value"] >= 0, r
+        assert 10 < r["base"] <= 15, r  # left of the 20 ms at the cancel, 5 ms in
+    assert "-0." not in capsys.readouterr().out  # nor printed as such
+    for r in rows:
+        assert r["loop"] in loops and r["name"].count(f"({r['loop']})") == 1, r
+        others = [lib for lib in ("asyncio", "uvloop", "trio") if lib != r["loop"]]
+        assert not any(lib in r["target"] for lib in others), r
+
+
+@pytest.mark.sim_only  # no backend involved
+@pytest.mark.usefixtures("fresh_rows")
+def test_a_row_refuses_a_target_set_for_another_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=r"target '>= 70,000 \(asyncio\)' is set for asyncio, "
+                       r"not for the loop it was measured under \(uvloop\)"):
+        _bench_rows.row("awaited ops per second (uvloop)", 1.0, "op/s",
+                        target=">= 70,000 (asyncio)")
+    with pytest.raises(ValueError, match=r"\(none named\)"):
+        _bench_rows.row("poller turn", 1.0, "us", target="<= 1 us (trio)")
+    _bench_rows.row("awaited ops per second (asyncio)", 1.0, "op/s",
+                    target=">= 70,000 (asyncio)")
+    _bench_rows.row("awaited ops per second (uvloop)", 1.0, "op/s", target=">= 2.5x")
+    assert [(r["loop"], r["target"]) for r in _bench_rows.ROWS] == [
+        ("asyncio", ">= 70,000 (asyncio)"), ("uvloop", ">= 2.5x")]
+    capsys.readouterr()
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+
+def _demo_modes(out: str) -> list[tuple[str, float, float, float]]:
+    """The demo's table: (mode, tokens/s, us/token, ratio) a line."""
+    table = out[out.index("\nmode "):].splitlines()[2:5]
+    rows = []
+    for line in table:
+        m = re.fullmatch(r"(.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", line)
+        assert m, line
+        rows.append((m[1], float(m[2]), float(m[3]), float(m[4])))
+    return rows
+
+
+def test_the_demo_says_what_its_numbers_mean(
+    device_backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo_main(["--backend", device_backend, "--tokens", "2", "--hidden", "32"]) == 0
+    out = capsys.readouterr().out
+    header = out[out.index("\nmode "):].splitlines()[1]
+    assert header.split() == ["mode", "tokens/s", "us/token", "tokens/s", "vs", "sync"]
+    modes = _demo_modes(out)
+    assert [m[0] for m in modes] == [
+        "sync after every kernel", "then chain, awaited per token",
+        "graph replay, awaited per token"]
+    for _name, rate, us, ratio in modes:
+        # tokens/s over the first mode's (a throughput ratio), not a ratio of times
+        assert ratio == pytest.approx(modes[0][2] / us, rel=1e-3, abs=0.006)
+        assert rate == pytest.approx(1e6 / us, rel=1e-3)
+    assert "same numbers in every mode: yes" in out
+    assert "same numbers on every device: yes" in out
+    sim_note = "note: sim timings mean nothing."
+    if device_backend == "sim":
+        assert out.index(sim_note) < out.index("\nmode ")  # said before any number
+        # no fan-out throughput, hence no scaling claim, from the simulation's clock
+        assert out[out.index("device-group fan-out"):].splitlines() == [
+            "device-group fan-out (graph replay) over 2 device(s):",
+            "  same numbers on every device: yes",
+            "  (no throughput or scaling figure on sim: see the note above)",
+        ]
+    else:
+        assert sim_note not in out
+
+
+@pytest.mark.sim_only  # the timed fan-out, as on a GPU, with the simulation's clock
+def test_the_demo_fan_out_compares_tokens_per_second_with_one_device(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_fan_out(2, 32, [0, 1], timed=True)
+    line = capsys.readouterr().out.splitlines()[2]
+    m = re.fullmatch(
+        r"  one device ([\d.]+) tokens/s; the group ([\d.]+) tokens/s = ([\d.]+)x one "
+        r"device's tokens/s \(median of 3 runs each\)", line)
+    assert m, line
+    assert float(m[3]) == pytest.approx(float(m[2]) / float(m[1]), rel=0.01)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import warnings
+from typing import Any
 
 import anyio
 import numpy as np
@@ -128,3 +131,132 @@ def test_every_device_reports_its_architecture_and_no_fault() -> None:
         assert be.device_fault(d) is None
     with pytest.raises(gf.UsageError, match=f"device {gf.device_count()} does not exist"):
         be.device_arch(gf.device_count())
+
+
+# -- backend="auto": which backend, and saying so ------------------------------------------------
+
+
+class _Driver:
+    """``cuda.bindings.driver`` as a machine shows it: a driver library that
+    loads or not, and what ``cuInit`` and ``cuDeviceGetCount`` answer."""
+
+    def __init__(self, *, loads: bool = True, init: int = 0, devices: int = 0) -> None:
+        from cuda.bindings import driver  # importing it needs no driver library
+
+        self.CUresult = driver.CUresult
+        self.loads, self.init, self.devices = loads, init, devices
+        self.calls: list[str] = []
+
+    def cuDriverGetVersion(self) -> tuple[object, int]:
+        self.calls.append("cuDriverGetVersion")
+        if not self.loads:
+            raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found ...')
+        return self.CUresult(0), 13000
+
+    def cuInit(self, flags: int) -> tuple[object]:
+        self.calls.append("cuInit")
+        return (self.CUresult(self.init),)
+
+    def cuDeviceGetCount(self) -> tuple[object, int]:
+        self.calls.append("cuDeviceGetCount")
+        return self.CUresult(0), self.devices
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``machine(driver, nodes)``: what backend="auto" will find (the driver
+    module and the GPU device files), with no GPUFLOW_BACKEND set."""
+    from gpuflow._backends._cuda import _driver
+
+    monkeypatch.delenv("GPUFLOW_BACKEND", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def set_up(driver: _Driver, nodes: list[str]) -> _Driver:
+        monkeypatch.setattr(_driver, "_cu_module", driver)
+        monkeypatch.setattr(_driver, "_device_nodes", lambda: list(nodes))
+        return driver
+
+    return set_up
+
+
+_MISMATCH = 803  # CUDA_ERROR_SYSTEM_DRIVER_MISMATCH: a driver library newer than its module
+
+
+@pytest.mark.sim_only  # replaces the driver module for one test
+@pytest.mark.parametrize(
+    ("driver", "nodes", "reason"),
+    [
+        (_Driver(init=_MISMATCH), [], r"cuInit failed \[CUDA_ERROR_SYSTEM_DRIVER_MISMATCH \(803\)"),
+        (_Driver(init=999), ["/dev/nvidia0"], r"\[CUDA_ERROR_UNKNOWN \(999\)\]"),
+        (_Driver(init=100), ["/dev/nvidia0"], r"\[CUDA_ERROR_NO_DEVICE \(100\)\]"),
+        (_Driver(devices=0), ["/dev/nvidia0"], "the driver reports no device, but /dev/nvidia0"),
+    ],
+    ids=["driver-mismatch", "unknown-error", "no-device-but-device-files", "zero-devices"],
+)
+def test_auto_warns_when_it_falls_back_to_sim_beside_a_driver(
+    machine: Any, driver: _Driver, nodes: list[str], reason: str
+) -> None:
+    machine(driver, nodes)
+    with pytest.warns(RuntimeWarning, match=reason) as caught:
+        assert gf.init_device_contexts() == "sim"
+    (warning,) = caught
+    text = str(warning.message)
+    assert "a CUDA driver is installed but gpuflow cannot use it" in text
+    assert "NumPy reference" in text and "GPUFLOW_BACKEND=sim" in text
+    assert warning.filename == __file__  # it points at the call that chose
+    assert gf.lowlevel.current_backend_object().name == "sim"
+
+
+@pytest.mark.sim_only
+def test_the_warning_names_cuda_visible_devices_where_it_is_set(
+    machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine(_Driver(init=100), ["/dev/nvidia0", "/dev/nvidia1"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with pytest.warns(RuntimeWarning, match=r"\(CUDA_VISIBLE_DEVICES='7'\)"):
+        gf.init_device_contexts()
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize(
+    ("driver", "nodes"),
+    [(_Driver(loads=False), []), (_Driver(init=100), [])],
+    ids=["no-driver-library", "driver-library-but-no-gpu"],
+)
+def test_auto_is_silent_on_a_machine_without_a_gpu(
+    machine: Any, driver: _Driver, nodes: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    machine(driver, nodes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.INFO, logger="gpuflow"):
+            assert gf.init_device_contexts() == "sim"
+    assert "no CUDA driver or device present; backend 'sim'" in caplog.text
+
+
+@pytest.mark.sim_only
+def test_gpuflow_backend_chooses_what_auto_stands_for(
+    machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    driver = machine(_Driver(init=_MISMATCH), ["/dev/nvidia0"])
+    monkeypatch.setenv("GPUFLOW_BACKEND", "sim")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sim was chosen: nothing to warn about
+        assert gf.init_device_contexts(num_devices=2) == "sim"
+    assert gf.device_count() == 2 and driver.calls == []  # the driver was not even asked
+    from gpuflow._info import _backend_lines  # what a bug report says of it
+
+    assert _backend_lines()[0] == (
+        "backend: sim (what init_device_contexts() picks here; GPUFLOW_BACKEND='sim')"
+    )
+
+    monkeypatch.setenv("GPUFLOW_BACKEND", "cuda")
+    with pytest.raises(gf.DeviceError, match="CUDA_ERROR_SYSTEM_DRIVER_MISMATCH") as failed:
+        gf.init_device_contexts()
+    assert "(the backend was chosen by GPUFLOW_BACKEND=cuda)" in failed.value.__notes__
+
+    monkeypatch.setenv("GPUFLOW_BACKEND", "gpu")
+    with pytest.raises(gf.UsageError, match=r"GPUFLOW_BACKEND='gpu' names no backend: .*'sim'"):
+        gf.init_device_contexts()
+    # a backend named in the call is the program's choice: the variable is not read
+    assert gf.init_device_contexts(backend="sim", num_devices=2) == "sim"

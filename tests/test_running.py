@@ -357,6 +357,26 @@ def test_sim_activity_record_holds_what_each_stream_ran_in_order() -> None:
 
 
 @pytest.mark.cuda_only
-def test_the_activity_record_is_refused_where_there_is_none() -> None:
-    with pytest.raises(gf.UsageError, match="sim"), testing.record_activity():
-        pass
+def test_cuda_activity_record_times_what_each_stream_ran_with_events() -> None:
+    s0, s1 = gf.new_stream(0), gf.new_stream(0)
+    c0 = gf.zeros(1, np.int32).sync_on(s0)
+    c1 = gf.zeros(1, np.int32).sync_on(s1)
+    with testing.record_activity() as record:
+        K.bump(c0).then(lambda _: K.bump(c0)).sync_on(s0)
+        K.bump(c1).sync_on(s1)
+    kernels = [r for r in record if r.what == "kernel 'count'"]
+    assert len(kernels) == 3, record
+    first, second, other = kernels
+    assert first.stream == second.stream != other.stream
+    assert first.start <= first.end <= second.start <= second.end
+    assert not [r for r in record if r.what in ("completion mark", "event record")]
+    closed = list(record)
+    K.bump(c0).sync_on(s0)
+    assert record == closed  # nothing is recorded once the block has exited
+    assert K.read_count(c0) == 3
+
+
+def test_a_backend_without_an_activity_record_refuses_one() -> None:
+    be = gf.lowlevel.current_backend_object()
+    with pytest.raises(gf.UsageError, match="keeps no record of device activity"):
+        gf.lowlevel.Backend.start_activity_record(be)  # the interface's own answer

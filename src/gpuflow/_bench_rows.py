@@ -5,17 +5,37 @@ ratio and the target; and the event loops each row is measured under."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import statistics
 from typing import Any
 
 ROWS: list[dict[str, Any]] = []
 
+#: The event loops a row may be measured under (uvloop is not asyncio here).
+LOOPS = ("asyncio", "uvloop", "trio")
+
 
 def row(name: str, value: float, unit: str, base_name: str = "", base: float | None = None,
         target: str = "", lower_is_better: bool = True) -> None:
+    """Print and keep one row.
+
+    A row measured under one event loop names it (``"... (uvloop)"``), and
+    a target set for one loop names that loop (``">= 70,000 (asyncio)"``):
+    a target that names another loop than its row's is a bug of the bench
+    (an asyncio target printed on a uvloop row), refused here.
+    """
+    own = re.search(rf"\(({'|'.join(LOOPS)})\)", name)
+    loop = own.group(1) if own is not None else None
+    named = [lib for lib in LOOPS if re.search(rf"\b{lib}\b", target, re.IGNORECASE)]
+    foreign = [lib for lib in named if lib != loop]
+    if foreign:
+        raise ValueError(
+            f"bench row {name!r}: its target {target!r} is set for {', '.join(foreign)}, "
+            f"not for the loop it was measured under ({loop or 'none named'})"
+        )
     ratio = None if base is None or base == 0 else value / base
     ROWS.append(dict(name=name, value=value, unit=unit, base_name=base_name, base=base,
-                     ratio=ratio, target=target))
+                     ratio=ratio, target=target, loop=loop))
     digits = 3 if unit == "ms" else 1
     b = "" if base is None else f"{base:10.{digits}f} {unit} ({base_name})"
     r = "" if ratio is None else f"{ratio:6.2f}x"

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import platform
 import sys
 from typing import Any
 
-from ._backends import cuda_probe, load_backend
+from ._backends import BACKEND_ENV, cuda_probe, load_backend
 
 _PACKAGES = ("numpy", "anyio", "cuda-bindings", "nvidia-cuda-nvrtc")
 #: What extras install: event loops, the bootstrap under mpiexec, NCCL, and
@@ -43,7 +44,9 @@ def _backend_lines() -> list[str]:
     except Exception as exc:
         return [f"backend: none could be started ({type(exc).__name__}: {exc})"]
     try:
-        lines = [f"backend: {be.name} (what init_device_contexts() picks here)"]
+        chosen = os.environ.get(BACKEND_ENV)
+        why = f"; {BACKEND_ENV}={chosen!r}" if chosen else ""
+        lines = [f"backend: {be.name} (what init_device_contexts() picks here{why})"]
         lines.append("devices:")
         for d in range(be.device_count):
             desc = be.describe_device(d)

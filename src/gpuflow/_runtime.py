@@ -268,14 +268,24 @@ def init_device_contexts(
 ) -> str:
     """Initialise gpuflow: choose the backend, the devices and their stream pools.
 
-    ``backend`` is ``"auto"`` (``cuda`` when a CUDA device is present, else
-    ``sim``), ``"cuda"``, ``"sim"``, the name of a backend registered with
-    :func:`gpuflow.lowlevel.register_backend`, or a
+    ``backend`` is ``"auto"``, ``"cuda"``, ``"sim"``, the name of a backend
+    registered with :func:`gpuflow.lowlevel.register_backend`, or a
     :class:`gpuflow.lowlevel.Backend` instance (tests and benchmarks give
-    one of their own).  ``num_devices=None`` takes every
-    device.  Calling it again replaces the runtime; arrays and streams made
-    before belong to the old one.  Returns the name of the backend chosen
-    (also logged on the ``gpuflow`` logger).
+    one of their own).  ``"auto"`` (also what the first use of gpuflow
+    without this call picks) is the backend the ``GPUFLOW_BACKEND``
+    environment variable names where it is set (``GPUFLOW_BACKEND=sim``
+    runs a program written for a GPU on the simulation; a name that is no
+    backend is a :class:`UsageError`), else ``cuda`` when the CUDA driver
+    reports a device, else ``sim``.  Falling back to ``sim`` on a machine
+    whose CUDA driver is installed but unusable (``cuInit`` fails, or GPU
+    device files exist but the driver sees no device) raises a
+    :class:`RuntimeWarning` that says why, with the driver's error code and
+    name: the program would otherwise run every kernel as its NumPy
+    reference without a word.  With no driver at all the choice is only
+    logged.  ``num_devices=None`` takes every device.  Calling it again
+    replaces the runtime; arrays and streams made before belong to the old
+    one.  Returns the name of the backend chosen (also logged on the
+    ``gpuflow`` logger).
 
     ``busy_poll_us`` is how long an event loop that awaits GPU work keeps
     reading the GPU's completion words, once per loop turn, before it arms a

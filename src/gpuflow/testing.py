@@ -68,15 +68,20 @@ def record_activity() -> Iterator[list[Activity]]:
     opening or closing of the block may be missing; nothing is appended once
     the block has exited.
 
-    Only the ``sim`` backend keeps such a record; on any other backend this
-    raises :class:`gpuflow.UsageError`.
+    On ``cuda`` the record holds only the kernels, copies, fills and graph
+    replays gpuflow enqueued on its own streams, timed by CUDA events, and
+    it fills when the block exits, with the items done by then.  A backend
+    that keeps no record raises :class:`gpuflow.UsageError`.
     """
     backend = get_runtime().backend
     record = backend.start_activity_record()
     try:
         yield record
     finally:
-        backend.stop_activity_record(record)
+        try:
+            backend.update_activity_records()
+        finally:
+            backend.stop_activity_record(record)
 
 
 def overlapped(a: Activity, b: Activity) -> bool:

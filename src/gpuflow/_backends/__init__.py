@@ -2,16 +2,22 @@
 
 A backend is chosen once, by :func:`gpuflow.init_device_contexts`, by name
 from a registry (``"cuda"``, ``"sim"`` and any registered with
-:func:`register_backend`), or given as an instance.
+:func:`register_backend`), or given as an instance.  ``"auto"`` is the name
+in ``GPUFLOW_BACKEND`` where that is set, else ``cuda`` where the driver
+reports a device, else ``sim``: with a warning where a driver is installed
+but unusable, since the program then runs its kernels' NumPy references.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
+import warnings
 from collections.abc import Callable
 
-from .._errors import DeviceError, UsageError
+from .._errors import DeviceError, GpuflowError, UsageError
 from ._base import Backend
 from ._sim import SimBackend
 
@@ -20,13 +26,28 @@ log = logging.getLogger("gpuflow")
 #: Makes a backend for ``num_devices`` devices (None: every device it has).
 BackendFactory = Callable[[int | None], Backend]
 
+#: The environment variable naming the backend that ``"auto"`` stands for.
+BACKEND_ENV = "GPUFLOW_BACKEND"
 
-def _cuda_device_count() -> int:
+
+def _libcuda_loads() -> bool:
     try:
-        from ._cuda import cuda_device_count  # cuda-bindings is loaded only when asked for
-    except ImportError:
-        return 0
-    return cuda_device_count()
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def _cuda_detect() -> tuple[int, str | None]:
+    """``(CUDA devices, why a driver that is installed cannot be used)``."""
+    try:
+        from ._cuda import cuda_detect
+    except ImportError as exc:
+        # cuda-bindings is a dependency: missing beside a driver, the install is broken
+        if _libcuda_loads():
+            return 0, f"cuda-bindings cannot be imported ({exc})"
+        return 0, None
+    return cuda_detect()
 
 
 def cuda_probe() -> tuple[int, str | None, str | None]:
@@ -43,8 +64,12 @@ def _make_cuda(num_devices: int | None) -> Backend:
         from ._cuda import CudaBackend
     except ImportError as exc:
         raise UsageError(f"backend 'cuda' needs cuda-python: {exc}") from exc
-    if _cuda_device_count() == 0:
-        raise DeviceError("backend 'cuda' was asked for, but no CUDA device is present")
+    devices, problem = _cuda_detect()
+    if devices == 0:
+        raise DeviceError(
+            "backend 'cuda' was asked for, but no CUDA device is present"
+            + (f": {problem}" if problem else "")
+        )
     return CudaBackend(num_devices)
 
 
@@ -75,14 +100,13 @@ def backend_names() -> tuple[str, ...]:
 
 
 def load_backend(name: str | Backend, num_devices: int | None) -> Backend:
-    """The backend called ``name`` (``"auto"``: ``cuda`` when a device is
-    present, else ``sim``), or ``name`` itself when it is a backend."""
+    """The backend called ``name`` (``"auto"``: see :func:`_auto`), or
+    ``name`` itself when it is a backend."""
     if isinstance(name, Backend):
         return name
+    chosen_by = None
     if name == "auto":
-        name = "cuda" if _cuda_device_count() > 0 else "sim"
-        if name == "sim":
-            log.info("gpuflow: no CUDA device present; backend 'sim'")
+        name, chosen_by = _auto()
     with _registry_lock:
         factory = _registry.get(name) if isinstance(name, str) else None
     if factory is None:
@@ -90,6 +114,47 @@ def load_backend(name: str | Backend, num_devices: int | None) -> Backend:
             f"backend must be one of {', '.join(map(repr, backend_names()))} or a "
             f"gpuflow.lowlevel.Backend instance, not {name!r}"
         )
-    be = factory(num_devices)
+    try:
+        be = factory(num_devices)
+    except GpuflowError as exc:
+        if chosen_by is not None:
+            exc.add_note(f"(the backend was chosen by {chosen_by})")
+        raise
     log.info("gpuflow: backend %r (%d device(s))", be.name, be.device_count)
     return be
+
+
+def _auto() -> tuple[str, str | None]:
+    """What ``"auto"`` stands for, and the variable that chose it (if one did).
+
+    ``GPUFLOW_BACKEND`` names the backend where it is set; else ``cuda`` when
+    the driver reports a device, else ``sim``.  Falling back to ``sim``
+    where a CUDA driver is installed is a warning, not a log line: a node
+    whose driver broke would otherwise run every kernel as its NumPy
+    reference, quietly and slowly, and report success.
+    """
+    chosen = os.environ.get(BACKEND_ENV, "")
+    if chosen and chosen != "auto":
+        names = backend_names()
+        if chosen not in names:
+            raise UsageError(
+                f"{BACKEND_ENV}={chosen!r} names no backend: it must be one of "
+                f"{', '.join(map(repr, names))}"
+            )
+        log.info("gpuflow: backend %r, from %s", chosen, BACKEND_ENV)
+        return chosen, f"{BACKEND_ENV}={chosen}"
+    devices, problem = _cuda_detect()
+    if devices > 0:
+        return "cuda", None
+    if problem is None:
+        log.info("gpuflow: no CUDA driver or device present; backend 'sim'")
+    else:
+        warnings.warn(
+            f"gpuflow: a CUDA driver is installed but gpuflow cannot use it: {problem}. "
+            "Running on backend 'sim' instead, a CPU simulation that runs each kernel as "
+            f"its NumPy reference. Set {BACKEND_ENV}=sim (or backend='sim') to choose the "
+            f"simulation, or {BACKEND_ENV}=cuda to fail instead.",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of init_device_contexts
+        )
+    return "sim", None

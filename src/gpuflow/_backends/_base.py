@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
@@ -133,10 +134,15 @@ class Activity(NamedTuple):
     """One item of work a stream ran, as a backend with a record saw it.
 
     ``stream`` is an opaque id, the same for every item of one stream and
-    never shared by two streams of the backend; ``what`` names the item
-    (``"kernel 'saxpy'"``, ``"graph of 3 nodes"``, ``"event wait"``...);
-    ``start`` and ``end`` are :func:`time.perf_counter` seconds taken by the
-    stream itself, right before and right after the item ran.
+    never shared by two streams of the backend
+    (:meth:`Backend.activity_stream_id`); ``what`` names the item
+    (``"kernel 'saxpy'"``, ``"copy to ..."``, ``"copy from ..."``,
+    ``"fill of ..."``, ``"graph of 3 nodes"``, ``"nccl all_reduce"``,
+    ``"event wait"``, ``"completion mark"``...); ``start`` and ``end`` are
+    :func:`time.perf_counter` seconds of the stream's own clock, right before
+    and right after the item ran.  ``tag`` is :data:`activity_tag` as it was
+    where the item was enqueued (the timeline's number of the run that
+    enqueued it), or None.
     """
 
     device: int
@@ -144,6 +150,14 @@ class Activity(NamedTuple):
     what: str
     start: float
     end: float
+    tag: int | None = None
+
+
+#: What the items enqueued in this context are tagged with in an activity
+#: record (:attr:`Activity.tag`).  While a timeline records, each run sets
+#: its own number here from its start to its end, so that the timeline can
+#: put every item the device ran inside the run that enqueued it.
+activity_tag: ContextVar[int | None] = ContextVar("gpuflow_activity_tag", default=None)
 
 
 class DeviceState(Protocol):
@@ -418,11 +432,13 @@ class Backend(abc.ABC):
         """The CUDA driver's version (``"13.0"``), or None without a driver."""
         return None
 
-    # -- a record of what the device ran (for tests) --------------------------
+    # -- a record of what the device ran (tests, the timeline) --------------------
     def start_activity_record(self) -> list[Activity]:
         """Start a record of every item the streams run; return the list it fills.
 
-        Backends that keep no such record raise :class:`gpuflow.UsageError`.
+        Each item is recorded with :data:`activity_tag` as it was where the
+        item was enqueued.  Backends that keep no such record raise
+        :class:`gpuflow.UsageError`.
         """
         raise UsageError(
             f"backend {self.name!r} keeps no record of device activity: "
@@ -432,6 +448,17 @@ class Backend(abc.ABC):
     def stop_activity_record(self, record: list[Activity]) -> None:
         """Stop filling ``record``; nothing is appended to it once this returns."""
         raise UsageError(f"backend {self.name!r} keeps no record of device activity")
+
+    def update_activity_records(self) -> None:  # noqa: B027 - optional hook
+        """Append to the open records what the device finished since the last
+        call, where the backend learns it only when asked (times taken by
+        device events); a backend whose streams append as they run has
+        nothing to do."""
+
+    def activity_stream_id(self, stream: Any) -> int:
+        """The id an activity record gives the items of raw ``stream``
+        (:attr:`Activity.stream`)."""
+        return id(stream)
 
     # -- faults ---------------------------------------------------------------
     @abc.abstractmethod

@@ -17,6 +17,7 @@ from .._errors import DeviceError, DeviceFaultError, LaunchError, OutOfMemoryErr
 CUDA_SUCCESS: Final = 0
 CUDA_ERROR_INVALID_VALUE: Final = 1
 CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+CUDA_ERROR_NO_DEVICE: Final = 100
 CUDA_ERROR_INVALID_IMAGE: Final = 200
 CUDA_ERROR_INVALID_CONTEXT: Final = 201
 CUDA_ERROR_NO_BINARY_FOR_GPU: Final = 209

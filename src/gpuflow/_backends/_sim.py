@@ -67,6 +67,7 @@ from ._base import (
     KernelArg,
     ModuleSource,
     PointerArg,
+    activity_tag,
 )
 from ._codes import (
     CUDA_ERROR_ILLEGAL_ADDRESS,
@@ -190,7 +191,8 @@ class SimStream:
     def __init__(self, backend: SimBackend, device: _SimDevice) -> None:
         self.backend = backend
         self.device = device
-        self.queue: collections.deque[tuple[str, Item]] = collections.deque()
+        # (what, item, the activity tag where it was enqueued)
+        self.queue: collections.deque[tuple[str, Item, int | None]] = collections.deque()
         self.cv = threading.Condition(backend._lock)
         self.word = 0
         self.issued = 0
@@ -217,14 +219,14 @@ class SimStream:
                     self.wakeups += 1
                 if not self.queue:
                     return
-                what, item = self.queue[0]
+                what, item, tag = self.queue[0]
                 live = self.device.fault is None
                 generation = self.device.generation
                 self.running = live
             if live:
                 records = self.backend._records
                 if records:
-                    self._run_recorded(what, item, generation, records)
+                    self._run_recorded(what, item, generation, records, tag)
                 else:
                     self._run(what, item, generation)
             with cv:
@@ -240,15 +242,28 @@ class SimStream:
             self.backend._set_fault(self.device, what, exc, generation)
 
     def _run_recorded(
-        self, what: str, item: Item, generation: int, records: tuple[list[Activity], ...]
+        self,
+        what: str,
+        item: Item,
+        generation: int,
+        records: tuple[list[Activity], ...],
+        tag: int | None,
     ) -> None:
         start = time.perf_counter()
+        if what == "completion mark":
+            # a mark takes no time: recorded before it is reached, so that
+            # whoever sees the word reach it finds it in the record
+            self._append(records, Activity(self.device.index, self.serial, what, start, start, tag))
+            self._run(what, item, generation)
+            return
         self._run(what, item, generation)
         end = time.perf_counter()
-        activity = Activity(self.device.index, self.serial, what, start, end)
+        # appended before the item leaves the queue: once the stream is
+        # seen idle, the record holds everything it ran
+        self._append(records, Activity(self.device.index, self.serial, what, start, end, tag))
+
+    def _append(self, records: tuple[list[Activity], ...], activity: Activity) -> None:
         with self.cv:
-            # appended before the item leaves the queue: once the stream is
-            # seen idle, the record holds everything it ran
             for record in records:
                 if any(record is r for r in self.backend._records):
                     record.append(activity)
@@ -467,7 +482,7 @@ class SimBackend(Backend):
                 return False
             stream.capture.items.append((what, item))
             return True
-        stream.queue.append((what, item))
+        stream.queue.append((what, item, activity_tag.get() if self._records else None))
         if len(stream.queue) == 1:
             stream.cv.notify_all()  # the worker sleeps only on an empty queue
         return True
@@ -792,9 +807,12 @@ class SimBackend(Backend):
         right around the item, and before the item leaves the stream's queue:
         once a stream is idle (synchronized, or a run on it awaited), every item
         it ran while the record was open is in the list, except possibly the
-        host signal that reported the run complete.  An item is recorded when
-        the record was open both when it started and when it ended.  Items a
-        faulted device skips are not recorded.  Several records may be open.
+        host signal that reported the run complete.  A completion mark is in the
+        list before the stream reaches it (with no duration: it takes none).
+        An item is recorded when the record was open both when it started and
+        when it ended, with the :data:`activity_tag` of where it was enqueued
+        if the record was open then too.  Items a faulted device skips are not
+        recorded.  Several records may be open.
         """
         record: list[Activity] = []
         with self.cond:
@@ -804,6 +822,9 @@ class SimBackend(Backend):
     def stop_activity_record(self, record: list[Activity]) -> None:
         with self.cond:
             self._records = tuple(r for r in self._records if r is not record)
+
+    def activity_stream_id(self, stream: Any) -> int:
+        return int(stream.serial)
 
 
 class _UseAfterFree(Exception):

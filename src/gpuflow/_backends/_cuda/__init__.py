@@ -14,6 +14,7 @@ concern a module:
 * :mod:`._kernels`: the per-thread parameter buffer, argument packing, and
   the built-in kernels (fill, arange);
 * :mod:`._staging`: pinned staging buffers for host copies;
+* :mod:`._timing`: the activity record, items timed by CUDA events;
 * :mod:`._backend`: :class:`CudaBackend` itself, with context set-up, peer
   access, the native half of the completion bridge, and reset.
 
@@ -30,6 +31,6 @@ gpuflow may add to a launch.
 from __future__ import annotations
 
 from ._backend import CudaBackend
-from ._driver import cuda_device_count, cuda_probe
+from ._driver import cuda_detect, cuda_device_count, cuda_probe
 
-__all__ = ["CudaBackend", "cuda_device_count", "cuda_probe"]
+__all__ = ["CudaBackend", "cuda_detect", "cuda_device_count", "cuda_probe"]

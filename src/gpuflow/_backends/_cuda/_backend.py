@@ -44,6 +44,7 @@ import numpy as np
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
 from .._base import (
+    Activity,
     Backend,
     CollectiveCall,
     DeviceDescription,
@@ -90,6 +91,7 @@ from ._kernels import (
 from ._native import Native
 from ._nccl import NcclComms
 from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending, Staging
+from ._timing import Timer
 from ._words import SLAB_BYTES, WORDS, EventMarks, WordMarks
 
 _STREAM_NON_BLOCKING = 1
@@ -131,6 +133,7 @@ class CudaBackend(Backend):
             )
         self._n = Native()
         self._tls = ThreadState()
+        self._timer = Timer(cu, self._n, self._cur)  # the activity record
         self._nccl = NcclComms(self)
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
         # Loaded modules stay loaded while the backend lives: cuModuleUnload
@@ -643,17 +646,22 @@ class CudaBackend(Backend):
             buf = self._staging.get(dev, n)
         self._cur(dev)
         cu = self._cu
+        timed = None
+        if self._timer.records:
+            timed = self._timer.start(dev, stream, f"copy to {dst!r}")
         if buf is None:
             self._call(
                 dev, "cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync,
                 dst.ptr, src.ctypes.data, n, stream.handle,
             )  # fmt: skip
+            self._timer.end(timed)
             return
         buf.array[:n] = src.reshape(-1).view(np.uint8)
         # (on an error below the staging buffer is dropped, never reused)
         self._call(
             dev, "cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync, dst.ptr, buf.ptr, n, stream.handle
         )
+        self._timer.end(timed)
         ev = self._record(dev, stream.handle)
         self._staging.done(dev, Pending(ev, buf, None, n))
 
@@ -671,17 +679,22 @@ class CudaBackend(Backend):
             buf = self._staging.get(dev, n)
         self._cur(dev)
         cu = self._cu
+        timed = None
+        if self._timer.records:
+            timed = self._timer.start(dev, stream, f"copy from {src!r}")
         if buf is None:
             # pageable destination: the driver returns only once the copy is done
             self._call(
                 dev, "cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync,
                 dst.ctypes.data, src.ptr, n, stream.handle,
             )  # fmt: skip
+            self._timer.end(timed)
             return
         flat = dst.reshape(-1).view(np.uint8)
         self._call(
             dev, "cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync, buf.ptr, src.ptr, n, stream.handle
         )
+        self._timer.end(timed)
         ev = self._record(dev, stream.handle)
         self._staging.done(dev, Pending(ev, buf, flat, n))
 
@@ -690,6 +703,10 @@ class CudaBackend(Backend):
         if nbytes <= 0:
             return
         cu = self._cu
+        timed = None
+        if self._timer.records:
+            self._cur(dev)
+            timed = self._timer.start(dev, stream, f"copy {src!r} -> {dst!r}")
         if dst.device != src.device:
             self._call(
                 dev, "cuMemcpyPeerAsync", cu.cuMemcpyPeerAsync,
@@ -700,6 +717,7 @@ class CudaBackend(Backend):
                 dev, "cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync,
                 dst.ptr, src.ptr, nbytes, stream.handle,
             )  # fmt: skip
+        self._timer.end(timed)
 
     # -- fills (memset, or a built-in kernel: ._kernels) ------------------------------
     def _builtin(self, dev: Dev, name: str) -> Any:
@@ -735,6 +753,14 @@ class CudaBackend(Backend):
         dev = self._live(stream)
         if count <= 0:
             return
+        timed = None
+        if self._timer.records:
+            self._cur(dev)
+            timed = self._timer.start(dev, stream, f"fill of {dst!r}")
+        self._fill(dev, dst, value, count, stream)
+        self._timer.end(timed)
+
+    def _fill(self, dev: Dev, dst: Any, value: np.generic, count: int, stream: Any) -> None:
         size = value.dtype.itemsize
         bits = value.tobytes()
         cu = self._cu
@@ -777,7 +803,12 @@ class CudaBackend(Backend):
             if dtype.kind == "b":
                 a, b = int(bool(a)), int(bool(b))
             st = BUILTIN_STRUCT
+        timed = None
+        if self._timer.records:
+            self._cur(dev)
+            timed = self._timer.start(dev, stream, f"arange into {dst!r}")
         self._launch_builtin(dev, stream, fname, st, (dst.ptr, a, b, count))
+        self._timer.end(timed)
 
     # -- kernels --------------------------------------------------------------------
     def load_kernel(self, device: int, module: ModuleSource, name: str) -> CudaKernel:
@@ -854,12 +885,20 @@ class CudaBackend(Backend):
             params = 0
         gx, gy, gz = grid
         bx, by, bz = block
+        timer = self._timer
+        timed = timer.start(dev, stream, f"kernel {kernel.name!r}") if timer.records else None
         # cuda.bindings' cuLaunchKernel (Cython, GIL released) with the parameter array's
         # address: measured faster than libcuda through ctypes, whose 11 converted
         # arguments cost more than the bindings' whole call
         (err,) = self._launch(kernel.obj, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
         if err:
-            self._launch_failed(int(err), kernel, grid, block, shmem, params, stream)
+            try:
+                self._launch_failed(int(err), kernel, grid, block, shmem, params, stream)
+            except BaseException:
+                timer.drop(timed)
+                raise
+        if timed is not None:
+            timer.end(timed)
 
     def _stale_launch(self, kernel: CudaKernel, stream: CudaStream) -> NoReturn:
         if kernel.token is not kernel.dev.token:
@@ -1024,9 +1063,29 @@ class CudaBackend(Backend):
         if graph.token is not graph.dev.token:
             raise UsageError("the graph was captured before its device was reset")
         self._cur(dev)
+        what = f"graph of {graph.nodes} nodes"
+        timed = self._timer.start(dev, stream, what) if self._timer.records else None
         rc = self._n.graph_launch(graph.exec, stream.handle)
         if rc:
+            self._timer.drop(timed)
             raise error_for(rc, "cuGraphLaunch", dev)
+        self._timer.end(timed)
+
+    # -- the activity record (._timing) -----------------------------------------------------
+    def start_activity_record(self) -> list[Activity]:
+        """Start a record of the kernels, copies, fills and graph replays gpuflow
+        enqueues on its own streams, timed by CUDA events; the list fills when
+        :meth:`update_activity_records` is called, with the items done by then."""
+        return self._timer.open()
+
+    def stop_activity_record(self, record: list[Activity]) -> None:
+        self._timer.close(record)
+
+    def update_activity_records(self) -> None:
+        self._timer.update()
+
+    def activity_stream_id(self, stream: Any) -> int:
+        return int(stream.handle)
 
     # -- faults ---------------------------------------------------------------------------
     def reset_device(self, device: int) -> None:

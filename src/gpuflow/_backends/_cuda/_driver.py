@@ -17,12 +17,13 @@ and drop the error it returns or, in a finalizer, warn about it
 
 from __future__ import annotations
 
+import glob
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import DeviceError, DeviceFaultError, OutOfMemoryError
-from .._codes import error_class
+from .._codes import CUDA_ERROR_NO_DEVICE, error_class
 
 if TYPE_CHECKING:
     from ._handles import Dev
@@ -58,6 +59,45 @@ def cuda_device_count() -> int:
         return int(n)
     except Exception:  # no driver library, no device, broken install: no CUDA here
         return 0
+
+
+def _device_nodes() -> list[str]:
+    """The GPU device files of this machine (Linux's ``/dev/nvidia0``...,
+    WSL's ``/dev/dxg``): there is a GPU for the driver to find."""
+    return sorted(glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/dxg"))
+
+
+def cuda_detect() -> tuple[int, str | None]:
+    """``(devices, problem)``: how many CUDA devices the driver reports and,
+    where it reports none although this machine has a driver, why not.
+
+    A driver is there when its library loads, or when the machine has GPU
+    device files.  ``problem`` is None where there is none (a machine
+    without a GPU: nothing is wrong), else it names what failed, with the
+    driver's code and name: ``cuInit`` failing (a driver that does not
+    match its kernel module, a stub library, a broken install), or no
+    device although device files exist (``CUDA_VISIBLE_DEVICES`` naming
+    none, a container given the library but not the device).
+    """
+    try:
+        cu = driver()
+        cu.cuDriverGetVersion()  # raises where the driver library does not load
+    except Exception:
+        return 0, None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+    try:
+        check(cu.cuInit(0), "cuInit")
+        (n,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+    except DeviceError as exc:
+        if exc.code == CUDA_ERROR_NO_DEVICE and not _device_nodes():
+            return 0, None  # the library alone, on a machine with no GPU
+        return 0, f"{exc}{hidden}"
+    except Exception as exc:  # the driver library loads but cannot be called
+        return 0, f"cuInit raised {type(exc).__name__}: {exc}"
+    if int(n) == 0 and _device_nodes():
+        return 0, f"the driver reports no device, but {_device_nodes()[0]} exists{hidden}"
+    return int(n), None
 
 
 def cuda_probe() -> tuple[int, str | None, str | None]:
