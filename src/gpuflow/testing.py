@@ -1,8 +1,10 @@
 """Helpers for testing programs that use gpuflow (and gpuflow itself).
 
 They read the runtime's state; they never change it (the activity record
-only watches).  Safe from any thread, except :func:`assert_quiescent_async`,
-which runs in an event loop.
+only watches).  Safe from any thread, except the awaitable ones, which run
+in an event loop: :func:`assert_quiescent_async` and
+:func:`cancel_at_every_point`, which runs a pipeline once for each point
+where a cancellation can reach it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import contextlib
 from collections.abc import Iterator
 
 from ._backends._base import Activity as Activity
+from ._cancelpoints import CancellationPoint as CancellationPoint
+from ._cancelpoints import CancellationReport as CancellationReport
+from ._cancelpoints import cancel_at_every_point as cancel_at_every_point
 from ._quiescence import assert_quiescent as assert_quiescent
 from ._quiescence import assert_quiescent_async as assert_quiescent_async
 from ._quiescence import pending_runs as pending_runs
@@ -22,7 +27,8 @@ from ._stalls import assert_no_stall as assert_no_stall
 
 __all__ = [
     "assert_quiescent", "assert_quiescent_async", "pending_runs", "leases_held",
-    "use_after_free_count", "record_activity", "Activity", "overlapped", "assert_no_stall",
+    "use_after_free_count", "cancel_at_every_point", "CancellationReport",
+    "CancellationPoint", "record_activity", "Activity", "overlapped", "assert_no_stall",
     "Stall",
 ]
 
