@@ -4,7 +4,9 @@ They read the runtime's state; they never change it (the activity record
 only watches).  Safe from any thread, except the awaitable ones, which run
 in an event loop: :func:`assert_quiescent_async` and
 :func:`cancel_at_every_point`, which runs a pipeline once for each point
-where a cancellation can reach it.
+where a cancellation can reach it.  Installing gpuflow also installs a
+pytest plugin: the ``gpuflow_runtime`` fixture and the options
+``--gpuflow-backend`` and ``--gpuflow-devices``.
 """
 
 from __future__ import annotations
