@@ -296,3 +296,25 @@ async def test_random_shapes_and_lengths_under_hypothesis(shape: list[int], step
 
     report = await testing.cancel_at_every_point(pipeline)
     assert report.points == 2 * steps
+
+
+async def test_nothing_a_cancelled_run_allocated_outlives_it() -> None:
+    # the event loop may keep the cancellation it raised (asyncio's task
+    # does), with a traceback through the pipeline's frames: their arrays
+    # must not stay alive with it, or every check of memory would see a leak
+    before = gf.memory_stats()
+    live: list[int] = []
+
+    async def pipeline() -> None:
+        async with gf.open_stream_lease():
+            x = await gf.from_host(np.ones(1000, F32))
+            y = await gf.copy(x)
+            await K.slow_fill(y, 1.0, 0.01)
+
+    def check() -> None:
+        now = gf.memory_stats()
+        live.append(now.live_allocations - before.live_allocations)
+        assert now.in_use_bytes == before.in_use_bytes
+
+    report = await testing.cancel_at_every_point(pipeline, check=check)
+    assert live == [0] * report.runs and report.runs == 9

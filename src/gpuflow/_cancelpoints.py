@@ -17,6 +17,7 @@ import gc
 import inspect
 import sys
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -176,7 +177,10 @@ async def cancel_at_every_point(
     run pending, no stream lease held beyond those held when it was called,
     no new use after free (``sim``); then it calls ``check()``, the
     pipeline's own invariants (a function or an async function; it raises
-    when one does not hold).  The first failure raises
+    when one does not hold).  By then what the run dropped has been
+    collected, frames the cancellation went through hold nothing, and the
+    GPU is idle, so a check may compare :func:`gpuflow.memory_stats` with
+    its value before.  The first failure raises
     :class:`AssertionError` naming the point (its number, the operation
     there and the pipeline's source line), or saying that the run without a
     cancellation failed; a pipeline that raises anything but the
@@ -270,6 +274,13 @@ async def _attempt_run(
             token = _attempt.set(attempt)
             try:
                 await awaitable
+            except BaseException as exc:
+                if attempt.cancelled is not None and _is_cancellation(exc):
+                    # the event loop may keep the cancellation (asyncio's task
+                    # does): its traceback must not keep the pipeline's
+                    # arrays alive past the run, as if they had leaked
+                    _clear_frames(exc)
+                raise
             finally:
                 _attempt.reset(token)
     except BaseException as exc:
@@ -277,6 +288,15 @@ async def _attempt_run(
             raise  # the caller's own cancellation (the run's own stops at its scope)
         return exc
     return None
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames ``exc`` (and, for a group, its
+    members) went through: what the pipeline held when it was cancelled."""
+    traceback.clear_frames(exc.__traceback__)
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            _clear_frames(inner)
 
 
 def _failed(attempt: _Attempt, total: int, why: str) -> str:
