@@ -118,10 +118,14 @@ def gpuflow_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
     _settle()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """After a test that uses the fixture, fail it where gpuflow is not at rest."""
-    result = yield  # (a test that failed already raises here)
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """After a test that uses the fixture, fail it where gpuflow is not at rest.
+
+    Called after pytest's own implementation has run the test function, and
+    only when it passed (a failure there ends the call).  A plain
+    implementation, not a wrapper: any pluggy that pytest 7 or 8 brings
+    takes it."""
     base = item.stash.get(_baseline_key, None)
     if base is not None and _FIXTURE in getattr(item, "fixturenames", ()):
         gc.collect()  # arrays only a reference cycle held go now, in stream order
@@ -131,4 +135,3 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
             pytest.fail(
                 "gpuflow is not quiescent after the test: " + "; ".join(found), pytrace=False
             )
-    return result
