@@ -1,11 +1,14 @@
 """Every program in examples/ runs, as a user would run it, and says what it should.
 
 Each runs in a subprocess on the backend under test; an example that needs
-PyTorch or CuPy is skipped where that library is missing (and says so).
+PyTorch or CuPy is skipped where that library is missing (and says so).  An
+example that is a user's test file runs under pytest, as it would in the
+user's project, and must fail, naming the point, once its pipeline is broken.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -35,9 +38,13 @@ EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+#: examples that are test files: run by pytest, with gpuflow's plugin
+PYTEST_EXAMPLES = ("test_my_pipeline.py",)
+
+
 def test_every_example_is_tested() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(
-        name for name in EXPECT if (EXAMPLES / name).exists()
+        name for name in [*EXPECT, *PYTEST_EXAMPLES] if (EXAMPLES / name).exists()
     )
 
 
@@ -129,3 +136,49 @@ def test_the_trio_extra_installs_trio_and_the_readme_says_so() -> None:
     assert not [r for r in project["dependencies"] if r.startswith("trio")]
     readme = (ROOT / "README.md").read_text()
     assert "python3 -m pip install -e '.[trio]'" in readme
+
+
+def _pytest_example(path: Path, backend: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """pytest on one example file, as in a user's project: gpuflow's plugin
+    comes from the installed entry point (with ``-p`` where the installed
+    metadata predates it), AnyIO's from its own."""
+    installed = any(
+        ep.name == "gpuflow" for ep in importlib.metadata.entry_points(group="pytest11")
+    )
+    plugin = [] if installed else ["-p", "gpuflow._pytest_plugin"]
+    src = str(ROOT / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,
+         "--gpuflow-backend", backend, str(path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+    )  # fmt: skip
+
+
+def _loops() -> int:
+    return 1 + sum(importlib.util.find_spec(lib) is not None for lib in ("uvloop", "trio"))
+
+
+def test_the_test_file_example_passes(device_backend: str) -> None:
+    proc = _pytest_example(EXAMPLES / "test_my_pipeline.py", device_backend, ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # three tests under every loop, one synchronous
+    assert f"{3 * _loops() + 1} passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_test_file_example_fails_naming_the_point_once_broken(
+    device_backend: str, tmp_path: Path
+) -> None:
+    # the handler forgets to count a request that was cancelled
+    text = (EXAMPLES / "test_my_pipeline.py").read_text()
+    assert text.count("        ledger.abandoned += 1\n") == 1, "the example changed: update this"
+    broken = tmp_path / "test_my_pipeline.py"
+    broken.write_text(text.replace("        ledger.abandoned += 1\n", "        pass\n"))
+    proc = _pytest_example(broken, device_backend, tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{2 * _loops()} failed, {_loops() + 1} passed" in proc.stdout, proc.stdout[-3000:]
+    line = text.splitlines().index("        async with gf.open_stream_lease():") + 1
+    assert (
+        f"AssertionError: cancelled at point 1 of 8 (entering a stream lease; at {broken}:{line} "
+        "(in handle)): check() failed: AssertionError: Ledger(started=2, finished=1, abandoned=0)"
+    ) in proc.stdout, proc.stdout[-3000:]

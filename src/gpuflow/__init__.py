@@ -11,7 +11,8 @@ copies.
 The API by topic (help(gpuflow.NAME) tells more of each):
 
   operations     DeviceOperation, SharedOperation, Graph, value, with_context, zip
-  arrays         DeviceArray, zeros, ones, full, arange, from_host, to_host, copy
+  arrays         DeviceArray, zeros, ones, full, arange, from_host, to_host, copy,
+                 memory_stats, MemoryStats
   kernels        compile, Module, Kernel, LaunchConfig
   devices        init_device_contexts, current_backend, current_device,
                  device_count, use_device, new_stream, reset_device, Stream,
@@ -78,10 +79,12 @@ from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
 from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
+from ._runtime import MemoryStats as MemoryStats
 from ._runtime import current_backend as current_backend
 from ._runtime import current_device as current_device
 from ._runtime import device_count as device_count
 from ._runtime import init_device_contexts as init_device_contexts
+from ._runtime import memory_stats as memory_stats
 from ._runtime import new_stream as new_stream
 from ._runtime import reset_device as reset_device
 from ._runtime import use_device as use_device
@@ -99,6 +102,7 @@ __all__ = [
     "DeviceOperation", "SharedOperation", "Graph", "value", "with_context", "zip",
     # arrays
     "DeviceArray", "zeros", "ones", "full", "arange", "from_host", "to_host", "copy",
+    "memory_stats", "MemoryStats",
     # kernels
     "compile", "Module", "Kernel", "LaunchConfig",
     # devices, streams, scheduling, scopes

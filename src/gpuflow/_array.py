@@ -198,7 +198,8 @@ def _allocate(
         )
     nbytes = math.prod(shape) * dtype.itemsize
     buf = ctx.backend.alloc(s.device, nbytes, s._raw)
-    return DeviceArray(Allocation(ctx.backend, buf, s, ctx._submission), shape, dtype)
+    alloc = Allocation(ctx.backend, buf, s, ctx._submission, s._runtime.memory)
+    return DeviceArray(alloc, shape, dtype)
 
 
 def _check_device_input(x: object, what: str) -> None:

@@ -165,7 +165,7 @@ def _device_copy(
     s = alloc.writer
     be = rt.backend
     nbytes = math.prod(shape) * dtype.itemsize
-    copy = Allocation(be, be.alloc(device, nbytes, s._raw), s)
+    copy = Allocation(be, be.alloc(device, nbytes, s._raw), s, ledger=rt.memory)
     if nbytes:
         with hazard_lock:
             alloc.before_read(s)

@@ -23,10 +23,15 @@ stream (:meth:`Allocation.after_foreign`): every later use, and the free,
 waits for it; it counts as a write, since the consumer may have written.
 One event a stream is kept (a later one covers an earlier one), so an array
 exported again and again keeps a bounded set.
+
+The allocations gpuflow made itself are counted, per device, in their
+runtime's :class:`MemoryLedger` (what :func:`gpuflow.memory_stats` reports
+as in use); another library's memory is not.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import warnings
@@ -88,12 +93,59 @@ hazard_lock = threading.RLock()
 _NO_FOREIGN: Mapping[Hashable, Any] = MappingProxyType({})
 
 
+class MemoryLedger:
+    """The bytes and the number of live allocations a runtime made, per device.
+
+    An allocation is counted when it is made and uncounted when its last
+    array goes (its finalizer, on any thread, even inside a garbage
+    collection that interrupted a count): both only append to a queue,
+    which is folded into the totals under a lock when they are read (and
+    now and then when allocating, so that it stays short).  Nothing waits
+    for a lock in a finalizer, and no update is lost.
+    """
+
+    __slots__ = ("_changes", "_lock", "_totals")
+
+    #: fold the queue when allocating once it is this long
+    _FOLD_AT = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: (device, bytes, allocations) changes not folded yet; deque appends
+        #: and pops are atomic, so finalizers append without the lock
+        self._changes: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._totals: dict[int, tuple[int, int]] = {}  # device -> (bytes, allocations)
+
+    def allocated(self, device: int, nbytes: int) -> None:
+        self._changes.append((device, nbytes, 1))
+        if len(self._changes) >= self._FOLD_AT:
+            self.totals(device)
+
+    def freed(self, device: int, nbytes: int) -> None:
+        """Any thread, finalizers included; never blocks, never raises."""
+        self._changes.append((device, -nbytes, -1))
+
+    def totals(self, device: int) -> tuple[int, int]:
+        """``(bytes, allocations)`` live on ``device`` now."""
+        changes = self._changes
+        with self._lock:
+            totals = self._totals
+            # only what is queued now: a finalizer may append meanwhile
+            for _ in range(len(changes)):
+                d, nbytes, count = changes.popleft()
+                b, c = totals.get(d, (0, 0))
+                totals[d] = (b + nbytes, c + count)
+            return totals.get(device, (0, 0))
+
+
 class Allocation:
     """One device buffer and its hazard state.  Freed in stream order on GC.
 
     ``before_read``/``before_write`` are called under :data:`hazard_lock`,
     together with the enqueue of the use they order; ``run`` is the run
     that makes the use (its :class:`Point`), None outside a run.
+    ``ledger`` counts the buffer as gpuflow's own memory until it is freed
+    (None: memory gpuflow did not allocate).
     """
 
     __slots__ = (
@@ -101,6 +153,7 @@ class Allocation:
         "buffer",
         "foreign",
         "generation",
+        "ledger",
         "readers",
         "readonly",
         "synced",
@@ -109,10 +162,18 @@ class Allocation:
     )  # fmt: skip
 
     def __init__(
-        self, backend: Backend, buffer: RawBuffer, stream: Stream, point: Point | None = None
+        self,
+        backend: Backend,
+        buffer: RawBuffer,
+        stream: Stream,
+        point: Point | None = None,
+        ledger: MemoryLedger | None = None,
     ) -> None:
         self.backend = backend
         self.buffer = buffer
+        self.ledger = ledger
+        if ledger is not None:
+            ledger.allocated(buffer.device, buffer.nbytes)
         self.generation = stream._generation
         self.writer: Stream = stream  # the allocation itself is ordered on it
         self.wrote: Point | None = point  # where on it
@@ -178,6 +239,9 @@ class Allocation:
             # the process is going away with its memory, and a daemon thread
             # (a stream, the driver) may be frozen holding a lock: never hang
             return
+        ledger = self.ledger
+        if ledger is not None:  # (also when the memory is leaked below)
+            ledger.freed(self.buffer.device, self.buffer.nbytes)
         try:
             stream = self.writer
             rt = stream._runtime

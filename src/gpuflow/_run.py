@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.lowlevel
 
-from . import _trace
+from . import _points, _trace
 from ._bridge import Submission
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
@@ -227,6 +227,9 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
 
 
 async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = None) -> Any:
+    watcher = _points.watcher  # (a test's; None otherwise)
+    if watcher is not None:
+        await watcher(_points.BEFORE_ENQUEUE, op)
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     await anyio.lowlevel.checkpoint_if_cancelled()
     loop = current_loop()
@@ -248,6 +251,8 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         traced.enqueued()
     rt.dispatcher.submit(stream._raw, sub)
     try:
+        if watcher is not None:
+            await watcher(_points.IN_FLIGHT, op)
         await sub.wait(loop)
     except BaseException as exc:
         if traced is not None:

@@ -16,12 +16,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._backends import load_backend
 from ._backends._base import Backend
 from ._bridge import Dispatcher
 from ._errors import DeviceFaultError, UsageError
+from ._hazards import MemoryLedger
 from ._stream import Stream
 
 _current_device: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
@@ -87,6 +88,8 @@ class Runtime:
         self._interop: dict[tuple[int, int], Stream] = {}
         #: per device: backend streams made ahead (see _make_pool)
         self._spares: dict[int, list[Any]] = {}
+        #: the bytes and number of the allocations made through this runtime
+        self.memory = MemoryLedger()
         self.dispatcher = Dispatcher(backend, busy_poll_s)
         for d in devices:
             self._make_pool(d)
@@ -410,6 +413,42 @@ def _retire_stream(rt: Runtime, raw: Any) -> None:
 def current_backend() -> str:
     """The name of the backend in use (``"cuda"`` or ``"sim"``)."""
     return get_runtime().backend.name
+
+
+class MemoryStats(NamedTuple):
+    """Device memory of one device, as :func:`memory_stats` reports it."""
+
+    device: int
+    #: bytes of the arrays gpuflow allocated that are still alive (as
+    #: ``torch.cuda.memory_allocated`` or CuPy's ``MemoryPool.used_bytes``)
+    in_use_bytes: int
+    #: bytes the backend holds for the device: on ``cuda`` the memory pool's
+    #: reserved memory (freed memory stays in the pool for reuse, as
+    #: ``torch.cuda.memory_reserved``); on ``sim`` what is not yet freed in
+    #: stream order; None where a backend cannot tell
+    reserved_bytes: int | None
+    #: how many of gpuflow's allocations are alive
+    live_allocations: int
+
+
+def memory_stats(device: int | None = None) -> MemoryStats:
+    """How much memory of ``device`` (default: the current device) gpuflow uses.
+
+    ``in_use_bytes`` and ``live_allocations`` count the arrays gpuflow
+    allocated and a program (or GPU work still running) still holds; an
+    array stops counting as soon as its last reference goes, although its
+    memory is freed only after the work enqueued before that (in stream
+    order), which ``reserved_bytes`` shows.  Another library's memory taken
+    with :func:`gpuflow.from_dlpack` is not counted.  On ``cuda`` the
+    reserved bytes are the device's default memory pool's, which other
+    libraries allocating from that pool share.  The counts are of the
+    current runtime (:func:`init_device_contexts` starts new ones).  Any
+    thread; cheap enough to poll.
+    """
+    rt = get_runtime()
+    dev = rt.check_device(current_device() if device is None else device)
+    nbytes, count = rt.memory.totals(dev)
+    return MemoryStats(dev, nbytes, rt.backend.memory_reserved(dev), count)
 
 
 def reset_device(device: int | None = None) -> None:

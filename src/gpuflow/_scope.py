@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from . import _points
 from ._bridge import Submission, post
 from ._errors import UsageError
 from ._loops import current_loop
@@ -197,6 +198,9 @@ class StreamLease:
         self._tracked.track(sub)
 
     async def __aenter__(self) -> StreamLease:
+        watcher = _points.watcher
+        if watcher is not None:
+            await watcher(_points.ENTER_LEASE)
         rt = get_runtime()
         rt.check_device(self.device)
         self._pool = _lease_pool(rt, self.device)
@@ -217,6 +221,11 @@ class StreamLease:
             stream, self._stream = self._stream, None
             assert self._pool is not None and stream is not None
             self._pool.release(stream)
+        watcher = _points.watcher
+        if watcher is not None and exc_type is None:
+            # where a cancellation that came while the scope was left lands
+            # first: right after it, with nothing of the scope left to release
+            await watcher(_points.LEAVE_LEASE)
 
 
 def open_stream_lease(device: int | None = None) -> StreamLease:
@@ -276,6 +285,9 @@ class DeviceGroup:
         self._tg.start_soon(child, name=name or getattr(fn, "__qualname__", None))
 
     async def __aenter__(self) -> DeviceGroup:
+        watcher = _points.watcher
+        if watcher is not None:
+            await watcher(_points.ENTER_GROUP)
         self._token = current_scopes.set((*current_scopes.get(), self))
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -289,11 +301,15 @@ class DeviceGroup:
     ) -> bool | None:
         assert self._tg is not None
         try:
-            return await self._tg.__aexit__(exc_type, exc, tb)
+            suppressed = await self._tg.__aexit__(exc_type, exc, tb)
         finally:
             self._tg = None
             _leave(self._token)
             await self._tracked.drain()
+        watcher = _points.watcher
+        if watcher is not None and exc_type is None:
+            await watcher(_points.LEAVE_GROUP)  # (as a stream lease's)
+        return suppressed
 
 
 def open_device_group(devices: list[int] | None = None) -> DeviceGroup:

@@ -1,53 +1,38 @@
 """Helpers for testing programs that use gpuflow (and gpuflow itself).
 
 They read the runtime's state; they never change it (the activity record
-only watches).  Safe from any thread.
+only watches).  Safe from any thread, except the awaitable ones, which run
+in an event loop: :func:`assert_quiescent_async` and
+:func:`cancel_at_every_point`, which runs a pipeline once for each point
+where a cancellation can reach it.  Installing gpuflow also installs a
+pytest plugin: the ``gpuflow_runtime`` fixture and the options
+``--gpuflow-backend`` and ``--gpuflow-devices``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 from ._backends._base import Activity as Activity
+from ._cancelpoints import CancellationPoint as CancellationPoint
+from ._cancelpoints import CancellationReport as CancellationReport
+from ._cancelpoints import cancel_at_every_point as cancel_at_every_point
+from ._quiescence import assert_quiescent as assert_quiescent
+from ._quiescence import assert_quiescent_async as assert_quiescent_async
+from ._quiescence import pending_runs as pending_runs
+from ._quiescence import use_after_free_count as use_after_free_count
 from ._runtime import get_runtime
 from ._scope import leases_held as leases_held
 from ._stalls import Stall as Stall
 from ._stalls import assert_no_stall as assert_no_stall
 
 __all__ = [
-    "assert_quiescent", "pending_runs", "leases_held", "use_after_free_count",
-    "record_activity", "Activity", "overlapped", "assert_no_stall", "Stall",
+    "assert_quiescent", "assert_quiescent_async", "pending_runs", "leases_held",
+    "use_after_free_count", "cancel_at_every_point", "CancellationReport",
+    "CancellationPoint", "record_activity", "Activity", "overlapped", "assert_no_stall",
+    "Stall",
 ]
-
-
-def pending_runs() -> int:
-    """Runs handed to the completion dispatcher that the GPU has not finished."""
-    return get_runtime().dispatcher.pending
-
-
-def use_after_free_count() -> int:
-    """How many device accesses to freed memory the ``sim`` backend has caught
-    (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
-    return get_runtime().backend.use_after_free_count()
-
-
-def assert_quiescent(timeout: float = 5.0) -> None:
-    """Wait up to ``timeout`` s for every run to finish; then assert that no run
-    is pending, no stream lease is held and no use after free was seen."""
-    deadline = time.monotonic() + timeout
-    while pending_runs() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    problems = []
-    if pending_runs():
-        problems.append(f"{pending_runs()} run(s) still pending after {timeout} s")
-    if leases_held():
-        problems.append(f"{leases_held()} stream lease(s) still held")
-    if use_after_free_count():
-        problems.append(f"{use_after_free_count()} use(s) after free detected")
-    if problems:
-        raise AssertionError("gpuflow is not quiescent: " + "; ".join(problems))
 
 
 @contextlib.contextmanager

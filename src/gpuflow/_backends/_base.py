@@ -428,6 +428,11 @@ class Backend(abc.ABC):
         """Name, compute capability and memory of ``device``."""
         return DeviceDescription(self.device_name(device), None, 0)
 
+    def memory_reserved(self, device: int) -> int | None:
+        """Bytes of ``device``'s memory the backend holds now (allocated to
+        gpuflow, or kept for reuse), or None where it cannot tell."""
+        return None
+
     def driver_version(self) -> str | None:
         """The CUDA driver's version (``"13.0"``), or None without a driver."""
         return None

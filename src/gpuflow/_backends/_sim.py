@@ -341,6 +341,13 @@ class SimBackend(Backend):
     def _dev(self, device: int) -> _SimDevice:
         return self._lookup(self._devices, device)
 
+    def memory_reserved(self, device: int) -> int:
+        """Allocated and not yet freed in stream order (the simulation keeps
+        no cache of freed memory)."""
+        dev = self._dev(device)
+        with self.cond:
+            return dev.memory_used
+
     _device_state = _dev
 
     def device_arch(self, device: int) -> str:

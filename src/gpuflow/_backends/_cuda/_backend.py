@@ -338,6 +338,21 @@ class CudaBackend(Backend):
         (total,) = check(self._cu.cuDeviceTotalMem(dev.cudev), "cuDeviceTotalMem", dev)
         return DeviceDescription(dev.name, f"{digits[:-1]}.{digits[-1:]}", int(total))
 
+    def memory_reserved(self, device: int) -> int:
+        """The device's memory pool's reserved bytes: what gpuflow's arrays
+        use and what freed ones left in the pool for reuse (the pool keeps
+        it: its release threshold is set to the maximum)."""
+        dev = self._dev(device)
+        cu = self._cu
+        (value,) = self._call(
+            dev,
+            "cuMemPoolGetAttribute",
+            cu.cuMemPoolGetAttribute,
+            dev.pool,
+            cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )
+        return int(value)
+
     def driver_version(self) -> str | None:
         (v,) = check(self._cu.cuDriverGetVersion(), "cuDriverGetVersion")
         return f"{int(v) // 1000}.{int(v) % 1000 // 10}"

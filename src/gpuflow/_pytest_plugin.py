@@ -1,0 +1,137 @@
+"""gpuflow's pytest plugin: the ``gpuflow_runtime`` fixture and its options.
+
+pytest loads it through the ``pytest11`` entry point named ``gpuflow``, so
+installing gpuflow is enough (``-p no:gpuflow`` turns it off; with plugin
+autoloading disabled, ``-p gpuflow`` loads it).  Nothing happens to a test
+that does not ask for the fixture.
+
+* ``--gpuflow-backend`` ``sim`` (the default: any machine, CI), ``cuda`` or
+  ``auto`` (``cuda`` where a CUDA device is present, else ``sim``), and
+  ``--gpuflow-devices N`` (default: every device the backend has; ``sim``
+  has one unless told).
+* ``gpuflow_runtime`` initialises gpuflow on that backend before the test
+  (a runtime of its own for each test; on ``cuda`` the backend itself is
+  shared by the session, as a long-running program has one) and yields the
+  backend's name.  After the test function, it waits for the GPU to finish
+  what the test enqueued (up to :data:`DRAIN_S` seconds) and fails the
+  test, saying what, when a run is still pending, a stream lease is still
+  held or a use after free was seen (``sim``).
+
+It works with AnyIO's plugin (``@pytest.mark.anyio``, the ``anyio_backend``
+fixture: asyncio, uvloop, Trio) and with plain synchronous tests.  The
+check runs once the test function has returned, while no event loop runs
+in the thread: runs that a loop would complete are then completed by
+gpuflow's dispatcher thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ._backends import cuda_probe, load_backend
+from ._backends._base import Backend
+from ._quiescence import Baseline, pending_runs, problems
+from ._runtime import init_device_contexts
+
+#: What ``--gpuflow-backend`` takes.
+BACKENDS = ("sim", "cuda", "auto")
+#: How long, after a test, the GPU may take to finish what the test enqueued.
+DRAIN_S = 5.0
+
+_FIXTURE = "gpuflow_runtime"
+_baseline_key = pytest.StashKey[Baseline]()
+_cuda_key = pytest.StashKey[Backend]()
+
+
+def _device_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of devices, not {text!r}")
+    return n
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpuflow", "gpuflow (the gpuflow_runtime fixture)")
+    group.addoption(
+        "--gpuflow-backend",
+        choices=BACKENDS,
+        default="sim",
+        help="the backend gpuflow_runtime initialises: sim (default; needs no GPU), "
+        "cuda, or auto (cuda where a CUDA device is present, else sim)",
+    )
+    group.addoption(
+        "--gpuflow-devices",
+        type=_device_count,
+        default=None,
+        metavar="N",
+        help="how many devices gpuflow_runtime initialises (default: every device "
+        "of the backend; sim has one unless told)",
+    )
+
+
+def _backend(config: pytest.Config, devices: int | None) -> str | Backend:
+    """The backend to initialise: a name (a new backend for each test), or
+    the session's cuda backend, made on first use and again after a fault."""
+    choice = str(config.getoption("gpuflow_backend"))
+    if choice == "sim" or (choice == "auto" and cuda_probe()[0] == 0):
+        return "sim"
+    be = config.stash.get(_cuda_key, None)
+    if be is not None and any(be.device_fault(d) is not None for d in range(be.device_count)):
+        be = None  # a sticky fault lasts as long as the backend
+    if be is None:
+        be = config.stash[_cuda_key] = load_backend("cuda", devices)
+    return be
+
+
+def _settle() -> None:
+    """Wait up to DRAIN_S for every run to finish (no loop runs here)."""
+    deadline = time.monotonic() + DRAIN_S
+    while pending_runs() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def gpuflow_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
+    """gpuflow, initialised on ``--gpuflow-backend`` for this test; yields the
+    backend's name (``"sim"`` or ``"cuda"``).  The test fails when, once it
+    has returned and the GPU has had up to 5 s to finish, a run is still
+    pending, a stream lease is still held or a use after free was seen."""
+    config = request.config
+    devices = config.getoption("gpuflow_devices")
+    name = init_device_contexts(num_devices=devices, backend=_backend(config, devices))
+    # the replaced runtime is garbage now: collect it before the test's GPU
+    # work starts (a collection during the test could wait for that work)
+    gc.collect()
+    request.node.stash[_baseline_key] = Baseline.now()
+    yield name
+    # the test's verdict is in (pytest_runtest_call); leave the GPU idle
+    # for the next test, whatever this one left behind
+    gc.collect()
+    _settle()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """After a test that uses the fixture, fail it where gpuflow is not at rest.
+
+    Called after pytest's own implementation has run the test function, and
+    only when it passed (a failure there ends the call).  A plain
+    implementation, not a wrapper: any pluggy that pytest 7 or 8 brings
+    takes it."""
+    base = item.stash.get(_baseline_key, None)
+    if base is not None and _FIXTURE in getattr(item, "fixturenames", ()):
+        gc.collect()  # arrays only a reference cycle held go now, in stream order
+        _settle()
+        found = problems(DRAIN_S, base)
+        if found:
+            pytest.fail(
+                "gpuflow is not quiescent after the test: " + "; ".join(found), pytrace=False
+            )

@@ -1,0 +1,95 @@
+"""Whether gpuflow is at rest: no run pending, no lease held, no use after free.
+
+What :mod:`gpuflow.testing` checks after a test, in a blocking form (for
+synchronous code and fixtures) and an awaitable one (for code running in an
+event loop, which must not block it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import anyio.lowlevel
+
+from ._runtime import current_runtime, get_runtime
+from ._scope import leases_held
+
+#: How often the waits look again whether every run has finished.
+_POLL_S = 0.001
+
+
+def pending_runs() -> int:
+    """Runs handed to the completion dispatcher that the GPU has not finished."""
+    return get_runtime().dispatcher.pending
+
+
+def use_after_free_count() -> int:
+    """How many device accesses to freed memory the ``sim`` backend has caught
+    (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
+    return get_runtime().backend.use_after_free_count()
+
+
+class Baseline:
+    """What was already there before the code under test ran (leases held by
+    the caller, uses after free seen earlier): only what goes beyond it counts."""
+
+    __slots__ = ("leases", "uses_after_free")
+
+    def __init__(self, leases: int = 0, uses_after_free: int = 0) -> None:
+        self.leases = leases
+        self.uses_after_free = uses_after_free
+
+    @classmethod
+    def now(cls) -> Baseline:
+        if current_runtime() is None:  # (asking would make a runtime)
+            return cls()
+        return cls(leases_held(), use_after_free_count())
+
+
+def problems(timeout: float, since: Baseline | None = None) -> list[str]:
+    """What is not at rest, once the wait for pending runs is over."""
+    base = since or Baseline()
+    found = []
+    pending = pending_runs()
+    if pending:
+        found.append(f"{pending} run(s) still pending after {timeout} s")
+    held = leases_held() - base.leases
+    if held > 0:
+        found.append(f"{held} stream lease(s) still held")
+    uaf = use_after_free_count() - base.uses_after_free
+    if uaf > 0:
+        found.append(f"{uaf} use(s) after free detected")
+    return found
+
+
+def _raise(found: list[str]) -> None:
+    if found:
+        raise AssertionError("gpuflow is not quiescent: " + "; ".join(found))
+
+
+def assert_quiescent(timeout: float = 5.0) -> None:
+    """Wait up to ``timeout`` s for every run to finish; then assert that no run
+    is pending, no stream lease is held and no use after free was seen.
+
+    The wait blocks the calling thread (it sleeps a millisecond at a time):
+    called from a thread running an event loop, it stops the loop for as
+    long, and runs that only the loop would complete are then completed by
+    gpuflow's dispatcher thread, later.  In async code, await
+    :func:`assert_quiescent_async` instead.
+    """
+    deadline = time.monotonic() + timeout
+    while pending_runs() and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    _raise(problems(timeout))
+
+
+async def assert_quiescent_async(timeout: float = 5.0) -> None:
+    """:func:`assert_quiescent` for async code: the wait sleeps in the event
+    loop (``anyio.sleep``), so other tasks, and the loop's own completion of
+    the runs awaited, go on meanwhile.  A cancellation point."""
+    deadline = time.monotonic() + timeout
+    await anyio.lowlevel.checkpoint()
+    while pending_runs() and time.monotonic() < deadline:
+        await anyio.sleep(_POLL_S)
+    _raise(problems(timeout))

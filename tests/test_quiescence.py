@@ -1,0 +1,77 @@
+"""``gf.testing.assert_quiescent`` and its awaitable form.
+
+Both wait for every run to finish and then say what is not at rest; the
+blocking one stops an event loop it is called from for as long, the
+awaitable one lets the loop run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import kernels as K
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow import testing
+
+pytestmark = pytest.mark.anyio
+
+F32 = np.float32
+LONG = 0.3
+
+
+async def _ticks_while(wait: Callable[[], Awaitable[None] | None]) -> tuple[int, float]:
+    """How often another task of the loop ran while ``wait`` waited for a
+    long kernel, and how long the wait took."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    x = await gf.zeros(256, F32)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.sleep(0.02)  # the ticker runs
+        before = ticks
+        K.slow_fill(x, 1.0, LONG).enqueue_on(gf.new_stream())
+        t0 = time.monotonic()
+        result = wait()
+        if inspect.isawaitable(result):
+            await result
+        took = time.monotonic() - t0
+        tg.cancel_scope.cancel()
+    return ticks - before, took
+
+
+async def test_the_awaitable_form_waits_for_the_gpu_and_lets_the_loop_run() -> None:
+    ticks, took = await _ticks_while(testing.assert_quiescent_async)
+    assert took > LONG * 0.8, "it did not wait for the kernel"
+    assert ticks >= 5, f"the loop ran {ticks} times in {took:.2f} s"
+
+
+async def test_the_blocking_form_stops_the_loop_while_it_waits() -> None:
+    # (what its docstring says: the reason the awaitable form exists)
+    ticks, took = await _ticks_while(testing.assert_quiescent)
+    assert took > LONG * 0.8
+    assert ticks <= 1
+
+
+async def test_the_awaitable_form_says_what_is_not_at_rest() -> None:
+    lease = gf.open_stream_lease()
+    await lease.__aenter__()
+    x = await gf.zeros(256, F32)
+    K.slow_fill(x, 1.0, LONG).enqueue_on(gf.new_stream())
+    with pytest.raises(AssertionError, match=r"^gpuflow is not quiescent: 1 run\(s\) still pending "
+                       r"after 0.05 s; 1 stream lease\(s\) still held$"):  # fmt: skip
+        await testing.assert_quiescent_async(timeout=0.05)
+    await lease.__aexit__(None, None, None)
+    await testing.assert_quiescent_async()
+    assert testing.pending_runs() == 0
