@@ -523,10 +523,13 @@ def test_a_stream_dropped_right_after_its_runs_still_completes_them() -> None:
     for i, sub in enumerate(subs):
         K.slow_fill(x, float(i), 0.05).enqueue_on(stream)
         get_runtime().dispatcher.submit(stream.raw, sub)
-    # the last references (the array's hazard state keeps its writer stream):
-    # the stream is destroyed now; its marks are still reached
+    # the last references (the array's hazard state keeps its writer stream,
+    # and so does the free of its memory, until it is enqueued at the next
+    # safe point, here memory_stats): the stream is destroyed then; its marks
+    # are still reached
     ref = weakref.ref(stream)
     del stream, x
+    gf.memory_stats()
     assert ref() is None
     for sub in subs:
         _wait_done(sub)

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
+from gpuflow._runtime import get_runtime
 
 F32 = np.float32
 N = 256
@@ -364,3 +365,65 @@ async def test_a_shared_host_value_is_ready_the_moment_another_streams_await_ret
         await consume("b", pb)  # another task, another stream, started after it
     np.testing.assert_array_equal(got["b"], np.full(N, 7, F32))
     np.testing.assert_array_equal(got["a"], np.full(N, 7, F32))
+
+
+# -- finalizers ------------------------------------------------------------------------------
+#
+# A finalizer runs on whatever thread drops the last reference or runs the
+# garbage collector: also one inside a lock of gpuflow's, whose work the
+# finalizer's own (a free in stream order, a release after gpuflow's uses,
+# retiring a stream) would take again.  Each test drops the last reference
+# on a thread that holds such a lock, as a collection triggered inside it
+# would: the thread must not wait for itself, and the work must still be
+# done afterwards without any further call into gpuflow.
+
+
+class _Producer:
+    """Another library's array (``__cuda_array_interface__`` only), whose
+    release by gpuflow is seen through a weak reference."""
+
+    def __init__(self, backing: gf.DeviceArray) -> None:
+        self.backing = backing
+        self.__cuda_array_interface__ = backing.__cuda_array_interface__
+
+
+def _drop_holding(lock: Any, holder: list[Any]) -> None:
+    def drop() -> None:
+        with lock:
+            holder.clear()
+
+    t = threading.Thread(target=drop, daemon=True)
+    t.start()
+    t.join(DEADLINE / 2)
+    assert not t.is_alive(), "a finalizer waited for a lock its own thread holds"
+
+
+def _eventually(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {DEADLINE} s"
+        time.sleep(0.001)
+
+
+@pytest.mark.sim_only
+def test_an_array_dropped_inside_the_backends_lock_is_freed_afterwards() -> None:
+    x = K.slow_fill(gf.zeros(N, F32).sync(), 1.0, 0.05).sync()
+    buffer: Any = x._alloc.buffer
+    holder = [x]
+    del x
+    _drop_holding(get_runtime().backend.cond, holder)  # type: ignore[attr-defined]
+    _eventually(lambda: buffer.freed, "the dropped array's memory is freed")
+
+
+def test_an_import_and_a_stream_dropped_inside_the_dispatchers_lock_go_afterwards() -> None:
+    a = gf.arange(N, dtype=F32).sync()
+    producer = _Producer(a)
+    released = weakref.ref(producer)
+    b = gf.from_dlpack(producer)
+    np.testing.assert_array_equal(gf.to_host(b).sync(), np.arange(N, dtype=F32))
+    s = gf.new_stream()
+    gf.to_host(b).sync_on(s)
+    holder: list[Any] = [b, s, producer]
+    del b, s, producer
+    _drop_holding(get_runtime().dispatcher._lock, holder)
+    _eventually(lambda: released() is None, "the import's owner is released")

@@ -12,7 +12,9 @@ done costs no wait at all.  A use whose point is not known yet (its run is
 still being enqueued) is waited for with an event recorded when asked.
 When the last array of an allocation goes, it is freed *in stream order*,
 after every use that was enqueued: nothing the GPU still reads is freed
-early.
+early.  The free is enqueued at the next safe point (a run starting, the
+reaper thread), never inside the finalizer itself, which
+may run on a thread holding a lock the free needs (:mod:`._finalizers`).
 
 Inside a graph capture nothing runs, so uses are logged instead
 (:data:`capture_log`) and every replay is ordered after them.
@@ -39,6 +41,8 @@ from collections.abc import Hashable, Mapping
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
+
+from ._finalizers import finalize_later
 
 if TYPE_CHECKING:
     from ._backends._base import Backend, RawBuffer
@@ -226,13 +230,10 @@ class Allocation:
     def wait_for_uses(self, stream: Stream) -> None:
         """Make later work on ``stream`` wait for every use so far (without
         making it a use).  Under :data:`hazard_lock`."""
-        be = self.backend
-        if stream not in self.synced:
-            for ev in self.foreign.values():
-                be.wait_event(stream._raw, ev)
-            order_after(be, stream, self.writer, self.wrote)
-        for s, point in self.readers.items():
-            order_after(be, stream, s, point)
+        wait_for_uses(
+            self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
+            self.readers,
+        )
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -240,14 +241,47 @@ class Allocation:
             # (a stream, the driver) may be frozen holding a lock: never hang
             return
         ledger = self.ledger
-        if ledger is not None:  # (also when the memory is leaked below)
+        if ledger is not None:  # (also when the memory is leaked)
             ledger.freed(self.buffer.device, self.buffer.nbytes)
-        try:
-            stream = self.writer
-            rt = stream._runtime
-            if not rt.live or stream._generation != rt.generation(stream.device):
-                return  # the context is gone with its memory: leak, never dangle
-            self.wait_for_uses(stream)
-            self.backend.free(self.buffer, stream._raw)
-        except Exception as exc:  # a finalizer must not raise
-            warnings.warn(f"gpuflow: could not free {self.buffer!r}: {exc!r}", stacklevel=1)
+        finalize_later(
+            _free, self.backend, self.buffer, self.synced, self.foreign, self.writer,
+            self.wrote, self.readers,
+        )
+
+
+def wait_for_uses(
+    backend: Backend,
+    stream: Stream,
+    synced: set[Stream],
+    foreign: Mapping[Hashable, Any],
+    writer: Stream,
+    wrote: Point | None,
+    readers: dict[Stream, Point | None],
+) -> None:
+    if stream not in synced:
+        for ev in foreign.values():
+            backend.wait_event(stream._raw, ev)
+        order_after(backend, stream, writer, wrote)
+    for s, point in readers.items():
+        order_after(backend, stream, s, point)
+
+
+def _free(
+    backend: Backend,
+    buffer: RawBuffer,
+    synced: set[Stream],
+    foreign: Mapping[Hashable, Any],
+    writer: Stream,
+    wrote: Point | None,
+    readers: dict[Stream, Point | None],
+) -> None:
+    """Free a dropped allocation's buffer on its last writer's stream, after
+    every use (an allocation's finalizer, done later: :mod:`._finalizers`)."""
+    rt = writer._runtime
+    if not rt.live or writer._generation != rt.generation(writer.device):
+        return  # the context is gone with its memory: leak, never dangle
+    try:
+        wait_for_uses(backend, writer, synced, foreign, writer, wrote, readers)
+        backend.free(buffer, writer._raw)
+    except Exception as exc:
+        warnings.warn(f"gpuflow: could not free {buffer!r}: {exc!r}", stacklevel=1)

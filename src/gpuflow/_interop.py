@@ -37,7 +37,7 @@ import math
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -49,7 +49,8 @@ from ._backends._base import Backend, RawBuffer
 from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
-from ._hazards import Allocation, EventPoint, hazard_lock
+from ._finalizers import finalize_later
+from ._hazards import Allocation, EventPoint, Point, hazard_lock, wait_for_uses
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, get_runtime
 from ._stream import Stream
@@ -82,27 +83,43 @@ class ImportedAllocation(Allocation):
     def __del__(self) -> None:
         if sys.is_finalizing():
             return  # (the process is going away; see Allocation.__del__)
-        owner = self.owner
-        try:
-            stream = self.writer
-            rt = stream._runtime
-            if not rt.live or stream._generation != rt.generation(stream.device):
-                _leaked.append(owner)  # the context is gone: leak, never dangle
-                return
-            if rt.is_interop(stream) and (self.readers or self.foreign):
-                # not written since the import: wait on a stream that used it,
-                # never on the interop stream, which later imports wait for
-                stream = next(iter(self.readers), None) or rt.pool(stream.device)[0]
-            self.wait_for_uses(stream)
-            release = Submission(stream.device)
-            release.keep.append(owner)
-            rt.dispatcher.submit(stream._raw, release)
-        except Exception as exc:  # a finalizer must not raise
-            _leaked.append(owner)
-            warnings.warn(
-                f"gpuflow: could not release {owner!r} after gpuflow's uses ({exc!r}): leaked",
-                stacklevel=1,
-            )
+        finalize_later(
+            _release, self.owner, self.synced, self.foreign, self.writer, self.wrote,
+            self.readers, self.backend,
+        )
+
+
+def _release(
+    owner: object,
+    synced: set[Stream],
+    foreign: Mapping[Hashable, Any],
+    writer: Stream,
+    wrote: Point | None,
+    readers: dict[Stream, Point | None],
+    backend: Backend,
+) -> None:
+    """Release a dropped import's owner after every use gpuflow enqueued
+    (an import's finalizer, done later: :mod:`._finalizers`)."""
+    try:
+        rt = writer._runtime
+        if not rt.live or writer._generation != rt.generation(writer.device):
+            _leaked.append(owner)  # the context is gone: leak, never dangle
+            return
+        stream = writer
+        if rt.is_interop(stream) and (readers or foreign):
+            # not written since the import: wait on a stream that used it,
+            # never on the interop stream, which later imports wait for
+            stream = next(iter(readers), None) or rt.pool(stream.device)[0]
+        wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)
+        release = Submission(stream.device)
+        release.keep.append(owner)
+        rt.dispatcher.submit(stream._raw, release)
+    except Exception as exc:
+        _leaked.append(owner)
+        warnings.warn(
+            f"gpuflow: could not release {owner!r} after gpuflow's uses ({exc!r}): leaked",
+            stacklevel=1,
+        )
 
 
 # -- arrays in ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 import anyio
 import anyio.lowlevel
 
+from ._finalizers import run_finalized
 from ._runtime import current_runtime, get_runtime
 from ._scope import leases_held
 
@@ -20,7 +21,10 @@ _POLL_S = 0.001
 
 
 def pending_runs() -> int:
-    """Runs handed to the completion dispatcher that the GPU has not finished."""
+    """Runs handed to the completion dispatcher that the GPU has not finished
+    (what finalizers left, such as the release of another library's memory
+    after gpuflow's uses, is handed over first)."""
+    run_finalized()
     return get_runtime().dispatcher.pending
 
 

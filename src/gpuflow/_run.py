@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.lowlevel
 
-from . import _points, _trace
+from . import _finalizers, _points, _trace
 from ._bridge import Submission
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
@@ -125,6 +125,8 @@ def _start(
             f"{stream!r} belongs to a runtime or device context that was replaced or reset"
         )
     rt.check_fault(stream.device)
+    if _finalizers.pending():  # frees of arrays dropped since the last run
+        _finalizers.run_finalized()
     sub = Submission(stream.device)
     for scope in current_scopes.get():
         scope.track(sub)

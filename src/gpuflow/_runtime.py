@@ -22,6 +22,7 @@ from ._backends import load_backend
 from ._backends._base import Backend
 from ._bridge import Dispatcher
 from ._errors import DeviceFaultError, UsageError
+from ._finalizers import finalize_later, run_finalized, start_reaper
 from ._hazards import MemoryLedger
 from ._stream import Stream
 
@@ -69,6 +70,7 @@ class Runtime:
         streams_per_device: int,
         busy_poll_s: float = DEFAULT_BUSY_POLL_US / 1e6,
     ) -> None:
+        start_reaper()  # (its arrays' and streams' finalizers leave work for it)
         self.backend = backend
         self.default_device = default_device
         self.devices = devices
@@ -236,6 +238,7 @@ class Runtime:
     def close(self, backend: bool = True) -> None:
         """Retire this runtime (its arrays and streams become invalid); close
         its backend too unless the runtime replacing it goes on with it."""
+        run_finalized()  # (frees of its arrays, in stream order, while it is live)
         self.live = False
         self.dispatcher.close()
         # the streams it made go with it (work still on them completes first;
@@ -339,6 +342,7 @@ def _drain_at_exit() -> None:
     # deleter called then aborted the process at exit).
     rt = _runtime
     if rt is not None:
+        run_finalized()
         rt.dispatcher.drain(EXIT_DRAIN_S)
 
 
@@ -396,12 +400,13 @@ def new_stream(device: int | None = None) -> Stream:
     dev = rt.check_device(current_device() if device is None else device)
     raw = rt.new_raw_stream(dev)
     s = rt.adopt(dev, raw)
-    weakref.finalize(s, _retire_stream, rt, raw)
+    weakref.finalize(s, finalize_later, _retire_stream, rt, raw)
     return s
 
 
 def _retire_stream(rt: Runtime, raw: Any) -> None:
-    """A finalizer: the signal still owed to the stream's runs, then the stream."""
+    """A dropped stream's lane, then the stream (its finalizer's work, done
+    later: :mod:`._finalizers`)."""
     try:
         rt.dispatcher.retire_stream(raw)
     except Exception as exc:  # never from a finalizer
@@ -447,6 +452,7 @@ def memory_stats(device: int | None = None) -> MemoryStats:
     """
     rt = get_runtime()
     dev = rt.check_device(current_device() if device is None else device)
+    run_finalized()  # (so that reserved_bytes sees the frees of arrays dropped so far)
     nbytes, count = rt.memory.totals(dev)
     return MemoryStats(dev, nbytes, rt.backend.memory_reserved(dev), count)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _finalizers
+
 if TYPE_CHECKING:
     from ._bridge import _Lane
     from ._runtime import Runtime
@@ -52,8 +54,13 @@ class Stream:
         """Block the calling thread until all work enqueued on the stream is done.
 
         Raises :class:`DeviceFaultError` if the device faulted.  Do not call it
-        from an event loop's thread: ``await`` the operation instead.
+        from an event loop's thread: ``await`` the operation instead.  The
+        frees of arrays dropped before the call are enqueued first (on their
+        own streams), so the memory of one dropped on this stream is freed
+        when it returns.
         """
+        if _finalizers.pending():
+            _finalizers.run_finalized()
         self._runtime.backend.synchronize(self._raw)
 
     @property

@@ -126,18 +126,18 @@ MUTATIONS = [
         "M8",
         'a write on another stream does not wait for earlier reads (write after read)',
         '_hazards.py',
-        '        for s, point in self.readers.items():\n'
-        '            order_after(be, stream, s, point)\n',
-        '        pass\n',
+        '    for s, point in readers.items():\n'
+        '        order_after(backend, stream, s, point)\n',
+        '    pass\n',
         ('tests/test_hazards.py',),
     ),
     Mutation(
         "M9",
         'an allocation is freed without waiting for its readers on other streams',
         '_hazards.py',
-        '            self.wait_for_uses(stream)\n'
-        '            self.backend.free(self.buffer, stream._raw)\n',
-        '            self.backend.free(self.buffer, stream._raw)\n',
+        '        wait_for_uses(backend, writer, synced, foreign, writer, wrote, readers)\n'
+        '        backend.free(buffer, writer._raw)\n',
+        '        backend.free(buffer, writer._raw)\n',
         ('tests/test_hazards.py', 'tests/test_cancellation.py'),
     ),
     Mutation(
@@ -326,10 +326,10 @@ MUTATIONS = [
         "I4",
         "an import's owner is released at once, not after gpuflow's uses",
         "_interop.py",
-        "            release = Submission(stream.device)\n"
-        "            release.keep.append(owner)\n"
-        "            rt.dispatcher.submit(stream._raw, release)\n",
-        "            pass\n",
+        "        release = Submission(stream.device)\n"
+        "        release.keep.append(owner)\n"
+        "        rt.dispatcher.submit(stream._raw, release)\n",
+        "        pass\n",
         ("tests/test_interop.py",),
     ),
     Mutation(
@@ -396,20 +396,18 @@ MUTATIONS = [
         "I11",
         "a free does not wait for another library's use",
         '_hazards.py',
-        '            for ev in self.foreign.values():\n'
-        '                be.wait_event(stream._raw, ev)\n'
-        '            order_after(be, stream, self.writer, self.wrote)\n'
-        '        for s, point',
-        '            order_after(be, stream, self.writer, self.wrote)\n'
-        '        for s, point',
+        '        for ev in foreign.values():\n'
+        '            backend.wait_event(stream._raw, ev)\n'
+        '        order_after(backend, stream, writer, wrote)\n',
+        '        order_after(backend, stream, writer, wrote)\n',
         ('tests/test_interop.py',),
     ),
     Mutation(
         "I12",
         "an import's release waits on the interop stream, which later imports wait for",
         "_interop.py",
-        "                stream = next(iter(self.readers), None) or rt.pool(stream.device)[0]\n",
-        "                pass\n",
+        "            stream = next(iter(readers), None) or rt.pool(stream.device)[0]\n",
+        "            pass\n",
         ("tests/test_interop.py",),
     ),
     Mutation(

@@ -1,0 +1,120 @@
+"""Finalizers never take a lock: they leave their work for later.
+
+A finalizer (``__del__``, :func:`weakref.finalize`) runs wherever the last
+reference goes or the garbage collector happens to run: on any thread, also
+one that is inside a lock of gpuflow's, its backend's or the dispatcher's,
+in the middle of changing what that lock guards.  The work of gpuflow's
+finalizers (freeing memory in stream order, releasing another library's
+memory after gpuflow's uses, retiring a dropped stream) takes those locks:
+done in the finalizer, it could wait for its own thread for ever.
+
+So a finalizer only appends its work to a queue (:func:`finalize_later`; a
+deque's append is atomic and takes no lock), and :func:`run_finalized` does
+it where no lock is held: when a run starts, when a stream is synchronized,
+when memory or pending runs are asked about, when a runtime closes.  A
+program that does none of these soon after dropping an array still gets its
+memory back: the first finalizer after a drain writes one byte to a pipe (a
+non-blocking write, no lock), which wakes the *reaper*, a thread that waits
+on the pipe and drains the queue about a millisecond later, so that a loop
+dropping an array per iteration wakes it at most about a thousand times a
+second, not once per array.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+#: what finalizers left, in the order they left it
+_work: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+
+#: the pipe that wakes the reaper (None until it is started)
+_wake_fd: int | None = None
+#: whether a wake-up was written that the reaper has not taken yet
+_wake_sent = False
+_start_lock = threading.Lock()
+
+#: how long the reaper lets finalizers' work gather before it drains
+COALESCE_S = 0.001
+
+
+def finalize_later(fn: Callable[..., None], *args: Any) -> None:
+    """From a finalizer: call ``fn(*args)`` soon, where no lock is held.
+    Never blocks, never raises."""
+    global _wake_sent
+    _work.append((fn, args))
+    fd = _wake_fd
+    if not _wake_sent and fd is not None:
+        # (two finalizers may both write: a spare wake-up is harmless; one
+        # that sees a wake-up sent finds its work drained by that one, which
+        # clears the flag only before it drains)
+        _wake_sent = True
+        try:
+            os.write(fd, b"\0")
+        except OSError:  # the pipe is full: the reaper is awake anyway
+            pass
+
+
+def pending() -> bool:
+    """Whether finalizers left work not done yet (cheap: for hot paths)."""
+    return bool(_work)
+
+
+def run_finalized() -> None:
+    """Do what finalizers left, in the order they left it.  Any thread that
+    holds none of gpuflow's locks; a failure is a warning, as it would have
+    been in the finalizer."""
+    work = _work
+    while work:
+        try:
+            fn, args = work.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            warnings.warn(f"gpuflow: {fn.__name__} after a finalizer failed: {exc!r}",
+                          stacklevel=1)
+
+
+def start_reaper() -> None:
+    """Start the reaper thread (once per process; never from a finalizer:
+    starting a thread takes locks)."""
+    global _wake_fd
+    if _wake_fd is not None:
+        return
+    with _start_lock:
+        if _wake_fd is not None:
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        threading.Thread(target=_reap, args=(r,), name="gpuflow-finalizers", daemon=True).start()
+        _wake_fd = w
+
+
+def _reap(fd: int) -> None:
+    global _wake_sent
+    while True:
+        try:
+            os.read(fd, 4096)
+        except OSError:  # pragma: no cover - the pipe is ours and stays open
+            return
+        time.sleep(COALESCE_S)
+        _wake_sent = False  # before draining: work left after this wakes us again
+        run_finalized()
+
+
+def _forget_reaper() -> None:
+    # a forked child has no reaper thread (only the forking one survives a
+    # fork): its next runtime starts one of its own
+    global _wake_fd, _wake_sent
+    _wake_fd = None
+    _wake_sent = False
+
+
+os.register_at_fork(after_in_child=_forget_reaper)
