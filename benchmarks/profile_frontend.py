@@ -66,6 +66,9 @@ class NullBackend(_base.Backend):
     def destroy_stream(self, stream: Any) -> None:
         pass
 
+    def stream_destroyed(self, stream: Any) -> bool:
+        return False
+
     def stream_handle(self, stream: Any) -> int:
         return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -427,3 +428,28 @@ def test_an_import_and_a_stream_dropped_inside_the_dispatchers_lock_go_afterward
     del b, s, producer
     _drop_holding(get_runtime().dispatcher._lock, holder)
     _eventually(lambda: released() is None, "the import's owner is released")
+
+
+def test_a_stream_collected_with_what_it_used_frees_and_releases_them() -> None:
+    # One collection finds a stream, an array it wrote and an import it read
+    # unreachable together (a cycle): the stream's finalizer runs first, so
+    # the free and the release must go on a stream that still exists, after
+    # the same uses, and neither may be leaked.
+    a = gf.arange(N, dtype=F32).sync()
+    producer = _Producer(a)
+    released = weakref.ref(producer)
+    b = gf.from_dlpack(producer)
+    s = gf.new_stream()
+    x = K.slow_fill(gf.zeros(N, F32).sync_on(s), 1.0, 0.05).sync_on(s)
+    gf.to_host(b).sync_on(s)
+    buffer: Any = x._alloc.buffer
+    holder: list[Any] = [x, b, s, producer]
+    holder.append(holder)
+    del x, b, s, producer, holder
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gc.collect()
+        _eventually(lambda: buffer.freed, "the array's memory is freed")
+        _eventually(lambda: released() is None, "the import's owner is released")
+        gf.memory_stats()  # a safe point: what is still queued runs here
+    assert not [str(w.message) for w in seen if "gpuflow" in str(w.message)]

@@ -266,6 +266,17 @@ def wait_for_uses(
         order_after(backend, stream, s, point)
 
 
+def usable_stream(backend: Backend, stream: Stream) -> Stream:
+    """``stream``, or where it was destroyed, the first stream of its
+    device's pool.  A collection that finds a stream and an array it wrote
+    unreachable together runs the stream's finalizer first, so its
+    retirement is queued before the free: the free then goes on a live
+    stream, after the same uses."""
+    if backend.stream_destroyed(stream._raw):
+        return stream._runtime.pool(stream.device)[0]
+    return stream
+
+
 def _free(
     backend: Backend,
     buffer: RawBuffer,
@@ -281,7 +292,8 @@ def _free(
     if not rt.live or writer._generation != rt.generation(writer.device):
         return  # the context is gone with its memory: leak, never dangle
     try:
-        wait_for_uses(backend, writer, synced, foreign, writer, wrote, readers)
-        backend.free(buffer, writer._raw)
+        stream = usable_stream(backend, writer)
+        wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)
+        backend.free(buffer, stream._raw)
     except Exception as exc:
         warnings.warn(f"gpuflow: could not free {buffer!r}: {exc!r}", stacklevel=1)

@@ -50,7 +50,14 @@ from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
 from ._finalizers import finalize_later
-from ._hazards import Allocation, EventPoint, Point, hazard_lock, wait_for_uses
+from ._hazards import (
+    Allocation,
+    EventPoint,
+    Point,
+    hazard_lock,
+    usable_stream,
+    wait_for_uses,
+)
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, get_runtime
 from ._stream import Stream
@@ -110,6 +117,7 @@ def _release(
             # not written since the import: wait on a stream that used it,
             # never on the interop stream, which later imports wait for
             stream = next(iter(readers), None) or rt.pool(stream.device)[0]
+        stream = usable_stream(backend, stream)
         wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)
         release = Submission(stream.device)
         release.keep.append(owner)

@@ -232,6 +232,11 @@ class Backend(abc.ABC):
         """Release a stream; work already enqueued still completes."""
 
     @abc.abstractmethod
+    def stream_destroyed(self, stream: Any) -> bool:
+        """Whether :meth:`destroy_stream` was called on ``stream`` (new work
+        on it is refused; what it had still completes)."""
+
+    @abc.abstractmethod
     def stream_handle(self, stream: Any) -> int:
         """The ``CUstream`` address, for ``__cuda_stream__``."""
 

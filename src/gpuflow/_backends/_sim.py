@@ -424,6 +424,9 @@ class SimBackend(Backend):
             self._handles.pop(stream.handle, None)
             stream.cv.notify_all()
 
+    def stream_destroyed(self, stream: Any) -> bool:
+        return bool(stream.closed)
+
     def stream_handle(self, stream: Any) -> int:
         return int(stream.handle)
 

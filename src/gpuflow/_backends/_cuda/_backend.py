@@ -389,6 +389,9 @@ class CudaBackend(Backend):
         except Exception as exc:
             warnings.warn(f"gpuflow: destroying {stream!r} failed: {exc!r}", stacklevel=2)
 
+    def stream_destroyed(self, stream: Any) -> bool:
+        return bool(stream.destroyed)
+
     def stream_handle(self, stream: Any) -> int:
         return int(stream.handle)
 
