@@ -453,3 +453,23 @@ def test_a_stream_collected_with_what_it_used_frees_and_releases_them() -> None:
         _eventually(lambda: released() is None, "the import's owner is released")
         gf.memory_stats()  # a safe point: what is still queued runs here
     assert not [str(w.message) for w in seen if "gpuflow" in str(w.message)]
+
+
+def test_finalizers_work_is_done_in_the_order_it_was_left_whoever_drains() -> None:
+    # The reaper and a safe point may drain at once: a later item (a free)
+    # must never start while an earlier one (its stream's retirement) runs.
+    from gpuflow import _finalizers
+
+    log: list[str] = []
+
+    def slow(name: str) -> None:
+        log.append(name + " starts")
+        time.sleep(0.05)
+        log.append(name + " ends")
+
+    _finalizers.finalize_later(slow, "first")  # wakes the reaper, which drains
+    _finalizers.finalize_later(slow, "second")
+    time.sleep(0.02)  # the reaper is inside "first" now
+    _finalizers.run_finalized()  # a safe point on this thread
+    _eventually(lambda: len(log) == 4, "both items done")
+    assert log == ["first starts", "first ends", "second starts", "second ends"]

@@ -65,16 +65,32 @@ def pending() -> bool:
     return bool(_work)
 
 
+#: one thread drains at a time, so that the work is done in the order it was
+#: left: a collection that finds a stream and an array it wrote unreachable
+#: together leaves the stream's retirement first, and the free must see the
+#: stream destroyed (and go on another), never race with its destruction
+_drain_lock = threading.Lock()
+_draining = threading.local()
+
+
 def run_finalized() -> None:
     """Do what finalizers left, in the order they left it.  Any thread that
-    holds none of gpuflow's locks; a failure is a warning, as it would have
-    been in the finalizer."""
+    holds none of gpuflow's locks (it may wait for another thread's drain);
+    a failure is a warning, as it would have been in the finalizer."""
+    if not _work or getattr(_draining, "on", False):
+        return  # nothing left, or a safe point inside this thread's own drain
+    with _drain_lock:
+        _draining.on = True
+        try:
+            _drain()
+        finally:
+            _draining.on = False
+
+
+def _drain() -> None:
     work = _work
     while work:
-        try:
-            fn, args = work.popleft()
-        except IndexError:  # another thread took the last one
-            return
+        fn, args = work.popleft()  # (only the drainer pops)
         try:
             fn(*args)
         except Exception as exc:
@@ -111,10 +127,13 @@ def _reap(fd: int) -> None:
 
 def _forget_reaper() -> None:
     # a forked child has no reaper thread (only the forking one survives a
-    # fork): its next runtime starts one of its own
-    global _wake_fd, _wake_sent
+    # fork, perhaps holding the drain lock): its next runtime starts one of
+    # its own
+    global _wake_fd, _wake_sent, _drain_lock, _draining
     _wake_fd = None
     _wake_sent = False
+    _drain_lock = threading.Lock()
+    _draining = threading.local()
 
 
 os.register_at_fork(after_in_child=_forget_reaper)
