@@ -473,3 +473,25 @@ def test_finalizers_work_is_done_in_the_order_it_was_left_whoever_drains() -> No
     _finalizers.run_finalized()  # a safe point on this thread
     _eventually(lambda: len(log) == 4, "both items done")
     assert log == ["first starts", "first ends", "second starts", "second ends"]
+
+
+def test_an_array_last_written_by_a_stream_collected_with_it_is_freed() -> None:
+    # An export to gpuflow's own stream makes that stream the array's writer
+    # with no known point: the free waits for everything the stream was given,
+    # which must still be possible once the stream is destroyed (its finalizer
+    # ran first in the collection that found both).
+    x = gf.arange(N, dtype=F32).sync()
+    s = gf.new_stream()
+    K.slow_fill(gf.zeros(N, F32).sync(), 1.0, 0.05).enqueue_on(s)  # busy a while
+    x.__dlpack__(stream=s.__cuda_stream__()[1])  # (dropped unconsumed: released...)
+    gf.from_dlpack(gf.zeros(1, F32).sync())  # (...at the next exchange)
+    assert x._alloc.writer == s
+    buffer: Any = x._alloc.buffer
+    holder: list[Any] = [x, s]
+    holder.append(holder)
+    del x, s, holder
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gc.collect()
+        _eventually(lambda: buffer.freed, "the array's memory is freed")
+    assert not [str(w.message) for w in seen if "gpuflow" in str(w.message)]

@@ -78,7 +78,8 @@ def order_after(backend: Backend, stream: Stream, on: Stream, point: Point | Non
     if on == stream:
         return
     if point is None or not point.order(backend, stream._raw, on._raw):
-        backend.wait_event(stream._raw, backend.record_event(on._raw))
+        final = on._final  # (a destroyed stream takes no new event)
+        backend.wait_event(stream._raw, final[0] if final else backend.record_event(on._raw))
 
 #: The hazard log of the capture running in this context, if any: allocation
 #: id -> (allocation, whether the captured work writes it).

@@ -400,18 +400,25 @@ def new_stream(device: int | None = None) -> Stream:
     dev = rt.check_device(current_device() if device is None else device)
     raw = rt.new_raw_stream(dev)
     s = rt.adopt(dev, raw)
-    weakref.finalize(s, finalize_later, _retire_stream, rt, raw)
+    weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s._final)
     return s
 
 
-def _retire_stream(rt: Runtime, raw: Any) -> None:
+def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
     """A dropped stream's lane, then the stream (its finalizer's work, done
-    later: :mod:`._finalizers`)."""
+    later: :mod:`._finalizers`).  ``final`` gets an event recorded after all
+    its work: a collection that finds the stream unreachable together with
+    an array it used retires the stream first, and the array's free, still
+    ordered after that use, waits for this event."""
     try:
         rt.dispatcher.retire_stream(raw)
     except Exception as exc:  # never from a finalizer
         warnings.warn(f"gpuflow: signalling a stream being destroyed failed: {exc!r}",
                       stacklevel=1)
+    try:
+        final.append(rt.backend.record_event(raw))
+    except Exception:  # a faulted device: what still waits for it leaks
+        pass
     rt.backend.destroy_stream(raw)
 
 

@@ -29,7 +29,8 @@ class Stream:
     """
 
     __slots__ = (
-        "__weakref__", "_device", "_generation", "_lane", "_leased", "_raw", "_runtime", "_syncs",
+        "__weakref__", "_device", "_final", "_generation", "_lane", "_leased", "_raw", "_runtime",
+        "_syncs",
     )  # fmt: skip
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
@@ -44,6 +45,9 @@ class Stream:
         self._lane: _Lane | None = None
         #: held by a stream lease: the default policy gives it to no other run
         self._leased = False
+        #: once the stream is destroyed, an event recorded after all its work
+        #: (what a free still ordered after a use on it waits for)
+        self._final: list[Any] = []
 
     @property
     def device(self) -> int:

@@ -135,9 +135,9 @@ MUTATIONS = [
         "M9",
         'an allocation is freed without waiting for its readers on other streams',
         '_hazards.py',
-        '        wait_for_uses(backend, writer, synced, foreign, writer, wrote, readers)\n'
-        '        backend.free(buffer, writer._raw)\n',
-        '        backend.free(buffer, writer._raw)\n',
+        '        wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)\n'
+        '        backend.free(buffer, stream._raw)\n',
+        '        backend.free(buffer, stream._raw)\n',
         ('tests/test_hazards.py', 'tests/test_cancellation.py'),
     ),
     Mutation(
@@ -488,7 +488,42 @@ MUTATIONS = [
         '        if not rt.backend.setup_waits_for_idle or not rt.live:\n',
         '        if True:\n',
         ('tests/test_kernels.py',),
-    ),]
+    ),
+    Mutation(
+        "F1",
+        "a dropped stream is destroyed with no event after its work, which a free may still need",
+        '_runtime.py',
+        '        final.append(rt.backend.record_event(raw))\n',
+        '        pass\n',
+        ('tests/test_lifetimes.py::test_an_array_last_written_by_a_stream_collected_with_it_is_freed',),
+    ),
+    Mutation(
+        "F2",
+        "a free goes on its writer's stream even once that stream was destroyed",
+        '_hazards.py',
+        '    if backend.stream_destroyed(stream._raw):\n',
+        '    if False:\n',
+        ('tests/test_lifetimes.py::test_a_stream_collected_with_what_it_used_frees_and_releases_them',),
+    ),
+    Mutation(
+        "F3",
+        "two threads drain the finalizers' queue at once",
+        '_finalizers.py',
+        '    with _drain_lock:\n',
+        '    if True:\n',
+        ('tests/test_lifetimes.py',),
+    ),
+    Mutation(
+        "F4",
+        "a finalizer frees at once, on the thread that dropped the array",
+        '_hazards.py',
+        '        finalize_later(\n'
+        '            _free, self.backend,',
+        '        _free(\n'
+        '            self.backend,',
+        ('tests/test_lifetimes.py',),
+    ),
+]
 
 
 def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
