@@ -370,10 +370,14 @@ def _cupy_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     handle = stream.__cuda_stream__()[1]
     stack = contextlib.ExitStack()
     stack.enter_context(cupy.cuda.Device(stream.device))
-    try:
-        external = cupy.cuda.ExternalStream(handle, stream.device)
-    except TypeError:  # CuPy before 12 takes no device
-        external = cupy.cuda.ExternalStream(handle)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy 14 deprecates ExternalStream for this
+        external = from_external(stream)  # (through ``__cuda_stream__``)
+    else:
+        try:
+            external = cupy.cuda.ExternalStream(handle, stream.device)
+        except TypeError:  # CuPy before 12 takes no device
+            external = cupy.cuda.ExternalStream(handle)
     stack.enter_context(external)
     return stack
 
