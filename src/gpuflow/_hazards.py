@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Hashable, Mapping
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ._finalizers import finalize_later
 
@@ -244,9 +244,13 @@ class Allocation:
         ledger = self.ledger
         if ledger is not None:  # (also when the memory is leaked)
             ledger.freed(self.buffer.device, self.buffer.nbytes)
-        finalize_later(
-            _free, self.backend, self.buffer, self.synced, self.foreign, self.writer,
-            self.wrote, self.readers,
+        finalize_later(_free, self.buffer, self.uses())
+
+    def uses(self) -> Uses:
+        """Every use so far, for a finalizer to hand on (the allocation is
+        gone by the time they are waited for)."""
+        return Uses(
+            self.backend, self.synced, self.foreign, self.writer, self.wrote, self.readers
         )
 
 
@@ -267,6 +271,25 @@ def wait_for_uses(
         order_after(backend, stream, s, point)
 
 
+class Uses(NamedTuple):
+    """An allocation's uses (its hazard state), as it was when it went."""
+
+    backend: Backend
+    synced: set[Stream]
+    foreign: Mapping[Hashable, Any]
+    writer: Stream
+    wrote: Point | None
+    readers: dict[Stream, Point | None]
+
+    def order(self, stream: Stream) -> None:
+        """Make later work on ``stream`` wait for every use."""
+        wait_for_uses(
+            self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
+            self.readers,
+        )
+
+
+
 def usable_stream(backend: Backend, stream: Stream) -> Stream:
     """``stream``, or where it was destroyed, the first stream of its
     device's pool.  A collection that finds a stream and an array it wrote
@@ -278,23 +301,16 @@ def usable_stream(backend: Backend, stream: Stream) -> Stream:
     return stream
 
 
-def _free(
-    backend: Backend,
-    buffer: RawBuffer,
-    synced: set[Stream],
-    foreign: Mapping[Hashable, Any],
-    writer: Stream,
-    wrote: Point | None,
-    readers: dict[Stream, Point | None],
-) -> None:
+def _free(buffer: RawBuffer, uses: Uses) -> None:
     """Free a dropped allocation's buffer on its last writer's stream, after
     every use (an allocation's finalizer, done later: :mod:`._finalizers`)."""
+    writer = uses.writer
     rt = writer._runtime
     if not rt.live or writer._generation != rt.generation(writer.device):
         return  # the context is gone with its memory: leak, never dangle
     try:
-        stream = usable_stream(backend, writer)
-        wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)
-        backend.free(buffer, stream._raw)
+        stream = usable_stream(uses.backend, writer)
+        uses.order(stream)
+        uses.backend.free(buffer, stream._raw)
     except Exception as exc:
         warnings.warn(f"gpuflow: could not free {buffer!r}: {exc!r}", stacklevel=1)

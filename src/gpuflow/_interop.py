@@ -37,7 +37,7 @@ import math
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -53,10 +53,9 @@ from ._finalizers import finalize_later
 from ._hazards import (
     Allocation,
     EventPoint,
-    Point,
+    Uses,
     hazard_lock,
     usable_stream,
-    wait_for_uses,
 )
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, get_runtime
@@ -90,35 +89,24 @@ class ImportedAllocation(Allocation):
     def __del__(self) -> None:
         if sys.is_finalizing():
             return  # (the process is going away; see Allocation.__del__)
-        finalize_later(
-            _release, self.owner, self.synced, self.foreign, self.writer, self.wrote,
-            self.readers, self.backend,
-        )
+        finalize_later(_release, self.owner, self.uses())
 
 
-def _release(
-    owner: object,
-    synced: set[Stream],
-    foreign: Mapping[Hashable, Any],
-    writer: Stream,
-    wrote: Point | None,
-    readers: dict[Stream, Point | None],
-    backend: Backend,
-) -> None:
+def _release(owner: object, uses: Uses) -> None:
     """Release a dropped import's owner after every use gpuflow enqueued
     (an import's finalizer, done later: :mod:`._finalizers`)."""
     try:
+        stream = writer = uses.writer
         rt = writer._runtime
         if not rt.live or writer._generation != rt.generation(writer.device):
             _leaked.append(owner)  # the context is gone: leak, never dangle
             return
-        stream = writer
-        if rt.is_interop(stream) and (readers or foreign):
+        if rt.is_interop(stream) and (uses.readers or uses.foreign):
             # not written since the import: wait on a stream that used it,
             # never on the interop stream, which later imports wait for
-            stream = next(iter(readers), None) or rt.pool(stream.device)[0]
-        stream = usable_stream(backend, stream)
-        wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)
+            stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]
+        stream = usable_stream(uses.backend, stream)
+        uses.order(stream)
         release = Submission(stream.device)
         release.keep.append(owner)
         rt.dispatcher.submit(stream._raw, release)

@@ -135,9 +135,9 @@ MUTATIONS = [
         "M9",
         'an allocation is freed without waiting for its readers on other streams',
         '_hazards.py',
-        '        wait_for_uses(backend, stream, synced, foreign, writer, wrote, readers)\n'
-        '        backend.free(buffer, stream._raw)\n',
-        '        backend.free(buffer, stream._raw)\n',
+        '        uses.order(stream)\n'
+        '        uses.backend.free(buffer, stream._raw)\n',
+        '        uses.backend.free(buffer, stream._raw)\n',
         ('tests/test_hazards.py', 'tests/test_cancellation.py'),
     ),
     Mutation(
@@ -406,7 +406,7 @@ MUTATIONS = [
         "I12",
         "an import's release waits on the interop stream, which later imports wait for",
         "_interop.py",
-        "            stream = next(iter(readers), None) or rt.pool(stream.device)[0]\n",
+        "            stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]\n",
         "            pass\n",
         ("tests/test_interop.py",),
     ),
@@ -517,10 +517,8 @@ MUTATIONS = [
         "F4",
         "a finalizer frees at once, on the thread that dropped the array",
         '_hazards.py',
-        '        finalize_later(\n'
-        '            _free, self.backend,',
-        '        _free(\n'
-        '            self.backend,',
+        '        finalize_later(_free, self.buffer, self.uses())\n',
+        '        _free(self.buffer, self.uses())\n',
         ('tests/test_lifetimes.py',),
     ),
 ]
