@@ -10,11 +10,13 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import tempfile
 import threading
 import time
 import timeit
 from collections.abc import Sequence
+from importlib.util import find_spec
 from typing import Any
 
 import anyio
@@ -154,6 +156,83 @@ class NullBackend(_base.Backend):
         return 0
 
 
+class ModelStream(NullStream):
+    def __init__(self, device: int) -> None:
+        super().__init__(device)
+        self.ready: list[float] = []  # when the GPU reaches mark i + 1
+
+
+class ModelBackend(NullBackend):
+    """A GPU with no driver cost: a stream reaches each mark ``exec_s`` after
+    the previous one or after its enqueue, whichever is later.  What the
+    front end costs under many tasks, with the driver's calls left out: set
+    beside the bench's ``throughput`` row on the same host, the difference
+    is the driver's (and the GPU's) share."""
+
+    name = "model"
+
+    def __init__(self, exec_s: float) -> None:
+        super().__init__()
+        self.exec_s = exec_s
+
+    def create_stream(self, device: int) -> ModelStream:
+        return ModelStream(device)
+
+    def mark(self, stream: Any) -> int:
+        now = time.perf_counter()
+        with self.lock:
+            ready = stream.ready
+            ready.append(max(ready[-1] if ready else 0.0, now) + self.exec_s)
+            stream.word = len(ready)
+            return int(stream.word)
+
+    def completion_reader(self, stream: Any) -> Any:
+        ready = stream.ready
+        reached = [0]
+
+        def read() -> int:
+            n, now = reached[0], time.perf_counter()
+            while n < len(ready) and ready[n] <= now:
+                n += 1
+            reached[0] = n
+            return n
+
+        return read
+
+    def enqueue_close(self, stream: Any, fd: int) -> bool:
+        # (a sleeping loop's wake-up: a timer thread stands in for the driver's)
+        ready = stream.ready
+        delay = (ready[-1] if ready else 0.0) - time.perf_counter()
+        threading.Timer(max(0.0, delay), os.close, [fd]).start()
+        return True
+
+
+def throughput(lib: str, op: gf.DeviceOperation[Any], tasks: int, per: int) -> float:
+    """Awaited ops per second: ``tasks`` tasks each awaiting ``op`` ``per``
+    times (the bench's ``throughput`` row, without its naive baseline)."""
+
+    async def worker() -> None:
+        for _ in range(per):
+            await op
+
+    async def timed() -> float:
+        async with anyio.create_task_group() as tg:  # warm-up
+            for _ in range(4):
+                tg.start_soon(worker)
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(tasks):
+                tg.start_soon(worker)
+        return tasks * per / (time.perf_counter() - t0)
+
+    if lib == "uvloop":
+        import uvloop
+
+        return anyio.run(timed, backend="asyncio",
+                         backend_options={"loop_factory": uvloop.new_event_loop})
+    return anyio.run(timed, backend=lib)
+
+
 async def awaits_and_chain(
     op: gf.DeviceOperation[Any], chain: gf.DeviceOperation[Any], pol: gf.SchedulingPolicy
 ) -> tuple[float, float]:
@@ -178,8 +257,13 @@ async def awaits(op: gf.DeviceOperation[Any], n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("profile", nargs="?", choices=["profile"], help="also run cProfile")
+    p.add_argument("--model-throughput", action="store_true",
+                   help="instead: 64 tasks x 100 awaits against ModelBackend (marks reached "
+                        "5, 10 and 30 us apart), medians of 5 runs per loop")
     args = p.parse_args(argv)
 
+    if args.model_throughput:
+        return model_throughput()
     gf.init_device_contexts(backend=NullBackend())
     mod = gf.compile('extern "C" __global__ void empty() {}', references={"empty": lambda: None})
     op = mod.empty(gf.LaunchConfig(1, 1))
@@ -221,6 +305,21 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(tmp, "frontend.prof")
             cProfile.runctx("anyio.run(awaits, op, 5000)", globals(), {"op": op}, out)
             pstats.Stats(out).sort_stats("tottime").print_stats(18)
+    return 0
+
+
+def model_throughput() -> int:
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
+    for exec_us in (5, 10, 30):
+        gf.init_device_contexts(backend=ModelBackend(exec_us * 1e-6))
+        mod = gf.compile('extern "C" __global__ void empty() {}',
+                         references={"empty": lambda: None})
+        op = mod.empty(gf.LaunchConfig(1, 1))
+        for lib in loops:
+            rate = statistics.median(throughput(lib, op, 64, 100) for _ in range(5))
+            streams = len(gf.lowlevel.pool_streams(0))
+            print(f"model {exec_us:>2} us a mark, {lib:<7} {rate:>9,.0f} op/s "
+                  f"({streams} pool streams)")
     return 0
 
 
