@@ -263,6 +263,8 @@ def wait_for_uses(
     wrote: Point | None,
     readers: dict[Stream, Point | None],
 ) -> None:
+    """Make later work on ``stream`` wait for the uses one allocation's
+    hazard state records (a live allocation's, or a dropped one's :class:`Uses`)."""
     if stream not in synced:
         for ev in foreign.values():
             backend.wait_event(stream._raw, ev)
@@ -287,7 +289,6 @@ class Uses(NamedTuple):
             self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
             self.readers,
         )
-
 
 
 def usable_stream(backend: Backend, stream: Stream) -> Stream:
