@@ -681,3 +681,17 @@ async def test_a_poller_runs_once_a_turn_while_it_asks_to() -> None:
     for _ in range(20):
         await anyio.lowlevel.checkpoint()
     assert len(calls) == 6
+
+
+def test_a_run_submitted_on_a_destroyed_stream_is_refused_not_left_pending() -> None:
+    # no mark will ever come on a destroyed stream: a run left pending there
+    # would keep what it holds, and gpuflow busy, for ever
+    rt = get_runtime()
+    raw = rt.backend.create_stream(0)
+    rt.backend.destroy_stream(raw)
+    before = rt.dispatcher.pending
+    sub = Submission(0)
+    with pytest.raises(gf.UsageError, match="destroyed"):
+        rt.dispatcher.submit(raw, sub)
+    assert rt.dispatcher.pending == before and sub.lane is None
+    gf.testing.assert_quiescent(timeout=1.0)

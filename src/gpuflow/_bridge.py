@@ -507,13 +507,21 @@ class Dispatcher:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
         done: marks it, and hands it to whoever reads the word first.  A
         failure to mark fails the device where it is a device error, and is
-        raised (the run is then completed by the stream's next mark)."""
+        raised (the run is then completed by the stream's next mark).  On a
+        destroyed stream, which takes no mark ever again, ``sub`` is refused
+        (raised, and not pending)."""
         with self._lock:
             lane = self._lane_locked(raw_stream, sub.device)
             error: BaseException | None = None
             try:
                 lane.issued = number = self._backend.mark(raw_stream)
             except BaseException as exc:
+                if not isinstance(exc, DeviceError) and self._backend.stream_destroyed(
+                    raw_stream
+                ):
+                    if not lane.subs:
+                        self._lanes.pop(raw_stream, None)
+                    raise
                 number = lane.issued + 1  # covered by the next mark
                 error = exc
             sub.lane = lane
