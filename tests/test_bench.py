@@ -138,7 +138,9 @@ def test_bench_lease_exit_is_never_negative_and_rows_keep_their_loops(
     for r in lease:
         # the lease waits for the work, which cannot end before its enqueue + 20 ms
         assert r["unit"] == "ms" and r["value"] >= 0, r
-        assert 10 < r["base"] <= 15, r  # left of the 20 ms at the cancel, 5 ms in
+        # left of the 20 ms at the cancel: about 15 ms (the cancel comes 5 ms
+        # after the lease started, and the enqueue a moment after that)
+        assert 10 < r["base"] < 20, r
     assert "-0." not in capsys.readouterr().out  # nor printed as such
     for r in rows:
         assert r["loop"] in loops and r["name"].count(f"({r['loop']})") == 1, r

@@ -73,18 +73,26 @@ _drain_lock = threading.Lock()
 _draining = threading.local()
 
 
+#: how long a safe point waits for another thread's drain before it leaves
+#: the work to that thread (a drain is short; a stuck one must not hang it)
+DRAIN_WAIT_S = 1.0
+
+
 def run_finalized() -> None:
     """Do what finalizers left, in the order they left it.  Any thread that
-    holds none of gpuflow's locks (it may wait for another thread's drain);
-    a failure is a warning, as it would have been in the finalizer."""
+    holds none of gpuflow's locks; it waits up to :data:`DRAIN_WAIT_S` for
+    another thread's drain, then leaves the work to that one.  A failure is
+    a warning, as it would have been in the finalizer."""
     if not _work or getattr(_draining, "on", False):
         return  # nothing left, or a safe point inside this thread's own drain
-    with _drain_lock:
-        _draining.on = True
-        try:
-            _drain()
-        finally:
-            _draining.on = False
+    if not _drain_lock.acquire(timeout=DRAIN_WAIT_S):
+        return
+    _draining.on = True
+    try:
+        _drain()
+    finally:
+        _draining.on = False
+        _drain_lock.release()
 
 
 def _drain() -> None:

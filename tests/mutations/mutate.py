@@ -509,8 +509,19 @@ MUTATIONS = [
         "F3",
         "two threads drain the finalizers' queue at once",
         '_finalizers.py',
-        '    with _drain_lock:\n',
-        '    if True:\n',
+        '    if not _drain_lock.acquire(timeout=DRAIN_WAIT_S):\n'
+        '        return\n'
+        '    _draining.on = True\n'
+        '    try:\n'
+        '        _drain()\n'
+        '    finally:\n'
+        '        _draining.on = False\n'
+        '        _drain_lock.release()\n',
+        '    _draining.on = True\n'
+        '    try:\n'
+        '        _drain()\n'
+        '    finally:\n'
+        '        _draining.on = False\n',
         ('tests/test_lifetimes.py',),
     ),
     Mutation(
