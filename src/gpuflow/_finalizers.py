@@ -30,8 +30,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-#: what finalizers left, in the order they left it
-_work: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+#: what finalizers left, in the order they left it (a hot path asks whether
+#: it is empty by its truth value: no call)
+queue: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
 
 #: the pipe that wakes the reaper (None until it is started)
 _wake_fd: int | None = None
@@ -47,7 +48,7 @@ def finalize_later(fn: Callable[..., None], *args: Any) -> None:
     """From a finalizer: call ``fn(*args)`` soon, where no lock is held.
     Never blocks, never raises."""
     global _wake_sent
-    _work.append((fn, args))
+    queue.append((fn, args))
     fd = _wake_fd
     if not _wake_sent and fd is not None:
         # (two finalizers may both write: a spare wake-up is harmless; one
@@ -58,11 +59,6 @@ def finalize_later(fn: Callable[..., None], *args: Any) -> None:
             os.write(fd, b"\0")
         except OSError:  # the pipe is full: the reaper is awake anyway
             pass
-
-
-def pending() -> bool:
-    """Whether finalizers left work not done yet (cheap: for hot paths)."""
-    return bool(_work)
 
 
 #: one thread drains at a time, so that the work is done in the order it was
@@ -83,7 +79,7 @@ def run_finalized() -> None:
     holds none of gpuflow's locks; it waits up to :data:`DRAIN_WAIT_S` for
     another thread's drain, then leaves the work to that one.  A failure is
     a warning, as it would have been in the finalizer."""
-    if not _work or getattr(_draining, "on", False):
+    if not queue or getattr(_draining, "on", False):
         return  # nothing left, or a safe point inside this thread's own drain
     if not _drain_lock.acquire(timeout=DRAIN_WAIT_S):
         return
@@ -96,7 +92,7 @@ def run_finalized() -> None:
 
 
 def _drain() -> None:
-    work = _work
+    work = queue
     while work:
         fn, args = work.popleft()  # (only the drainer pops)
         try:

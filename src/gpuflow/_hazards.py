@@ -221,7 +221,11 @@ class Allocation:
             log[id(self)] = (self, True)
             return
         with hazard_lock:
-            self.wait_for_uses(stream)
+            # (the function itself, not the method: one call on every write)
+            wait_for_uses(
+                self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
+                self.readers,
+            )
             self.writer = stream
             self.wrote = run
             self.synced = {stream}

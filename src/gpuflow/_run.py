@@ -125,7 +125,7 @@ def _start(
             f"{stream!r} belongs to a runtime or device context that was replaced or reset"
         )
     rt.check_fault(stream.device)
-    if _finalizers.pending():  # frees of arrays dropped since the last run
+    if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
     sub = Submission(stream.device)
     for scope in current_scopes.get():

@@ -63,7 +63,7 @@ class Stream:
         own streams), so the memory of one dropped on this stream is freed
         when it returns.
         """
-        if _finalizers.pending():
+        if _finalizers.queue:
             _finalizers.run_finalized()
         self._runtime.backend.synchronize(self._raw)
 
