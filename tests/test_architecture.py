@@ -172,6 +172,17 @@ def test_every_import_is_at_the_top_of_its_module() -> None:
     assert late == []
 
 
+#: A module tells one story: past this many lines it is two.
+MAX_MODULE_LINES = 1000
+
+
+def test_no_module_grows_past_a_thousand_lines() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert len(sizes) > 20, "the package was not found"
+    too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert too_long == {}
+
+
 def test_import_gpuflow_runs_each_module_once_top_to_bottom() -> None:
     # at run time: no import statement of any gpuflow module may reach a
     # module that is still being executed (what a cycle does), and each

@@ -15,8 +15,11 @@ concern a module:
   the built-in kernels (fill, arange);
 * :mod:`._staging`: pinned staging buffers for host copies;
 * :mod:`._timing`: the activity record, items timed by CUDA events;
-* :mod:`._backend`: :class:`CudaBackend` itself, with context set-up, peer
-  access, the native half of the completion bridge, and reset.
+* :mod:`._contexts`: the primary contexts: set-up, the context current on
+  each thread, peer access, how completion marks are made, and reset;
+* :mod:`._backend`: :class:`CudaBackend` itself, on those contexts: streams,
+  events, memory, copies, kernels, the native half of the completion
+  bridge, communicators and graphs.
 
 The driver is reached two ways: ``cuda.bindings.driver`` for everything set
 up once or rarely (contexts, streams, events, modules, memory pools, copies,

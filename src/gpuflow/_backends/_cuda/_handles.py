@@ -210,9 +210,7 @@ class CudaGraph:
 
     __slots__ = ("backend", "dev", "exec", "graph", "nodes", "token")
 
-    def __init__(
-        self, backend: CudaBackend, dev: Dev, graph: int, exec_: int, nodes: int
-    ) -> None:
+    def __init__(self, backend: CudaBackend, dev: Dev, graph: int, exec_: int, nodes: int) -> None:
         self.backend = backend
         self.dev = dev
         self.graph = graph

@@ -1,0 +1,371 @@
+"""The devices of the ``cuda`` backend: one primary context per device.
+
+:class:`CudaContexts` is the part of :class:`._backend.CudaBackend` that
+owns the contexts; the work enqueued in them is the subclass's.
+
+Contexts: one primary context per device, made current on whichever thread
+calls, cached per thread (a token per context generation, so a reset makes
+every thread set the new one).  Peer access is enabled between every pair of
+capable devices, for contexts and memory pools.  How completion marks are
+made is chosen once, here: a ``cuStreamWriteValue64`` into the stream's
+completion word where the driver takes stream memory operations, else an
+event (:mod:`._words`).
+
+Setting up can wait for the device: seen on the H200 (driver 580), making a
+stream (when the driver grows its own pool of them), loading a module and
+freeing page-locked or ``cuMemAlloc`` memory each waited for a kernel
+running on another stream.  gpuflow makes its streams when the runtime
+starts (``setup_waits_for_idle``), loads modules when they are compiled or
+the runtime starts, frees no page-locked memory, and allocates
+stream-ordered.
+
+Sticky faults: ``query`` (and every call that meets the fault) records a
+:class:`DeviceFaultError`; later calls raise it.  ``reset_device`` resets the
+primary context and retains it again; with driver 580 (CUDA 13) on an H200
+the driver refused every retain after an illegal address (measured), as
+CUDA's documentation warns ("the process must be terminated and
+relaunched"): the reset then raises :class:`DeviceFaultError` with the
+driver's code and the device stays faulted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import warnings
+from typing import Any
+
+from ..._errors import DeviceError, DeviceFaultError, UsageError
+from .._base import Backend, DeviceDescription
+from .._codes import CONTEXT_ERRORS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_SUCCESS
+from ._driver import check, driver, err_name, error_for
+from ._handles import CudaStream, Dev, Token
+from ._kernels import ThreadState
+from ._native import Native
+from ._staging import Staging
+from ._words import SLAB_BYTES, WORDS, EventMarks, WordMarks
+
+STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 2
+_HOST_REGISTER_PORTABLE_DEVICEMAP = 1 | 2
+_CUDA_ERROR_NOT_SUPPORTED = 801
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+class CudaContexts(Backend):
+    """CUDA devices through the driver API, as far as their primary contexts
+    go: set-up, the current context of each thread, peers, completion marks
+    and reset.  :class:`._backend.CudaBackend` enqueues work on them."""
+
+    name = "cuda"
+    setup_waits_for_idle = True
+
+    def __init__(self, num_devices: int | None = None, *, marks: str = "auto") -> None:
+        """The first ``num_devices`` devices (all by default); ``marks`` as
+        for :class:`._backend.CudaBackend`."""
+        if marks not in ("auto", "word", "event"):
+            raise UsageError(f"marks must be 'auto', 'word' or 'event', not {marks!r}")
+        cu = driver()
+        self._cu = cu
+        self.last_reset_trace: list[str] = []  # driver calls of the last reset_device
+        check(cu.cuInit(0), "cuInit")
+        (available,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        available = int(available)
+        n = available if num_devices is None else num_devices
+        if n < 1 or n > available:
+            raise UsageError(
+                f"num_devices={num_devices} but {available} CUDA device(s) are present"
+            )
+        self._n = Native()
+        self._tls = ThreadState()
+        self._devices: list[Dev] = []
+        self._staging = Staging(self._devices, self._n, self._cur, self._call)
+        for i in range(n):
+            (cudev,) = check(cu.cuDeviceGet(i), "cuDeviceGet")
+            (raw,) = check(cu.cuDeviceGetName(256, cudev), "cuDeviceGetName")
+            name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
+            attr = cu.CUdevice_attribute
+            (major,) = check(
+                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, cudev),
+                "cuDeviceGetAttribute",
+            )
+            (minor,) = check(
+                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, cudev),
+                "cuDeviceGetAttribute",
+            )
+            dev = Dev(i, cudev, name, f"sm_{int(major)}{int(minor)}")
+            (ctx,) = check(cu.cuDevicePrimaryCtxRetain(cudev), "cuDevicePrimaryCtxRetain")
+            dev.ctx = int(ctx)
+            self._devices.append(dev)
+            self._setup_context(dev)
+        for dev in self._devices:
+            for other in self._devices:
+                if other is not dev:
+                    (ok,) = check(
+                        cu.cuDeviceCanAccessPeer(dev.cudev, other.cudev), "cuDeviceCanAccessPeer"
+                    )
+                    if int(ok):
+                        dev.peers.append(other.index)
+        for dev in self._devices:
+            self._enable_peers(dev)
+        self._marks: WordMarks | EventMarks = self._choose_marks(marks)
+
+    def _choose_marks(self, marks: str) -> WordMarks | EventMarks:
+        n = self._n
+        events = EventMarks(self._record, n.event_query, n.stream_wait_event, self._cur)
+        if marks == "event":
+            return events
+        # the bindings' call is the shorter path (measured on the H200: 2.7 us
+        # a mark against 3.5 through ctypes); its first use also tells whether
+        # the driver takes stream memory operations at all
+        bind = self._cu.cuStreamWriteValue64
+
+        def write(stream: CudaStream, addr: int, value: int, flags: int) -> int:
+            return int(bind(stream.obj, addr, value, flags)[0])
+
+        def write_ctypes(stream: CudaStream, addr: int, value: int, flags: int) -> int:
+            return int(n.write_value64(stream.handle, addr, value, flags))
+
+        def wait(stream: CudaStream, addr: int, value: int, flags: int) -> int:
+            return int(n.wait_value64(stream.handle, addr, value, flags))
+
+        dev = self._devices[0]
+        probe = CudaStream(dev, self._cu.CUstream(dev.side), WORDS.take(self._register_host))
+        self._cur(dev)
+        try:
+            rc = write(probe, probe.word.addr, probe.issued, 0)  # type: ignore[union-attr]
+        except Exception:  # bindings that take these arguments otherwise
+            write, rc = write_ctypes, write_ctypes(probe, probe.word.addr, probe.issued, 0)  # type: ignore[union-attr]
+        if rc == CUDA_SUCCESS:
+            rc = self._n.stream_synchronize(dev.side)
+        if rc == CUDA_SUCCESS:
+            return WordMarks(write, wait)
+        if rc != _CUDA_ERROR_NOT_SUPPORTED or marks == "word":
+            raise error_for(rc, "cuStreamWriteValue64", dev)
+        return events
+
+    def _new_event(self, dev: Dev) -> int:
+        (ev,) = self._call(dev, "cuEventCreate", self._cu.cuEventCreate, _EVENT_DISABLE_TIMING)
+        return int(ev)
+
+    def _record(self, dev: Dev, stream_handle: int) -> int:
+        """Record a pooled event on a stream (context already current)."""
+        try:
+            ev = dev.events.pop()
+        except IndexError:
+            ev = self._new_event(dev)
+        rc = self._n.event_record(ev, stream_handle)
+        if rc:
+            raise error_for(rc, "cuEventRecord", dev)
+        return ev
+
+    def _register_host(self, addr: int) -> tuple[int, int]:
+        """Make the slab of host memory at ``addr`` writable by every device
+        (page-locked, mapped): ``(host address, device address)`` of it, or of
+        memory the driver allocated where it refuses to register ours."""
+        dev = self._devices[0]
+        self._cur(dev)
+        cu = self._cu
+        (err,) = cu.cuMemHostRegister(addr, SLAB_BYTES, _HOST_REGISTER_PORTABLE_DEVICEMAP)
+        if int(err) not in (CUDA_SUCCESS, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+            flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+            (addr,) = check(cu.cuMemHostAlloc(SLAB_BYTES, flags), "cuMemHostAlloc", dev)
+            addr = int(addr)
+            ctypes.memset(addr, 0, SLAB_BYTES)
+        (dptr,) = check(cu.cuMemHostGetDevicePointer(addr, 0), "cuMemHostGetDevicePointer", dev)
+        return addr, int(dptr)
+
+    def _cur(self, dev: Dev) -> ThreadState:
+        """Make ``dev``'s primary context current on this thread (cached per thread)."""
+        ts = self._tls
+        if ts.token is not dev.token:
+            rc = self._n.ctx_set_current(dev.ctx)
+            if rc:
+                raise error_for(rc, "cuCtxSetCurrent", dev)
+            ts.token = dev.token
+        return ts
+
+    def _force_cur(self, dev: Dev) -> None:
+        """Someone else changed this thread's context behind the cache: set it again."""
+        self._tls.token = None
+        self._cur(dev)
+
+    def _call(self, dev: Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
+        """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""
+        self._cur(dev)
+        res = fn(*args)
+        if int(res[0]) in CONTEXT_ERRORS:
+            self._force_cur(dev)
+            res = fn(*args)
+        return check(res, what, dev)
+
+    def _setup_context(self, dev: Dev) -> None:
+        """What each life of a primary context needs: pool settings, a private stream."""
+        cu = self._cu
+        (pool,) = self._call(
+            dev, "cuDeviceGetDefaultMemPool", cu.cuDeviceGetDefaultMemPool, dev.cudev
+        )
+        dev.pool = pool
+        # keep freed memory in the pool: returning it to the OS at each sync costs
+        threshold = cu.cuuint64_t(0xFFFFFFFFFFFFFFFF)
+        self._call(
+            dev,
+            "cuMemPoolSetAttribute",
+            cu.cuMemPoolSetAttribute,
+            pool,
+            cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            threshold,
+        )
+        # never reuse memory freed on another stream by making the allocating
+        # stream wait for that stream's work: an allocation on an idle stream
+        # would queue behind long (or abandoned) work elsewhere.  Reuse that
+        # needs no new dependency (the free is done, or already ordered) stays.
+        self._call(
+            dev,
+            "cuMemPoolSetAttribute",
+            cu.cuMemPoolSetAttribute,
+            pool,
+            cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            0,
+        )
+        (side,) = self._call(dev, "cuStreamCreate", cu.cuStreamCreate, STREAM_NON_BLOCKING)
+        dev.side = int(side)
+
+    def _enable_peers(self, dev: Dev) -> None:
+        """Peer access from ``dev`` to every capable device, both for contexts and pools."""
+        cu = self._cu
+        for j in dev.peers:
+            other = self._devices[j]
+            try:
+                self._cur(dev)
+                res = cu.cuCtxEnablePeerAccess(other.ctx, 0)
+                if int(res[0]) != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:  # (before a reset)
+                    check(res, "cuCtxEnablePeerAccess", dev)
+                desc = cu.CUmemAccessDesc()
+                desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = dev.index
+                desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                self._call(
+                    other, "cuMemPoolSetAccess", cu.cuMemPoolSetAccess, other.pool, [desc], 1
+                )
+            except DeviceError as exc:
+                warnings.warn(
+                    f"gpuflow: peer access {dev.index} -> {j} not enabled: {exc}", stacklevel=2
+                )
+
+    def _dev(self, device: int) -> Dev:
+        return self._lookup(self._devices, device)
+
+    _device_state = _dev
+
+    def _live(self, stream: CudaStream) -> Dev:
+        """The stream's device, after the fault and stale-handle checks of an enqueue."""
+        dev = stream.dev
+        if dev.fault is not None:
+            raise dev.fault
+        if stream.token is not dev.token:
+            raise UsageError(f"{stream!r} was created before its device was reset")
+        if stream.destroyed:
+            raise UsageError(f"{stream!r} was destroyed")
+        return dev
+
+    # -- devices ------------------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def device_name(self, device: int) -> str:
+        return self._dev(device).name
+
+    def device_arch(self, device: int) -> str:
+        """``sm_XY`` of ``device`` (what :meth:`load_kernel` asks the module for)."""
+        return self._dev(device).arch
+
+    def describe_device(self, device: int) -> DeviceDescription:
+        dev = self._dev(device)
+        digits = dev.arch.removeprefix("sm_")
+        (total,) = check(self._cu.cuDeviceTotalMem(dev.cudev), "cuDeviceTotalMem", dev)
+        return DeviceDescription(dev.name, f"{digits[:-1]}.{digits[-1:]}", int(total))
+
+    def memory_reserved(self, device: int) -> int:
+        """The device's memory pool's reserved bytes: what gpuflow's arrays
+        use and what freed ones left in the pool for reuse (the pool keeps
+        it: its release threshold is set to the maximum)."""
+        dev = self._dev(device)
+        cu = self._cu
+        (value,) = self._call(
+            dev,
+            "cuMemPoolGetAttribute",
+            cu.cuMemPoolGetAttribute,
+            dev.pool,
+            cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )
+        return int(value)
+
+    def driver_version(self) -> str | None:
+        (v,) = check(self._cu.cuDriverGetVersion(), "cuDriverGetVersion")
+        return f"{int(v) // 1000}.{int(v) % 1000 // 10}"
+
+    # -- faults ---------------------------------------------------------------------------
+    def reset_device(self, device: int) -> None:
+        dev = self._dev(device)
+        cu = self._cu
+        trace: list[str] = []
+        last = 0
+
+        def step(what: str, res: Any) -> tuple[Any, ...]:
+            nonlocal last
+            last = int(res[0])
+            trace.append(f"{what}: {err_name(last) if last else 'ok'}")
+            return tuple(res[1:])
+
+        # each driver result is traced rather than checked: the reset succeeds or
+        # fails as a whole (a DeviceFaultError with the last code, below)
+        with dev.lock, self._staging.lock:
+            # no thread of ours keeps the old context current: this one lets go now,
+            # the others set the new one at their next call (the token changes below)
+            self._n.ctx_set_current(None)
+            self._tls.token = None
+            ctx: Any = None
+            for attempt in range(3):
+                if attempt == 2:
+                    # last resort: drop the reference taken at start-up, so that the
+                    # driver destroys the context, and retain a new one
+                    step("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(dev.cudev))
+                else:
+                    step("cuDevicePrimaryCtxReset", cu.cuDevicePrimaryCtxReset(dev.cudev))
+                # a reset does not release our reference; retaining again makes the
+                # context live (that extra reference is kept)
+                out = step("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev.cudev))
+                if last == CUDA_SUCCESS:
+                    self._n.ctx_set_current(int(out[0]))
+                    last = self._n.ctx_synchronize()
+                    trace.append(f"cuCtxSynchronize: {err_name(last) if last else 'ok'}")
+                    self._n.ctx_set_current(None)
+                    if last == CUDA_SUCCESS:
+                        ctx = out[0]
+                        break
+                    step("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(dev.cudev))
+                time.sleep(0.05)
+            self.last_reset_trace = trace
+            if ctx is None:
+                raise DeviceFaultError(
+                    f"CUDA device {dev.index} could not be reset ({'; '.join(trace)}); "
+                    "the driver keeps the fault: restart the process",
+                    code=last or None,
+                    name=err_name(last) if last else None,
+                    device=dev.index,
+                )
+            dev.ctx = int(ctx)
+            dev.token = Token()  # every thread sets the new context; old handles are stale
+            dev.fault = None
+            dev.events = []
+            dev.builtins = None
+            self._staging.drop(dev)  # pinned staging memory went with the context
+            self._setup_context(dev)
+            if self._marks.name == "word":
+                WORDS.register_all(self._register_host)  # (registered through the old one)
+        self._enable_peers(dev)
+        for other in self._devices:
+            if dev.index in other.peers:
+                self._enable_peers(other)
