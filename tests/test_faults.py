@@ -141,6 +141,21 @@ async def test_a_fault_fails_the_await_within_100_ms() -> None:
         np.testing.assert_array_equal(await gf.to_host(x), np.arange(5, dtype=np.int32))
 
 
+def test_a_launch_operation_loads_its_kernel_again_for_each_context_life() -> None:
+    """An operation built once keeps the kernel it loaded for the life of the
+    device's context it ran in: after a reset, and in a runtime made later,
+    it loads the kernel again (a kernel of the old context is refused:
+    "loaded before its device was reset")."""
+    op = K.module().count(gf.LaunchConfig(1, 1), gf.zeros(1, np.int32)).then(gf.to_host)
+    np.testing.assert_array_equal(op.sync(), [1])
+    gf.reset_device(0)  # a healthy device: its context is made again
+    np.testing.assert_array_equal(op.sync(), [1])
+    if gf.current_backend() == "sim":  # (another CUDA runtime would retain the context anew)
+        gf.init_device_contexts(backend="sim", num_devices=2)
+        np.testing.assert_array_equal(op.sync(), [1])
+        np.testing.assert_array_equal(op.sync(gf.SingleStream(device=1)), [1])
+
+
 def test_a_fault_fails_sync_and_stream_synchronize() -> None:
     s = gf.new_stream()
     x = gf.ones(8, F32).sync_on(s)

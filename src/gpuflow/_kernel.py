@@ -473,16 +473,17 @@ class _Launch(DeviceOperation[Any]):
             p.pointer or isinstance(a, DeviceOperation)
             for p, a in zip(kernel.params, args, strict=True)
         )
-        self._cache: tuple[Any, int, int, Any] | None = None
+        self._cache: tuple[object, Any] | None = None
 
     def _raw_kernel(self, ctx: ExecutionContext) -> Any:
-        # one launch op is usually run on one device: remember its handle there
-        rt, device = ctx._runtime, ctx.device
+        # one launch op is usually run on one device: remember its handle
+        # there, for the life of that device's context in that runtime
+        life = ctx.stream._life
         c = self._cache
-        if c is not None and c[0] is rt and c[1] == device and c[2] == rt.generation(device):
-            return c[3]
+        if c is not None and c[0] is life:
+            return c[1]
         raw = self._kernel.module._load(ctx, self._kernel.name)
-        self._cache = (rt, device, rt.generation(device), raw)
+        self._cache = (life, raw)
         return raw
 
     def execute(self, ctx: ExecutionContext) -> Any:

@@ -78,6 +78,10 @@ class Runtime:
         self.live = True
         self._lock = threading.Lock()
         self._generations = {d: 0 for d in devices}
+        #: per device: an identity of its context's current life (a reset
+        #: makes a new one), which a stream keeps: one comparison says that
+        #: what was loaded for one stream serves another
+        self._lives = {d: object() for d in devices}
         self._pools: dict[int, list[Stream]] = {}
         #: per device: the pool, then the streams grow() added (append only)
         self._streams: dict[int, list[Stream]] = {}
@@ -231,6 +235,7 @@ class Runtime:
             self._pools.pop(device, None)
             old = self._streams.pop(device, [])
             self._generations[device] += 1
+            self._lives[device] = object()
             self._make_pool(device)
         for s in old:
             self.backend.destroy_stream(s._raw)

@@ -29,8 +29,8 @@ class Stream:
     """
 
     __slots__ = (
-        "__weakref__", "_device", "_final", "_generation", "_lane", "_leased", "_raw", "_runtime",
-        "_syncs",
+        "__weakref__", "_device", "_final", "_generation", "_lane", "_leased", "_life", "_raw",
+        "_runtime", "_syncs",
     )  # fmt: skip
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
@@ -38,6 +38,7 @@ class Stream:
         self._device = device
         self._raw = raw
         self._generation = runtime.generation(device)
+        self._life = runtime._lives[device]  # (see Runtime._lives)
         #: blocking runs (``sync``, ``sync_on``) on this stream now: the
         #: dispatcher never sees them, a scheduling policy should
         self._syncs = 0

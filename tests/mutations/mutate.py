@@ -490,6 +490,14 @@ MUTATIONS = [
         ('tests/test_kernels.py',),
     ),
     Mutation(
+        "K2",
+        "a launch operation keeps the kernel it loaded past a reset of its device",
+        '_kernel.py',
+        '        if c is not None and c[0] is life:\n',
+        '        if c is not None:\n',
+        ('tests/test_faults.py',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',
