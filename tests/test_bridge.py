@@ -172,6 +172,57 @@ async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
     assert reads[0] <= sum(turns), (reads[0], sum(turns))
 
 
+@pytest.mark.anyio
+async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_progress(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a lone await reads its word inline before it parks (spins).  With
+    another await of its loop in progress, here one woken and not resumed
+    yet, a spin would hold that task, which would submit its next work only
+    after it: awaits of short kernels from many tasks reached the GPU one at
+    a time."""
+    from gpuflow import _bridge  # the inline spin itself
+
+    reinit(busy_poll_us=2_000_000)
+    x = await gf.zeros(64, F32)
+    spins: list[bool] = []  # per call of spin: was the other task resumed by then
+    inline_reads: list[bool] = []
+    resumed = anyio.Event()
+    real_spin = _bridge.Dispatcher.spin
+
+    def spying(self: Any, loop: Any, lane: Any, number: int) -> None:
+        spins.append(resumed.is_set())
+        read = lane.read
+
+        def counted() -> int:
+            inline_reads.append(resumed.is_set())
+            return int(read())
+
+        lane.read = counted
+        try:
+            real_spin(self, loop, lane, number)
+        finally:
+            lane.read = read
+
+    monkeypatch.setattr(_bridge.Dispatcher, "spin", spying)
+    other = Submission(0)  # never submitted: finished by hand below
+
+    async def other_await() -> None:
+        await other.wait()
+        resumed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_await)
+        await anyio.wait_all_tasks_blocked()  # parked in its await
+        get_runtime().dispatcher.finish(other)  # woken: it resumes at a later turn
+        await K.slow_fill(x, 1.0, 0.0)  # submitted and awaited before that
+    assert spins[:1] == [False]  # the other await was in progress then
+    assert inline_reads == []
+    # alone, an await spins (the spy sees it)
+    await K.slow_fill(x, 2.0, 0.0)
+    assert inline_reads and all(inline_reads)
+
+
 def _counting(read: Any, count: list[int], polling: list[bool]) -> Any:
     def counted() -> int:
         if polling[0] and threading.current_thread() is threading.main_thread():
@@ -180,6 +231,46 @@ def _counting(read: Any, count: list[int], polling: list[bool]) -> Any:
 
     counted.counted = True  # type: ignore[attr-defined]
     return counted
+
+
+@pytest.mark.anyio
+async def test_the_completion_statistics_say_how_each_run_was_seen_done() -> None:
+    stats = gf.lowlevel.current_completion_statistics
+
+    def since(before: gf.lowlevel.CompletionStatistics) -> dict[str, int]:
+        after = stats()
+        names = ("spun", "polled", "by_thread", "pipes_armed", "watched_by_thread")
+        return {n: getattr(after, n) - getattr(before, n) for n in names}
+
+    # polling for longer than any of these runs: the loop saw each one done
+    reinit(busy_poll_us=2_000_000)
+    x = await gf.zeros(64, F32)
+    before = stats()
+    for _ in range(5):
+        await K.slow_fill(x, 1.0, 0.002)
+    seen = since(before)
+    assert seen["spun"] + seen["polled"] == 5 and seen["polled"] >= 1, seen
+    assert seen["by_thread"] == seen["pipes_armed"] == seen["watched_by_thread"] == 0, seen
+    # polling off: each await sleeps on a wake-up the GPU fires, then the
+    # loop's poller completes the run
+    reinit(busy_poll_us=0)
+    x = await gf.zeros(64, F32)
+    before = stats()
+    for _ in range(3):
+        await K.slow_fill(x, 1.0, 0.002)
+    seen = since(before)
+    assert seen["polled"] == 3 and seen["spun"] == seen["by_thread"] == 0, seen
+    assert seen["pipes_armed"] + seen["watched_by_thread"] == 3, seen
+    if sys.platform.startswith("linux"):  # (pipes in an epoll set the loop watches)
+        assert seen["pipes_armed"] == 3, seen
+    # a run no loop awaits: the dispatcher thread completes it
+    s = gf.new_stream()
+    before = stats()
+    K.slow_fill(x, 2.0, 0.002).enqueue_on(s)
+    wait_until(lambda: since(before)["by_thread"] == 1, "the thread completes the run")
+    assert since(before) == {
+        "spun": 0, "polled": 0, "by_thread": 1, "pipes_armed": 0, "watched_by_thread": 0
+    }
 
 
 # -- sleep when idle ---------------------------------------------------------------------------
@@ -214,6 +305,38 @@ async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
     assert spun and spun[-1] - t0 < 0.1, spun[-1] - t0
     assert len(turns) - len(spun) <= 3
     assert took >= 0.5 and cpu < 0.25 * took, (cpu, took)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+@pytest.mark.anyio
+async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wake_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the budget bounds the turns an otherwise idle loop spins; a loop whose
+    # turns run other work reads the words once a turn for as long as it
+    # takes, and never pays for a wake-up
+    reinit(busy_poll_us=200)
+    x = await gf.zeros(64, F32)
+    pipes = count_pipes(monkeypatch)
+    stats = gf.lowlevel.current_completion_statistics
+    busy = True
+
+    async def other_work() -> None:
+        while busy:
+            time.sleep(0.0005)  # (CPU work between two checkpoints)
+            await anyio.lowlevel.checkpoint()
+
+    before = stats()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_work)
+        await K.slow_fill(x, 1.0, 0.03)
+        busy = False
+    after = stats()
+    assert pipes == []
+    assert (after.watched_by_thread, after.by_thread) == (
+        before.watched_by_thread, before.by_thread
+    )
+    assert after.polled - before.polled == 1
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
 
 
@@ -372,6 +495,7 @@ class _StoppedLoop:
         self.kicks = 0
         self.ended = False
         self.yielded = 0.0
+        self.awaiting = 0
 
     def others_ready(self) -> bool:
         return True

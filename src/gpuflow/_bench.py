@@ -41,7 +41,7 @@ from ._bench_poll import (
     bench_poll_turn,
     bench_torch_requests,
 )
-from ._bench_rows import ROWS, event_loops, median_us, missing_loops, row
+from ._bench_rows import ROWS, Completions, event_loops, median_us, missing_loops, row
 from ._runtime import get_runtime
 from .lowlevel import pool_streams
 
@@ -141,9 +141,11 @@ def bench_launch_await(mod: gf.Module, quick: bool, cuda: bool) -> None:
                 out.append(time.perf_counter() - t0)
             return out
 
+        seen = Completions()
         ours = median_us(anyio.run(gf_loop, backend=backend, backend_options=options))
         if not cuda:
             row(f"gpuflow await ({lib})", ours, "us", target="(sim: no target)")
+            seen.show()
             continue
         stream = gf.new_stream()
         raw = Raw(stream)
@@ -162,6 +164,7 @@ def bench_launch_await(mod: gf.Module, quick: bool, cuda: bool) -> None:
 
         base = median_us(anyio.run(thread_loop, raw, backend=backend, backend_options=options))
         row(f"gpuflow await ({lib})", ours, "us", f"to_thread(sync) {lib}", base, "<= 0.35x")
+        seen.show()
 
         async def naive_loop(raw: Raw) -> list[float]:
             out = []
@@ -224,18 +227,21 @@ def bench_throughput(mod: gf.Module, quick: bool, cuda: bool) -> None:
 
     for lib, backend, options in event_loops():
         target = ">= 70,000 (asyncio)" if lib == "asyncio" else ""
+        seen = Completions()
         rates = [anyio.run(timed, ours, backend=backend, backend_options=options)
                  for _ in range(3)]
         rate = statistics.median(rates)
         if not cuda:
             row(f"awaited ops per second ({lib})", rate, "op/s",
                 target="(sim: no target)", lower_is_better=False)
+            seen.show()
         else:
             base = [anyio.run(timed, naive, backend=backend, backend_options=options)
                     for _ in range(3)]
             row(f"awaited ops per second ({lib})", rate, "op/s",
                 f"naive close(pipe) bridge {lib}", statistics.median(base),
                 f">= 2.5x{', ' + target if target else ''}", lower_is_better=False)
+            seen.show()
         thousand = anyio.run(many, 1000, backend=backend, backend_options=options)
         row(f"awaited ops per second, 1,000 tasks ({lib})", thousand, "op/s",
             f"{tasks} tasks {lib}", rate, ">= 0.8x", lower_is_better=False)

@@ -9,6 +9,8 @@ import re
 import statistics
 from typing import Any
 
+from .lowlevel import current_completion_statistics
+
 ROWS: list[dict[str, Any]] = []
 
 #: The event loops a row may be measured under (uvloop is not asyncio here).
@@ -60,3 +62,23 @@ def event_loops() -> list[tuple[str, str, dict[str, Any]]]:
 def missing_loops() -> list[str]:
     """The loops :func:`event_loops` leaves out here."""
     return [m for m in ("uvloop", "trio") if importlib.util.find_spec(m) is None]
+
+
+class Completions:
+    """How the runs of a measurement were seen done, printed under its row
+    (:func:`gpuflow.lowlevel.current_completion_statistics`, before and
+    after): whether an await's inline read, the loop's poller or a wake-up
+    ended it explains where its time went."""
+
+    def __init__(self) -> None:
+        self._before = current_completion_statistics()
+
+    def show(self) -> None:
+        b, a = self._before, current_completion_statistics()
+        print(
+            f"    seen done: {a.spun - b.spun} by the awaiting task's inline read, "
+            f"{a.polled - b.polled} by the loop's poller, {a.by_thread - b.by_thread} by "
+            f"the dispatcher thread; sleeping wake-ups: {a.pipes_armed - b.pipes_armed} "
+            f"pipes, {a.watched_by_thread - b.watched_by_thread} left to the thread"
+        )
+        self._before = a

@@ -46,6 +46,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -66,6 +67,11 @@ FAST_WATCH_S = 0.001
 #: reads its word before it parks: a short kernel is then seen done without
 #: a loop turn.  The loop runs nothing else meanwhile, so this stays short.
 INLINE_SPIN_S = 20e-6
+#: A loop turn longer than this ran other work besides the poller: it does
+#: not count against the busy-poll budget, which bounds the turns a loop
+#: would otherwise have slept through (measured on an idle loop: a turn of
+#: the poller alone takes a few microseconds under asyncio, tens under Trio).
+BUSY_TURN_S = 100e-6
 #: An await whose run is done before it would park (an inline spin saw it
 #: done) yields to the loop when another task or callback is ready to run,
 #: or when the loop's tasks have not been let run at one of gpuflow's awaits
@@ -102,6 +108,31 @@ class Communicating(Protocol):
 
     def abort(self, reason: str) -> None:
         """Make its collectives in flight return (and fail)."""
+
+
+@dataclass(frozen=True)
+class CompletionStatistics:
+    """How the completions of runs were seen, since the runtime started
+    (:func:`gpuflow.lowlevel.current_completion_statistics`): what a busy
+    poll saves, and what it costs, on this machine.
+
+    Each count is of runs completed (``pipes_armed`` and
+    ``watched_by_thread`` of wake-ups armed).  The counts are kept without a
+    lock: exact while one thread awaits, approximate where several race.
+    """
+
+    #: seen done by the awaiting task itself before it parked (its inline spin)
+    spun: int
+    #: seen done by a loop's poller in a loop turn (busy poll, or after a wake-up)
+    polled: int
+    #: seen done by the dispatcher thread (runs no loop awaits, loops that
+    #: slept on a wake-up the thread watches, loops that stopped)
+    by_thread: int
+    #: sleeping wake-ups armed as a pipe the GPU closes (no thread involved)
+    pipes_armed: int
+    #: sleeping wake-ups left to the dispatcher thread (the run had work
+    #: queued behind it on its stream, or no pipe could be had)
+    watched_by_thread: int
 
 
 #: Makes "done" and "take the callbacks" one step against add_done_callback.
@@ -216,26 +247,30 @@ class Submission:
         lane = self.lane
         if loop is None:
             loop = current_loop()
-        if not self.done and lane is not None:
-            # (before a waiter is registered: finished here, nobody is woken)
-            lane.dispatcher.spin(loop, lane, self.number)
-        if self.done:
-            now = time.perf_counter()
-            if now - loop.yielded >= YIELD_EVERY_S or loop.others_ready():
-                loop.yielded = now
-                await anyio.lowlevel.checkpoint()
-        else:
-            wake, park = loop.parker()
-            self.waiters.append((loop.target, loop.post, wake))
-            # the run may have been finished between the check and the
-            # append; then nobody wakes us, and we must not wait
+        loop.awaiting += 1
+        try:
+            if not self.done and lane is not None:
+                # (before a waiter is registered: finished here, nobody is woken)
+                lane.dispatcher.spin(loop, lane, self.number)
             if self.done:
-                await anyio.lowlevel.checkpoint()
+                now = time.perf_counter()
+                if now - loop.yielded >= YIELD_EVERY_S or loop.others_ready():
+                    loop.yielded = now
+                    await anyio.lowlevel.checkpoint()
             else:
-                if lane is not None:
-                    lane.dispatcher.watch(loop, lane)
-                loop.yielded = time.perf_counter()
-                await park()
+                wake, park = loop.parker()
+                self.waiters.append((loop.target, loop.post, wake))
+                # the run may have been finished between the check and the
+                # append; then nobody wakes us, and we must not wait
+                if self.done:
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    if lane is not None:
+                        lane.dispatcher.watch(loop, lane)
+                    loop.yielded = time.perf_counter()
+                    await park()
+        finally:
+            loop.awaiting -= 1
         if self.error is not None:
             raise self.error
 
@@ -328,13 +363,18 @@ class _Poller:
     of its pipes (one registration with the loop, however many pipes are in
     flight).  Used in the loop's thread only."""
 
-    __slots__ = ("deadline", "dispatcher", "epoll", "kick", "lanes", "loop", "signals", "spares")
+    __slots__ = (
+        "deadline", "dispatcher", "epoll", "kick", "lanes", "loop", "ran_other", "signals",
+        "spares", "turned",
+    )  # fmt: skip
 
     def __init__(self, dispatcher: Dispatcher, loop: Loop) -> None:
         self.dispatcher = dispatcher
         self.loop = loop
         self.lanes: dict[_Lane, None] = {}  # the streams this loop waits on (ordered)
         self.deadline = 0.0
+        self.turned = 0.0  # when poll() last ran
+        self.ran_other = False  # and whether the loop ran other work before that
         self.kick = loop.start_poller(self.poll)
         self.epoll: Any = None
         self.signals: dict[int, _FdSignal] = {}  # read end -> pipe in flight
@@ -354,7 +394,9 @@ class _Poller:
         self.lanes[lane] = None
         budget = self.dispatcher.busy_poll_s
         if budget > 0:
-            self.deadline = lane.polled_until = time.monotonic() + budget
+            now = time.monotonic()
+            self.turned, self.ran_other = now, False
+            self.deadline = lane.polled_until = now + budget
             self.kick()
         else:
             self.arm()
@@ -365,13 +407,27 @@ class _Poller:
         try:
             d = self.dispatcher
             now = time.monotonic()
+            # Time the loop ran other work in is no busy poll: the budget
+            # bounds the turns it would otherwise have slept through, and a
+            # loop kept busy reads the words once a turn and arms no wake-up.
+            # A turn right after a long one counts as busy too (Trio runs a
+            # batch's tasks in either order: the poller's turns alternate
+            # long and short while another task works every batch).
+            gap = now - self.turned
+            ran_other = gap > BUSY_TURN_S
+            if ran_other or self.ran_other:
+                self.deadline += gap
+            self.ran_other = ran_other
+            self.turned = now
             moved = []  # one read of each word a turn
             for lane in self.lanes:
                 reached = lane.read()
                 if reached > lane.completed:
                     moved.append((lane, reached))
             if moved:
-                d._complete(d._advance(moved, now), self.loop.target)
+                done = d._advance(moved, now)
+                d.polled += len(done)
+                d._complete(done, self.loop.target)
                 self.deadline = now + d.busy_poll_s
             for lane in [lane for lane in self.lanes if not lane.subs]:
                 del self.lanes[lane]
@@ -398,6 +454,9 @@ class _Poller:
                 continue  # one is armed already
             if first != lane.issued or not self._pipe(lane, first):
                 d._fast_watch(lane, first)
+                d.watched_by_thread += 1
+            else:
+                d.pipes_armed += 1
 
     def _pipe(self, lane: _Lane, number: int) -> bool:
         """A pipe closed right after mark ``number``, the last of ``lane``'s
@@ -489,6 +548,15 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         #: communicators whose async errors the watchdog asks for while busy
         self._comms: weakref.WeakSet[Communicating] = weakref.WeakSet()
+        # how completions were seen (CompletionStatistics)
+        self.spun = self.polled = self.by_thread = 0
+        self.pipes_armed = self.watched_by_thread = 0
+
+    def statistics(self) -> CompletionStatistics:
+        """How completions were seen so far (:class:`CompletionStatistics`)."""
+        return CompletionStatistics(
+            self.spun, self.polled, self.by_thread, self.pipes_armed, self.watched_by_thread
+        )
 
     def lane(self, raw: Any, device: int) -> _Lane:
         """The lane of ``raw`` (made on first use)."""
@@ -542,11 +610,16 @@ class Dispatcher:
         self._deliver([(sub, error)])
 
     def spin(self, loop: Loop, lane: _Lane, number: int) -> None:
-        """A lone await (nothing else of ``loop`` pending): read the word for
-        up to :data:`INLINE_SPIN_S` (within the busy-poll budget), and
-        complete the run here if it is reached."""
+        """A lone await (no other await of ``loop`` in progress, nothing else
+        of it pending): read the word for up to :data:`INLINE_SPIN_S` (within
+        the busy-poll budget), and complete the run here if it is reached.
+
+        Never where other awaits of the loop are in progress, parked or
+        woken and not yet resumed: their tasks would wait for the spin, and
+        submit their next work only after it (awaits of short kernels from
+        many tasks would reach the GPU one at a time)."""
         limit = min(INLINE_SPIN_S, self.busy_poll_s)
-        if limit <= 0:
+        if limit <= 0 or loop.awaiting > 1:
             return
         poller = self._pollers.get(loop.target)
         if poller is not None and poller.lanes:
@@ -559,7 +632,9 @@ class Dispatcher:
             if clock() > deadline:
                 return
             reached = read()
-        self._complete(self._advance([(lane, reached)], time.monotonic()), loop.target)
+        done = self._advance([(lane, reached)], time.monotonic())
+        self.spun += len(done)
+        self._complete(done, loop.target)
 
     def watch(self, loop: Loop, lane: _Lane) -> None:
         """A task of ``loop`` (running this) waits for a run of ``lane``."""
@@ -734,7 +809,9 @@ class Dispatcher:
                 moved = [
                     (x, n) for x in active if self._mine(x, now) and (n := x.read()) > x.completed
                 ]
-                self._complete(self._advance(moved, now))
+                done = self._advance(moved, now)
+                self.by_thread += len(done)
+                self._complete(done)
                 if self._fast:
                     with self._lock:
                         for lane in [

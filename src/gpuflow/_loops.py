@@ -43,6 +43,9 @@ class Loop(Protocol):
     #: When a task of this loop last let the others run at one of gpuflow's
     #: awaits (``time.perf_counter``): see ``_bridge.YIELD_EVERY_S``.
     yielded: float
+    #: How many of its tasks are inside a gpuflow await now (parked, or
+    #: woken and not yet resumed): only a lone await spins.
+    awaiting: int
 
     def others_ready(self) -> bool:
         """Whether another task or callback of the loop is ready to run now
@@ -89,11 +92,12 @@ def _wake_future(fut: asyncio.Future[None]) -> Call:
 
 
 class _Asyncio:
-    __slots__ = ("_loop", "_ready", "call_soon", "post", "yielded")
+    __slots__ = ("_loop", "_ready", "awaiting", "call_soon", "post", "yielded")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.yielded = 0.0
+        self.awaiting = 0
         # the callbacks the loop runs in its next turn: asyncio's own loop
         # keeps them in a deque (uvloop keeps them where Python cannot see)
         self._ready: Any = getattr(loop, "_ready", None)
@@ -139,12 +143,15 @@ class _Asyncio:
 
 
 class _Trio:
-    __slots__ = ("_ended", "_statistics", "_token", "_trio", "call_soon", "post", "yielded")
+    __slots__ = (
+        "_ended", "_statistics", "_token", "_trio", "awaiting", "call_soon", "post", "yielded",
+    )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
         self._trio = trio
         self._ended = False
         self.yielded = 0.0
+        self.awaiting = 0
         self._statistics = trio.lowlevel.current_statistics
         self._token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's

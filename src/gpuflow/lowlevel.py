@@ -11,6 +11,7 @@ from ._backends import register_backend as register_backend
 from ._backends._base import Backend as Backend
 from ._backends._base import CollectiveCall as CollectiveCall
 from ._backends._base import PointerArg as PointerArg
+from ._bridge import CompletionStatistics as CompletionStatistics
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
 from ._interop import ImportedAllocation as ImportedAllocation
@@ -24,6 +25,7 @@ __all__ = [
     "Backend", "CollectiveCall", "PointerArg", "register_backend", "current_backend_object",
     "ExecutionContext", "Submission", "pool_streams", "graph_exec_handle",
     "ImportedAllocation", "StreamAdapter", "register_stream_adapter",
+    "current_completion_statistics", "CompletionStatistics",
 ]
 
 
@@ -43,3 +45,12 @@ def pool_streams(device: int | None = None) -> list[Stream]:
 def graph_exec_handle(graph: Graph[object]) -> int:
     """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
     return get_runtime().backend.graph_handle(graph._rec.raw)
+
+
+def current_completion_statistics() -> CompletionStatistics:
+    """How the runs of this runtime were seen complete so far: by the
+    awaiting task's inline read, by a loop's poller, or by the dispatcher
+    thread, and how many sleeping wake-ups were armed.  Take it before and
+    after a piece of work to see what its busy-poll budget bought
+    (``busy_poll_us``, :func:`gpuflow.init_device_contexts`).  Any thread."""
+    return get_runtime().dispatcher.statistics()

@@ -498,6 +498,22 @@ MUTATIONS = [
         ('tests/test_faults.py',),
     ),
     Mutation(
+        "B10",
+        "an await spins while other awaits of its loop are in progress",
+        '_bridge.py',
+        '        if limit <= 0 or loop.awaiting > 1:\n',
+        '        if limit <= 0:\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B11",
+        "the busy-poll budget runs out in turns the loop spent on other work",
+        '_bridge.py',
+        '            if ran_other or self.ran_other:\n',
+        '            if False:\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',
