@@ -494,8 +494,9 @@ class _StoppedLoop:
         self.watched: list[int] = []
         self.kicks = 0
         self.ended = False
-        self.yielded = 0.0
+        self.yielded = self.asked = 0.0
         self.awaiting = 0
+        self.ready_check_s = 0.0
 
     def others_ready(self) -> bool:
         return True

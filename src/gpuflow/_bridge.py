@@ -73,10 +73,11 @@ INLINE_SPIN_S = 20e-6
 #: the poller alone takes a few microseconds under asyncio, tens under Trio).
 BUSY_TURN_S = 100e-6
 #: An await whose run is done before it would park (an inline spin saw it
-#: done) yields to the loop when another task or callback is ready to run,
-#: or when the loop's tasks have not been let run at one of gpuflow's awaits
-#: for this long: a lone task awaiting short kernels back to back skips the
-#: loop turns in between, and others still run.
+#: done) yields to the loop when another task or callback is ready to run
+#: (asked at most every ``Loop.ready_check_s``), or when the loop's tasks
+#: have not been let run at one of gpuflow's awaits for this long: a lone
+#: task awaiting short kernels back to back skips the loop turns in
+#: between, and others still run.
 YIELD_EVERY_S = 1e-3
 #: After the last pending run, keep ticking this long so that a busy program
 #: does not pay a wake-up of the thread per run.
@@ -254,7 +255,14 @@ class Submission:
                 lane.dispatcher.spin(loop, lane, self.number)
             if self.done:
                 now = time.perf_counter()
-                if now - loop.yielded >= YIELD_EVERY_S or loop.others_ready():
+                if now - loop.yielded >= YIELD_EVERY_S:
+                    yield_now = True
+                elif now - loop.asked >= loop.ready_check_s:
+                    loop.asked = now
+                    yield_now = loop.others_ready()
+                else:
+                    yield_now = False
+                if yield_now:
                     loop.yielded = now
                     await anyio.lowlevel.checkpoint()
             else:
