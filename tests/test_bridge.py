@@ -496,6 +496,7 @@ class _StoppedLoop:
         self.ended = False
         self.yielded = self.asked = 0.0
         self.awaiting = 0
+        self.checkpoint_if_cancelled: Any = anyio.lowlevel.checkpoint_if_cancelled
         self.ready_check_s = 0.0
 
     def others_ready(self) -> bool:

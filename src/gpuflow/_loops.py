@@ -31,6 +31,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import anyio.lowlevel
+
 from ._errors import UsageError
 
 #: A call a loop runs for gpuflow: a wake-up, a flush.
@@ -59,6 +61,10 @@ class Loop(Protocol):
     #: :meth:`others_ready` again (0 where asking costs nothing; Trio's
     #: answer costs 1-2 us: :data:`READY_CHECK_S`; see ``_bridge.YIELD_EVERY_S``).
     ready_check_s: float
+
+    #: AnyIO's ``checkpoint_if_cancelled`` for this loop (Trio's own under
+    #: Trio, which is what AnyIO calls there, without finding the loop first).
+    checkpoint_if_cancelled: Callable[[], Awaitable[None]]
 
     def others_ready(self) -> bool:
         """Whether another task or callback of the loop is ready to run now
@@ -106,7 +112,8 @@ def _wake_future(fut: asyncio.Future[None]) -> Call:
 
 class _Asyncio:
     __slots__ = (
-        "_loop", "_ready", "asked", "awaiting", "call_soon", "post", "ready_check_s", "yielded",
+        "_loop", "_ready", "asked", "awaiting", "call_soon", "checkpoint_if_cancelled", "post",
+        "ready_check_s", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -118,6 +125,9 @@ class _Asyncio:
         self._ready: Any = getattr(loop, "_ready", None)
         # (uvloop cannot tell: every such await yields, as asking costs nothing)
         self.ready_check_s = 0.0
+        self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
+            anyio.lowlevel.checkpoint_if_cancelled
+        )
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
 
@@ -161,8 +171,8 @@ class _Asyncio:
 
 class _Trio:
     __slots__ = (
-        "_ended", "_statistics", "_token", "_trio", "asked", "awaiting", "call_soon", "post",
-        "ready_check_s", "yielded",
+        "_ended", "_statistics", "_token", "_trio", "asked", "awaiting", "call_soon",
+        "checkpoint_if_cancelled", "post", "ready_check_s", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
@@ -174,6 +184,9 @@ class _Trio:
         # (current_statistics, the only public count of runnable tasks,
         # gathers every statistic of the run: 1.7 us measured)
         self.ready_check_s = READY_CHECK_S
+        self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
+            trio.lowlevel.checkpoint_if_cancelled
+        )
         self._token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks

@@ -18,7 +18,6 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
-import anyio.lowlevel
 
 from . import _finalizers, _points, _trace
 from ._bridge import Submission
@@ -232,9 +231,9 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
     watcher = _points.watcher  # (a test's; None otherwise)
     if watcher is not None:
         await watcher(_points.BEFORE_ENQUEUE, op)
-    # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
-    await anyio.lowlevel.checkpoint_if_cancelled()
     loop = current_loop()
+    # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
+    await loop.checkpoint_if_cancelled()
     rt = get_runtime()
     stream, policy = _choose(rt, policy)
     rt, sub, ctx = _start(op, stream, policy)
