@@ -147,13 +147,21 @@ def test_a_launch_operation_loads_its_kernel_again_for_each_context_life() -> No
     it loads the kernel again (a kernel of the old context is refused:
     "loaded before its device was reset")."""
     op = K.module().count(gf.LaunchConfig(1, 1), gf.zeros(1, np.int32)).then(gf.to_host)
+    # (scalar arguments only: the launch's short path)
+    nothing = gf.compile(
+        'extern "C" __global__ void nothing(int n) {}', references={"nothing": lambda n: None}
+    ).nothing(gf.LaunchConfig(1, 1), 3)
     np.testing.assert_array_equal(op.sync(), [1])
+    nothing.sync()
     gf.reset_device(0)  # a healthy device: its context is made again
     np.testing.assert_array_equal(op.sync(), [1])
+    nothing.sync()
     if gf.current_backend() == "sim":  # (another CUDA runtime would retain the context anew)
         gf.init_device_contexts(backend="sim", num_devices=2)
         np.testing.assert_array_equal(op.sync(), [1])
         np.testing.assert_array_equal(op.sync(gf.SingleStream(device=1)), [1])
+        nothing.sync()
+        nothing.sync(gf.SingleStream(device=1))
 
 
 def test_a_fault_fails_sync_and_stream_synchronize() -> None:

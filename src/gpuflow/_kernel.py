@@ -473,25 +473,27 @@ class _Launch(DeviceOperation[Any]):
             p.pointer or isinstance(a, DeviceOperation)
             for p, a in zip(kernel.params, args, strict=True)
         )
-        self._cache: tuple[object, Any] | None = None
+        self._cache: tuple[object, Any, Callable[..., None]] | None = None
 
-    def _raw_kernel(self, ctx: ExecutionContext) -> Any:
+    def _loaded(self, ctx: ExecutionContext) -> tuple[object, Any, Callable[..., None]]:
         # one launch op is usually run on one device: remember its handle
-        # there, for the life of that device's context in that runtime
-        life = ctx.stream._life
+        # there (and the backend's launch), for the life of that device's
+        # context in that runtime
         c = self._cache
-        if c is not None and c[0] is life:
-            return c[1]
-        raw = self._kernel.module._load(ctx, self._kernel.name)
-        self._cache = (life, raw)
-        return raw
+        life = ctx.stream._life
+        if c is None or c[0] is not life:
+            raw = self._kernel.module._load(ctx, self._kernel.name)
+            c = self._cache = (life, raw, ctx._runtime.backend.launch)
+        return c
 
     def execute(self, ctx: ExecutionContext) -> Any:
         cfg = self._config
         if self._plain:
-            ctx._runtime.backend.launch(
-                self._raw_kernel(ctx), cfg.grid, cfg.block, cfg.shmem, self._args, ctx.stream._raw
-            )
+            c = self._cache
+            stream = ctx.stream
+            if c is None or c[0] is not stream._life:
+                c = self._loaded(ctx)
+            c[2](c[1], cfg.grid, cfg.block, cfg.shmem, self._args, stream._raw)
             return None
         k = self._kernel
         values: list[Any] = []
@@ -536,7 +538,7 @@ class _Launch(DeviceOperation[Any]):
                     written.append(a)
             else:
                 args.append(a)
-        raw = self._raw_kernel(ctx)
+        raw = self._loaded(ctx)[1]
         with hazard_lock:  # ordering after the hazards and enqueueing are one step
             run = ctx._submission
             for alloc in reads:

@@ -24,6 +24,7 @@ from ._bridge import Submission
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
+from ._hazards import capture_log
 from ._loops import current_loop, running_loop_name
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy
@@ -117,9 +118,10 @@ def _start(
 ) -> tuple[Runtime, Submission, ExecutionContext]:
     if not isinstance(stream, Stream):
         raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
-    refuse_in_capture(_Running(op))
+    if capture_log.get() is not None:
+        refuse_in_capture(_Running(op))
     rt = stream._runtime
-    if not rt.live or stream._generation != rt.generation(stream.device):
+    if not rt.live or stream._life is not rt._lives.get(stream._device):
         raise UsageError(
             f"{stream!r} belongs to a runtime or device context that was replaced or reset"
         )

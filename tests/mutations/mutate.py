@@ -493,8 +493,16 @@ MUTATIONS = [
         "K2",
         "a launch operation keeps the kernel it loaded past a reset of its device",
         '_kernel.py',
-        '        if c is not None and c[0] is life:\n',
-        '        if c is not None:\n',
+        '        if c is None or c[0] is not life:\n',
+        '        if c is None:\n',
+        ('tests/test_faults.py',),
+    ),
+    Mutation(
+        "K3",
+        "a launch with scalar arguments only keeps its kernel past a reset of its device",
+        '_kernel.py',
+        '            if c is None or c[0] is not stream._life:\n',
+        '            if c is None:\n',
         ('tests/test_faults.py',),
     ),
     Mutation(
