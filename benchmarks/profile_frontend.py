@@ -26,6 +26,7 @@ import gpuflow as gf
 
 # a null backend (below) and the default policy measure the front end alone
 from gpuflow._backends import _base
+from gpuflow._bench_rows import Completions
 from gpuflow._policy import DEFAULT_POLICY
 
 
@@ -316,10 +317,12 @@ def model_throughput() -> int:
                          references={"empty": lambda: None})
         op = mod.empty(gf.LaunchConfig(1, 1))
         for lib in loops:
+            seen = Completions()
             rate = statistics.median(throughput(lib, op, 64, 100) for _ in range(5))
             streams = len(gf.lowlevel.pool_streams(0))
             print(f"model {exec_us:>2} us a mark, {lib:<7} {rate:>9,.0f} op/s "
                   f"({streams} pool streams)")
+            seen.show()
     return 0
 
 
