@@ -1,0 +1,103 @@
+/* A stand-in libcuda.so.1 for running the cuda backend's Python where there
+ * is no GPU (tests/test_cuda_stand_in.py).  It is no simulation: "device"
+ * memory is host memory, each enqueued item is done at once on the calling
+ * thread, kernels do nothing, events and streams are always complete.  It
+ * answers cuda-bindings (through cuGetProcAddress) and gpuflow's ctypes
+ * calls (by name) with the few results their callers read.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef int CUresult;
+typedef unsigned long long u64;
+static __thread void *current_ctx = 0;
+static uintptr_t next_handle = 0x10000;
+static void *handle(void) { return (void *)__sync_fetch_and_add(&next_handle, 16); }
+
+static CUresult ok(void) { return 0; }
+CUresult cuInit(unsigned f) { return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
+CUresult cuDeviceGet(int *d, int i) { *d = i; return 0; }
+CUresult cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len); return 0; }
+CUresult cuDeviceGetAttribute(int *v, int attr, int d) {
+    *v = attr == 75 ? 9 : attr == 76 ? 0 : 1; return 0; }
+CUresult cuDeviceTotalMem(size_t *b, int d) { *b = (size_t)80 << 30; return 0; }
+CUresult cuDeviceCanAccessPeer(int *ok_, int a, int b) { *ok_ = 0; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) { *ctx = (void *)(0x1000 + 16 * (uintptr_t)d); return 0; }
+CUresult cuDeviceGetDefaultMemPool(void **pool, int d) { *pool = (void *)0x2000; return 0; }
+CUresult cuMemPoolGetAttribute(void *pool, int attr, void *value) { *(u64 *)value = 0; return 0; }
+CUresult cuCtxSetCurrent(void *ctx) { current_ctx = ctx; return 0; }
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
+CUresult cuStreamCreate(void **s, unsigned f) { *s = handle(); return 0; }
+CUresult cuStreamGetCtx(void *s, void **ctx) { *ctx = (void *)0x1000; return 0; }
+CUresult cuEventCreate(void **e, unsigned f) { *e = handle(); return 0; }
+CUresult cuEventElapsedTime(float *ms, void *a, void *b) { *ms = 0.0f; return 0; }
+CUresult cuMemHostGetDevicePointer(u64 *d, void *p, unsigned f) { *d = (u64)(uintptr_t)p; return 0; }
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned f) { *p = calloc(1, n); return 0; }
+CUresult cuStreamWriteValue64(void *s, u64 addr, u64 value, unsigned f) { *(volatile u64 *)(uintptr_t)addr = value; return 0; }
+CUresult cuStreamWriteValue64_v2(void *s, u64 addr, u64 value, unsigned f) { return cuStreamWriteValue64(s, addr, value, f); }
+typedef void (*hostfn)(void *);
+CUresult cuLaunchHostFunc(void *s, hostfn fn, void *data) { fn(data); return 0; }
+CUresult cuMemAllocAsync(u64 *p, size_t n, void *s) { *p = (u64)(uintptr_t)calloc(1, n ? n : 1); return 0; }
+CUresult cuMemFreeAsync(u64 p, void *s) { free((void *)(uintptr_t)p); return 0; }
+CUresult cuMemcpyHtoDAsync(u64 dst, const void *src, size_t n, void *s) { memcpy((void *)(uintptr_t)dst, src, n); return 0; }
+CUresult cuMemcpyDtoHAsync(void *dst, u64 src, size_t n, void *s) { memcpy(dst, (void *)(uintptr_t)src, n); return 0; }
+CUresult cuMemcpyDtoDAsync(u64 dst, u64 src, size_t n, void *s) { memmove((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n); return 0; }
+CUresult cuMemcpyPeerAsync(u64 dst, void *dc, u64 src, void *sc, size_t n, void *s) { return cuMemcpyDtoDAsync(dst, src, n, s); }
+CUresult cuMemsetD8Async(u64 p, unsigned char v, size_t n, void *s) { memset((void *)(uintptr_t)p, v, n); return 0; }
+CUresult cuMemsetD16Async(u64 p, unsigned short v, size_t n, void *s) { unsigned short *q = (void *)(uintptr_t)p; for (size_t i = 0; i < n; i++) q[i] = v; return 0; }
+CUresult cuMemsetD32Async(u64 p, unsigned v, size_t n, void *s) { unsigned *q = (void *)(uintptr_t)p; for (size_t i = 0; i < n; i++) q[i] = v; return 0; }
+CUresult cuModuleLoadData(void **m, const void *image) { *m = handle(); return 0; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = handle(); return 0; }
+CUresult cuModuleGetFunctionCount(unsigned *n, void *m) { *n = 0; return 0; }
+CUresult cuStreamEndCapture(void *s, void **g) { *g = handle(); return 0; }
+CUresult cuGraphGetNodes(void *g, void **nodes, size_t *n) { *n = 0; return 0; }
+CUresult cuGraphInstantiate(void **e, void *g, u64 flags) { *e = handle(); return 0; }
+CUresult cuGraphInstantiateWithFlags(void **e, void *g, u64 flags) { *e = handle(); return 0; }
+CUresult cuPointerGetAttribute(void *data, int attr, u64 p) {
+    switch (attr) {
+    case 2: *(unsigned *)data = 2; break;           /* MEMORY_TYPE: device */
+    case 9: *(int *)data = 0; break;                /* DEVICE_ORDINAL */
+    case 12: *(u64 *)data = p; break;               /* RANGE_START_ADDR */
+    case 13: *(size_t *)data = (size_t)1 << 40; break; /* RANGE_SIZE */
+    default: *(u64 *)data = 0;
+    }
+    return 0;
+}
+
+#define ROUTE(n) if (strcmp(symbol, #n) == 0) { *pfn = (void *)n; goto done; }
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, u64 flags, int *status) {
+    ROUTE(cuInit) ROUTE(cuDriverGetVersion) ROUTE(cuDeviceGetCount) ROUTE(cuDeviceGet)
+    ROUTE(cuDeviceGetName) ROUTE(cuDeviceGetAttribute) ROUTE(cuDeviceTotalMem)
+    ROUTE(cuDeviceCanAccessPeer) ROUTE(cuDevicePrimaryCtxRetain) ROUTE(cuDeviceGetDefaultMemPool)
+    ROUTE(cuMemPoolGetAttribute) ROUTE(cuCtxSetCurrent) ROUTE(cuCtxGetCurrent) ROUTE(cuStreamCreate)
+    ROUTE(cuStreamGetCtx) ROUTE(cuEventCreate) ROUTE(cuEventElapsedTime) ROUTE(cuMemHostGetDevicePointer)
+    ROUTE(cuMemHostAlloc) ROUTE(cuStreamWriteValue64) ROUTE(cuLaunchHostFunc) ROUTE(cuMemAllocAsync)
+    ROUTE(cuMemFreeAsync) ROUTE(cuMemcpyHtoDAsync) ROUTE(cuMemcpyDtoHAsync) ROUTE(cuMemcpyDtoDAsync)
+    ROUTE(cuMemcpyPeerAsync) ROUTE(cuMemsetD8Async) ROUTE(cuMemsetD16Async) ROUTE(cuMemsetD32Async)
+    ROUTE(cuModuleLoadData) ROUTE(cuModuleGetFunction) ROUTE(cuModuleGetFunctionCount)
+    ROUTE(cuStreamEndCapture) ROUTE(cuGraphGetNodes) ROUTE(cuGraphInstantiate)
+    ROUTE(cuGraphInstantiateWithFlags) ROUTE(cuPointerGetAttribute)
+    if (strncmp(symbol, "cuGetExportTable", 16) == 0) {  /* private tables: none here */
+        *pfn = 0;
+        if (status) *status = 1;
+        return 500;
+    }
+    *pfn = (void *)ok;
+done:
+    if (status) *status = 0;
+    return 0;
+}
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int ver, u64 flags) {
+    return cuGetProcAddress_v2(symbol, pfn, ver, flags, 0);
+}
+/* what gpuflow reaches through ctypes by name, and does nothing */
+CUresult cuCtxSynchronize(void) { return 0; }
+CUresult cuEventRecord(void *e, void *s) { return 0; }
+CUresult cuEventQuery(void *e) { return 0; }
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { return 0; }
+CUresult cuStreamQuery(void *s) { return 0; }
+CUresult cuStreamSynchronize(void *s) { return 0; }
+CUresult cuStreamWaitValue64_v2(void *s, u64 a, u64 v, unsigned f) { return 0; }
+CUresult cuGraphLaunch(void *e, void *s) { return 0; }

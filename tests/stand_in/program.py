@@ -1,0 +1,87 @@
+"""A program on the cuda backend, run against the stand-in libcuda (argv[1]).
+
+Run by tests/test_cuda_stand_in.py in a process of its own, with warnings as
+errors: every line here goes through ``_backends/_cuda``'s Python, and the
+stand-in's memory is host memory, so copies come back as they went.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+
+from gpuflow._backends import _nvrtc
+
+# NVRTC asks the driver for tables of its own the first time it compiles,
+# which the stand-in does not have: it compiles once before the stand-in is
+# loaded.  cuda-bindings then finds the stand-in by its soname.
+_nvrtc.compile_source('extern "C" __global__ void warm() {}', "sm_90", ())
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+
+import anyio  # noqa: E402
+import numpy as np  # noqa: E402
+
+import gpuflow as gf  # noqa: E402
+from gpuflow import testing  # noqa: E402
+
+assert gf.init_device_contexts(backend="cuda") == "cuda"
+backend = gf.lowlevel.current_backend_object()
+assert type(backend).__name__ == "CudaBackend" and gf.device_count() == 1
+
+# copies: through the pinned staging buffers (small) and directly (large)
+for n in (8, 1 << 20):
+    host = np.arange(n, dtype=np.float32)
+    x = gf.from_host(host).sync()
+    np.testing.assert_array_equal(gf.to_host(x).sync(), host)
+    np.testing.assert_array_equal(gf.to_host(gf.copy(x)).sync(), host)
+np.testing.assert_array_equal(gf.to_host(gf.zeros(16, np.int32)).sync(), np.zeros(16, np.int32))
+
+# launches with and without pointer arguments, blocking and enqueued
+mod = gf.compile(
+    'extern "C" __global__ void scale(float* x, float s, int n) {}\n'
+    'extern "C" __global__ void nothing() {}'
+)
+x = gf.from_host(np.ones(64, np.float32)).sync()
+mod.scale(gf.LaunchConfig(1, 64), x, 2.0, 64).sync()
+empty = mod.nothing(gf.LaunchConfig(1, 1))
+s = gf.new_stream()
+for _ in range(100):
+    empty.enqueue_on(s)
+s.synchronize()
+
+# awaits under each loop: the completion words, the poller, the inline read
+stats = gf.lowlevel.current_completion_statistics
+
+
+async def awaits() -> None:
+    for _ in range(50):
+        await empty
+    async with anyio.create_task_group() as tg:
+        for _ in range(16):
+            tg.start_soon(lambda: mod.scale(gf.LaunchConfig(1, 64), x, 2.0, 64).run())
+    assert (await gf.to_host(x)).shape == (64,)
+    await testing.assert_quiescent_async(timeout=5.0)
+
+
+for loop in ("asyncio", "trio"):
+    before = stats()
+    anyio.run(awaits, backend=loop)
+    after = stats()
+    assert after.spun + after.polled > before.spun + before.polled, (before, after)
+
+# a captured graph, replayed
+graph = empty.then(lambda _: empty).capture(gf.new_stream())
+graph.launch().sync()
+anyio.run(lambda: graph.launch().run())
+
+# a stream dropped with an array it wrote: both go, in order, without a word
+live = gf.memory_stats().live_allocations
+t = gf.new_stream()
+y = gf.zeros(1024, np.float32).sync_on(t)
+assert gf.memory_stats().live_allocations == live + 1
+del t, y
+gc.collect()
+testing.assert_quiescent(timeout=5.0)
+assert gf.memory_stats().live_allocations == live
+print("stand-in program done")

@@ -1,0 +1,55 @@
+"""The cuda backend's Python, run where there is no GPU.
+
+``tests/stand_in/program.py`` runs a program on the ``cuda`` backend against
+``tests/stand_in/libcuda.c``, a stand-in libcuda whose "device" memory is
+host memory and which does each enqueued item at once (kernels do nothing).
+What this shows: every path of ``_backends/_cuda`` the program takes runs
+and keeps its promises to the front end (contexts set up, streams and their
+completion words, copies both ways through staging and directly, launches,
+marks, awaits under asyncio and Trio, ``enqueue_on``, a graph replayed, a
+stream dropped with an array it wrote, a clean exit), in CI, which has no
+GPU.  What it does not show: any timing, ordering or fault of a device;
+the whole suite runs on the H200 for those.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CUDA_DEVICES
+
+HERE = Path(__file__).parent / "stand_in"
+
+pytestmark = [
+    pytest.mark.sim_only,  # (once: it starts a process of its own)
+    pytest.mark.skipif(
+        CUDA_DEVICES > 0, reason="a CUDA driver is here: the suite runs on the real one"
+    ),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="an ELF soname stand-in"),
+    pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler for the stand-in"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("cuda.bindings") is None, reason="cuda-bindings not installed"
+    ),
+]
+
+
+def test_the_cuda_backend_runs_a_program_against_a_stand_in_driver(tmp_path: Path) -> None:
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
+         str(HERE / "libcuda.c")],
+        check=True,
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(HERE / "program.py"), str(lib)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("stand-in program done")
