@@ -242,29 +242,29 @@ async def test_the_completion_statistics_say_how_each_run_was_seen_done() -> Non
         names = ("spun", "polled", "by_thread", "pipes_armed", "watched_by_thread")
         return {n: getattr(after, n) - getattr(before, n) for n in names}
 
+    async def awaits(busy_poll_us: float, n: int) -> dict[str, int]:
+        """What ``n`` awaits of a 2 ms kernel under that budget counted."""
+        reinit(busy_poll_us=busy_poll_us)
+        x = await gf.zeros(64, F32)
+        before = stats()
+        for _ in range(n):
+            await K.slow_fill(x, 1.0, 0.002)
+        return since(before)
+
     # polling for longer than any of these runs: the loop saw each one done
-    reinit(busy_poll_us=2_000_000)
-    x = await gf.zeros(64, F32)
-    before = stats()
-    for _ in range(5):
-        await K.slow_fill(x, 1.0, 0.002)
-    seen = since(before)
+    seen = await awaits(2_000_000, 5)
     assert seen["spun"] + seen["polled"] == 5 and seen["polled"] >= 1, seen
     assert seen["by_thread"] == seen["pipes_armed"] == seen["watched_by_thread"] == 0, seen
     # polling off: each await sleeps on a wake-up the GPU fires, then the
     # loop's poller completes the run
-    reinit(busy_poll_us=0)
-    x = await gf.zeros(64, F32)
-    before = stats()
-    for _ in range(3):
-        await K.slow_fill(x, 1.0, 0.002)
-    seen = since(before)
+    seen = await awaits(0, 3)
     assert seen["polled"] == 3 and seen["spun"] == seen["by_thread"] == 0, seen
     assert seen["pipes_armed"] + seen["watched_by_thread"] == 3, seen
     if sys.platform.startswith("linux"):  # (pipes in an epoll set the loop watches)
         assert seen["pipes_armed"] == 3, seen
     # a run no loop awaits: the dispatcher thread completes it
     s = gf.new_stream()
+    x = await gf.zeros(64, F32)
     before = stats()
     K.slow_fill(x, 2.0, 0.002).enqueue_on(s)
     wait_until(lambda: since(before)["by_thread"] == 1, "the thread completes the run")
