@@ -2,12 +2,22 @@
 
 No device is used.  Run: python benchmarks/profile_frontend.py [profile]
 (``profile``: also cProfile 5,000 awaits and print the top functions).
+
+``--stand-in LIB`` runs the same rows on the ``cuda`` backend against a
+stand-in libcuda, which does each item at once and kernels not at all
+(``tests/stand_in/libcuda.c``; build it with ``cc -shared -fPIC -O2
+-Wl,-soname,libcuda.so.1 -o LIB tests/stand_in/libcuda.c``): the cuda
+backend's Python and cuda-bindings' calls without the driver's own cost,
+with the raw launch loop of the bench's chain row beside the chain, and the
+64-task throughput.  Beside the bench on the same host, the difference is
+what the driver and the GPU add.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import os
 import pstats
 import statistics
@@ -261,12 +271,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-throughput", action="store_true",
                    help="instead: 64 tasks x 100 awaits against ModelBackend (marks reached "
                         "5, 10 and 30 us apart), medians of 5 runs per loop")
+    p.add_argument("--stand-in", metavar="LIB",
+                   help="the cuda backend against this stand-in libcuda.so.1 (see above)")
     args = p.parse_args(argv)
 
     if args.model_throughput:
         return model_throughput()
-    gf.init_device_contexts(backend=NullBackend())
-    mod = gf.compile('extern "C" __global__ void empty() {}', references={"empty": lambda: None})
+    if args.stand_in:
+        # NVRTC asks the driver for tables of its own when it first compiles,
+        # which the stand-in does not have: compile once before loading it
+        from gpuflow._backends import _nvrtc
+
+        _nvrtc.compile_source('extern "C" __global__ void warm() {}', "sm_90", ())
+        ctypes.CDLL(args.stand_in, mode=ctypes.RTLD_GLOBAL)  # found by its soname
+        gf.init_device_contexts(backend="cuda")
+        mod = gf.compile('extern "C" __global__ void empty() {}')
+    else:
+        gf.init_device_contexts(backend=NullBackend())
+        mod = gf.compile('extern "C" __global__ void empty() {}',
+                         references={"empty": lambda: None})
     op = mod.empty(gf.LaunchConfig(1, 1))
     k = op
     chain = k
@@ -276,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     for lib in ("asyncio", "trio"):
         per_await, per_step = anyio.run(awaits_and_chain, op, chain, pol, backend=lib)
         print(f"{lib} await us/op {per_await:.2f}, chain us/step {per_step:.2f}")
+    if args.stand_in:
+        raw_launch_loop(op, pol)
 
     # the chain's own Python: execute() alone, no run set-up, no await, in a
     # context kept from a run (valid here: the null backend enqueues nothing)
@@ -301,12 +326,39 @@ def main(argv: list[str] | None = None) -> int:
         op.enqueue_on(s)
     print(f"enqueue_on us/op {(time.perf_counter() - t0) / 20000 * 1e6:.2f}")
 
+    if args.stand_in:
+        gf.testing.assert_quiescent(timeout=5.0)  # (the enqueued runs, completed first)
+        for lib in ("asyncio", "uvloop", "trio"):
+            if lib == "uvloop" and not find_spec("uvloop"):
+                continue
+            seen = Completions()
+            rate = statistics.median(throughput(lib, op, 64, 100) for _ in range(5))
+            print(f"64 tasks x 100 awaits, {lib:<7} {rate:>9,.0f} op/s")
+            seen.show()
     if args.profile:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "frontend.prof")
             cProfile.runctx("anyio.run(awaits, op, 5000)", globals(), {"op": op}, out)
             pstats.Stats(out).sort_stats("tottime").print_stats(18)
     return 0
+
+
+def raw_launch_loop(op: gf.DeviceOperation[Any], pol: gf.SingleStream) -> None:
+    """The bench's chain row's baseline: 132 cuLaunchKernel calls of
+    cuda-bindings and a synchronize, on the stream the chain ran on."""
+    from cuda.bindings import driver as cu
+
+    op.sync(pol)
+    raw = op._cache[1]  # type: ignore[attr-defined]  # (the loaded kernel)
+    stream = pol.stream._raw
+    loops = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        for _ in range(132):
+            cu.cuLaunchKernel(raw.obj, 1, 1, 1, 1, 1, 1, 0, stream.obj, 0, 0)
+        cu.cuStreamSynchronize(stream.obj)
+        loops.append(time.perf_counter() - t0)
+    print(f"raw cuLaunchKernel x132 + sync us/step {statistics.median(loops) / 132 * 1e6:.2f}")
 
 
 def model_throughput() -> int:
