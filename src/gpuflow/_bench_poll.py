@@ -26,7 +26,7 @@ import numpy as np
 
 import gpuflow as gf
 
-from ._bench_rows import event_loops, median_us, row
+from ._bench_rows import Completions, event_loops, median_us, row
 from ._bridge import _Poller
 from ._loops import current_loop
 from ._runtime import get_runtime
@@ -201,11 +201,16 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
         ) -> float:
             return float(anyio.run(fn, arg, backend=backend, backend_options=options))
 
-        row(f"await gf.wait_stream(torch), 1 in flight ({lib})", run(latency, ours), "us",
+        seen = Completions()
+        one = run(latency, ours)
+        row(f"await gf.wait_stream(torch), 1 in flight ({lib})", one, "us",
             f"to_thread(torch.cuda.synchronize) {lib}", run(latency, thread), "<= 0.6x")
-        row(f"await gf.wait_stream(torch), {tasks} in flight ({lib})", run(rate, ours), "req/s",
+        seen.show()
+        many = run(rate, ours)
+        row(f"await gf.wait_stream(torch), {tasks} in flight ({lib})", many, "req/s",
             f"to_thread(torch.cuda.synchronize) {lib}", run(rate, thread), ">= 1.5x",
             lower_is_better=False)
+        seen.show()
     torch.cuda.synchronize()
 
 

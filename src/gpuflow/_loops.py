@@ -43,6 +43,12 @@ Call = Callable[[], object]
 #: otherwise spends in gpuflow): they wait at most this long, as they do
 #: for a spin.
 READY_CHECK_S = 50e-6
+#: How often such a task yields on a loop that cannot tell whether others
+#: are ready (uvloop): a yield there costs 3-5 us, about a fifth of a short
+#: await (measured on the H200's host), so it yields at most this often
+#: rather than at every await; others wait that long at most.  (asyncio's
+#: own loop lets an await of a finished future run on without yielding.)
+BLIND_YIELD_S = 200e-6
 
 
 class Loop(Protocol):
@@ -59,7 +65,8 @@ class Loop(Protocol):
 
     #: How long a task may run gpuflow's awaits back to back before it asks
     #: :meth:`others_ready` again (0 where asking costs nothing; Trio's
-    #: answer costs 1-2 us: :data:`READY_CHECK_S`; see ``_bridge.YIELD_EVERY_S``).
+    #: answer costs 1-2 us: :data:`READY_CHECK_S`; a loop that cannot tell:
+    #: :data:`BLIND_YIELD_S`; see ``_bridge.YIELD_EVERY_S``).
     ready_check_s: float
 
     #: AnyIO's ``checkpoint_if_cancelled`` for this loop (Trio's own under
@@ -123,8 +130,7 @@ class _Asyncio:
         # the callbacks the loop runs in its next turn: asyncio's own loop
         # keeps them in a deque (uvloop keeps them where Python cannot see)
         self._ready: Any = getattr(loop, "_ready", None)
-        # (uvloop cannot tell: every such await yields, as asking costs nothing)
-        self.ready_check_s = 0.0
+        self.ready_check_s = 0.0 if self._ready is not None else BLIND_YIELD_S
         self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
             anyio.lowlevel.checkpoint_if_cancelled
         )
