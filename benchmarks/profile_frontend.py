@@ -3,6 +3,10 @@
 No device is used.  Run: python benchmarks/profile_frontend.py [profile]
 (``profile``: also cProfile 5,000 awaits and print the top functions).
 
+``--driver-share`` (on a GPU) runs the 64-task throughput on the cuda
+backend with the backend's ``launch`` and ``mark`` timed: the two driver
+calls every run makes on the loop's thread.
+
 ``--stand-in LIB`` runs the same rows on the ``cuda`` backend against a
 stand-in libcuda, which does each item at once and kernels not at all
 (``tests/stand_in/libcuda.c``; build it with ``cc -shared -fPIC -O2
@@ -273,10 +277,16 @@ def main(argv: list[str] | None = None) -> int:
                         "5, 10 and 30 us apart), medians of 5 runs per loop")
     p.add_argument("--stand-in", metavar="LIB",
                    help="the cuda backend against this stand-in libcuda.so.1 (see above)")
+    p.add_argument("--driver-share", action="store_true",
+                   help="instead, on a GPU: the 64-task throughput with the backend's launch "
+                        "and mark timed, each loop (what the driver's calls take of the "
+                        "loop thread)")
     args = p.parse_args(argv)
 
     if args.model_throughput:
         return model_throughput()
+    if args.driver_share:
+        return driver_share()
     if args.stand_in:
         # NVRTC asks the driver for tables of its own when it first compiles,
         # which the stand-in does not have: compile once before loading it
@@ -359,6 +369,47 @@ def raw_launch_loop(op: gf.DeviceOperation[Any], pol: gf.SingleStream) -> None:
         cu.cuStreamSynchronize(stream.obj)
         loops.append(time.perf_counter() - t0)
     print(f"raw cuLaunchKernel x132 + sync us/step {statistics.median(loops) / 132 * 1e6:.2f}")
+
+
+def driver_share() -> int:
+    """The bench's throughput row on the cuda backend, with the time spent in
+    the backend's ``launch`` and ``mark`` (the two driver calls of each run)
+    added up: on the loop's thread, they bound the rate by themselves."""
+    gf.init_device_contexts(backend="cuda")
+    backend = gf.lowlevel.current_backend_object()
+    spent: dict[str, list[float]] = {}
+
+    def timed(name: str) -> None:
+        real = getattr(backend, name)
+        spent[name] = [0.0, 0]
+        clock = time.perf_counter
+
+        def call(*args: Any) -> Any:
+            t0 = clock()
+            out = real(*args)
+            tally = spent[name]
+            tally[0] += clock() - t0
+            tally[1] += 1
+            return out
+
+        setattr(backend, name, call)  # (an instance attribute: this process only)
+
+    timed("launch")
+    timed("mark")
+    op = gf.compile('extern "C" __global__ void empty() {}').empty(gf.LaunchConfig(1, 1))
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
+    for lib in loops:
+        for tally in spent.values():
+            tally[:] = [0.0, 0]
+        t0 = time.perf_counter()
+        rate = throughput(lib, op, 64, 100)
+        total = time.perf_counter() - t0
+        parts = ", ".join(
+            f"{name} {s / n * 1e6:.2f} us a call ({s / total * 100:.0f}% of the time)"
+            for name, (s, n) in spent.items()
+        )
+        print(f"64 tasks x 100 awaits, {lib:<7} {rate:>9,.0f} op/s; {parts}")
+    return 0
 
 
 def model_throughput() -> int:
