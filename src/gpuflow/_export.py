@@ -38,7 +38,7 @@ import numpy as np
 
 from . import _dlpack, _foreign
 from ._errors import UsageError, UsageTypeError
-from ._hazards import Allocation, capture_log, hazard_lock
+from ._hazards import Allocation, capture_log, hazard_lock, wait_for_uses
 from ._run import _refuse_blocking
 from ._runtime import Runtime
 from ._stream import Stream
@@ -110,7 +110,7 @@ def _after_consumer(alloc: Allocation, consumer: Stream) -> None:
     rt = consumer._runtime
     if sys.is_finalizing():
         return  # the process is going away with its memory (and its streams)
-    if not rt.live or consumer._generation != rt.generation(consumer.device):
+    if not rt.current(consumer):
         return  # the context is gone with its memory (the allocation leaks)
     try:
         event = rt.backend.record_event(consumer._raw)
@@ -141,7 +141,7 @@ def _order_for_consumer(
         if own and not arrival:
             alloc.before_write(consumer)
         else:
-            alloc.wait_for_uses(consumer)
+            wait_for_uses(alloc, consumer)
     if own:
         return functools.partial(_keep, alloc)
     return functools.partial(_after_consumer, alloc, consumer)

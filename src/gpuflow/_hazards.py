@@ -81,6 +81,7 @@ def order_after(backend: Backend, stream: Stream, on: Stream, point: Point | Non
         final = on._final  # (a destroyed stream takes no new event)
         backend.wait_event(stream._raw, final[0] if final else backend.record_event(on._raw))
 
+
 #: The hazard log of the capture running in this context, if any: allocation
 #: id -> (allocation, whether the captured work writes it).
 capture_log: ContextVar[dict[int, tuple[Allocation, bool]] | None] = ContextVar(
@@ -221,24 +222,12 @@ class Allocation:
             log[id(self)] = (self, True)
             return
         with hazard_lock:
-            # (the function itself, not the method: one call on every write)
-            wait_for_uses(
-                self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
-                self.readers,
-            )
+            wait_for_uses(self, stream)
             self.writer = stream
             self.wrote = run
             self.synced = {stream}
             self.readers = {}
             self.foreign = _NO_FOREIGN
-
-    def wait_for_uses(self, stream: Stream) -> None:
-        """Make later work on ``stream`` wait for every use so far (without
-        making it a use).  Under :data:`hazard_lock`."""
-        wait_for_uses(
-            self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
-            self.readers,
-        )
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -253,27 +242,37 @@ class Allocation:
     def uses(self) -> Uses:
         """Every use so far, for a finalizer to hand on (the allocation is
         gone by the time they are waited for)."""
-        return Uses(
-            self.backend, self.synced, self.foreign, self.writer, self.wrote, self.readers
-        )
+        return Uses(self.backend, self.synced, self.foreign, self.writer, self.wrote, self.readers)
 
 
-def wait_for_uses(
-    backend: Backend,
-    stream: Stream,
-    synced: set[Stream],
-    foreign: Mapping[Hashable, Any],
-    writer: Stream,
-    wrote: Point | None,
-    readers: dict[Stream, Point | None],
-) -> None:
-    """Make later work on ``stream`` wait for the uses one allocation's
-    hazard state records (a live allocation's, or a dropped one's :class:`Uses`)."""
-    if stream not in synced:
-        for ev in foreign.values():
+class UseState(Protocol):
+    """What records an allocation's uses: a live :class:`Allocation`, or the
+    :class:`Uses` a dropped one left."""
+
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def synced(self) -> set[Stream]: ...
+    @property
+    def foreign(self) -> Mapping[Hashable, Any]: ...
+    @property
+    def writer(self) -> Stream: ...
+    @property
+    def wrote(self) -> Point | None: ...
+    @property
+    def readers(self) -> dict[Stream, Point | None]: ...
+
+
+def wait_for_uses(uses: UseState, stream: Stream) -> None:
+    """Make later work on ``stream`` wait for every use ``uses`` records
+    (without making it a use).  Under :data:`hazard_lock` for a live
+    allocation."""
+    backend = uses.backend
+    if stream not in uses.synced:
+        for ev in uses.foreign.values():
             backend.wait_event(stream._raw, ev)
-        order_after(backend, stream, writer, wrote)
-    for s, point in readers.items():
+        order_after(backend, stream, uses.writer, uses.wrote)
+    for s, point in uses.readers.items():
         order_after(backend, stream, s, point)
 
 
@@ -286,13 +285,6 @@ class Uses(NamedTuple):
     writer: Stream
     wrote: Point | None
     readers: dict[Stream, Point | None]
-
-    def order(self, stream: Stream) -> None:
-        """Make later work on ``stream`` wait for every use."""
-        wait_for_uses(
-            self.backend, stream, self.synced, self.foreign, self.writer, self.wrote,
-            self.readers,
-        )
 
 
 def usable_stream(backend: Backend, stream: Stream) -> Stream:
@@ -311,11 +303,11 @@ def _free(buffer: RawBuffer, uses: Uses) -> None:
     every use (an allocation's finalizer, done later: :mod:`._finalizers`)."""
     writer = uses.writer
     rt = writer._runtime
-    if not rt.live or writer._generation != rt.generation(writer.device):
+    if not rt.current(writer):
         return  # the context is gone with its memory: leak, never dangle
     try:
         stream = usable_stream(uses.backend, writer)
-        uses.order(stream)
+        wait_for_uses(uses, stream)
         uses.backend.free(buffer, stream._raw)
     except Exception as exc:
         warnings.warn(f"gpuflow: could not free {buffer!r}: {exc!r}", stacklevel=1)

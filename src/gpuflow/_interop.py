@@ -50,13 +50,7 @@ from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
 from ._finalizers import finalize_later
-from ._hazards import (
-    Allocation,
-    EventPoint,
-    Uses,
-    hazard_lock,
-    usable_stream,
-)
+from ._hazards import Allocation, EventPoint, Uses, hazard_lock, usable_stream, wait_for_uses
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, get_runtime
 from ._stream import Stream
@@ -98,7 +92,7 @@ def _release(owner: object, uses: Uses) -> None:
     try:
         stream = writer = uses.writer
         rt = writer._runtime
-        if not rt.live or writer._generation != rt.generation(writer.device):
+        if not rt.current(writer):
             _leaked.append(owner)  # the context is gone: leak, never dangle
             return
         if rt.is_interop(stream) and (uses.readers or uses.foreign):
@@ -106,7 +100,7 @@ def _release(owner: object, uses: Uses) -> None:
             # never on the interop stream, which later imports wait for
             stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]
         stream = usable_stream(uses.backend, stream)
-        uses.order(stream)
+        wait_for_uses(uses, stream)
         release = Submission(stream.device)
         release.keep.append(owner)
         rt.dispatcher.submit(stream._raw, release)

@@ -160,14 +160,10 @@ class SingleStream:
     def next_stream(self, device: int) -> Stream:
         # the policy is bound to its device, whatever device is current
         s = self._stream
-        if s is None or s._generation != s._runtime.generation(self._device) or not s._runtime.live:
+        if s is None or not s._runtime.current(s):
             with self._lock:
                 s = self._stream
-                if (
-                    s is None
-                    or s._generation != s._runtime.generation(self._device)
-                    or not s._runtime.live
-                ):
+                if s is None or not s._runtime.current(s):
                     s = self._stream = new_stream(self._device)
         return s
 

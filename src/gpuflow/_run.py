@@ -121,7 +121,7 @@ def _start(
     if capture_log.get() is not None:
         refuse_in_capture(_Running(op))
     rt = stream._runtime
-    if not rt.live or stream._life is not rt._lives.get(stream._device):
+    if not rt.current(stream):
         raise UsageError(
             f"{stream!r} belongs to a runtime or device context that was replaced or reset"
         )

@@ -142,6 +142,11 @@ class Runtime:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
         return self._by_handle.get(handle)
 
+    def current(self, stream: Stream) -> bool:
+        """Whether ``stream`` belongs to this runtime, live, and to its
+        device's context as it is now (not one a reset replaced)."""
+        return self.live and stream._life is self._lives.get(stream._device)
+
     def is_interop(self, stream: Stream) -> bool:
         """Whether ``stream`` is a device's interop stream (never makes one)."""
         return self._interop.get((stream.device, stream._generation)) is stream

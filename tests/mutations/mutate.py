@@ -126,7 +126,7 @@ MUTATIONS = [
         "M8",
         'a write on another stream does not wait for earlier reads (write after read)',
         '_hazards.py',
-        '    for s, point in readers.items():\n'
+        '    for s, point in uses.readers.items():\n'
         '        order_after(backend, stream, s, point)\n',
         '    pass\n',
         ('tests/test_hazards.py',),
@@ -135,7 +135,7 @@ MUTATIONS = [
         "M9",
         'an allocation is freed without waiting for its readers on other streams',
         '_hazards.py',
-        '        uses.order(stream)\n'
+        '        wait_for_uses(uses, stream)\n'
         '        uses.backend.free(buffer, stream._raw)\n',
         '        uses.backend.free(buffer, stream._raw)\n',
         ('tests/test_hazards.py', 'tests/test_cancellation.py'),
@@ -301,7 +301,7 @@ MUTATIONS = [
         "an export does not make another library's stream wait for gpuflow's uses",
         '_export.py',
         '        else:\n'
-        '            alloc.wait_for_uses(consumer)\n',
+        '            wait_for_uses(alloc, consumer)\n',
         '        else:\n'
         '            pass\n',
         ('tests/test_interop.py',),
@@ -396,10 +396,10 @@ MUTATIONS = [
         "I11",
         "a free does not wait for another library's use",
         '_hazards.py',
-        '        for ev in foreign.values():\n'
+        '        for ev in uses.foreign.values():\n'
         '            backend.wait_event(stream._raw, ev)\n'
-        '        order_after(backend, stream, writer, wrote)\n',
-        '        order_after(backend, stream, writer, wrote)\n',
+        '        order_after(backend, stream, uses.writer, uses.wrote)\n',
+        '        order_after(backend, stream, uses.writer, uses.wrote)\n',
         ('tests/test_interop.py',),
     ),
     Mutation(
