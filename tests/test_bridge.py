@@ -32,6 +32,7 @@ import pytest
 
 import gpuflow as gf
 from gpuflow._bridge import Submission
+from gpuflow._loops import current_loop
 from gpuflow._runtime import get_runtime
 
 F32 = np.float32
@@ -190,7 +191,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     resumed = anyio.Event()
     real_spin = _bridge.Dispatcher.spin
 
-    def spying(self: Any, loop: Any, lane: Any, number: int) -> None:
+    def spying(self: Any, loop: Any, lane: Any, number: int) -> bool:
         spins.append(resumed.is_set())
         read = lane.read
 
@@ -200,7 +201,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
 
         lane.read = counted
         try:
-            real_spin(self, loop, lane, number)
+            return bool(real_spin(self, loop, lane, number))
         finally:
             lane.read = read
 
@@ -221,6 +222,86 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     # alone, an await spins (the spy sees it)
     await K.slow_fill(x, 2.0, 0.0)
     assert inline_reads and all(inline_reads)
+
+
+@pytest.mark.anyio
+async def test_a_lone_await_past_its_spin_reads_its_word_at_its_own_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its inline spin, a lone await reads its word once per loop turn
+    itself: the turn that sees the run done resumes it, with no future, no
+    wake-up and no poller; the loop's other tasks run at every turn."""
+    from gpuflow import _bridge
+
+    reinit(busy_poll_us=2_000_000)
+    polls: list[float] = []
+    poll = _bridge._Poller.poll
+
+    def counted_poll(self: Any) -> bool:
+        polls.append(time.monotonic())
+        return poll(self)
+
+    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)
+    x = await gf.zeros(64, F32)
+    before = gf.lowlevel.current_completion_statistics()
+    turns = [0]
+    awaited = anyio.Event()
+
+    async def other_task() -> None:
+        while not awaited.is_set():
+            turns[0] += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_task)
+        await K.slow_fill(x, 1.0, 0.03)  # far longer than the inline spin
+        awaited.set()
+    after = gf.lowlevel.current_completion_statistics()
+    assert after.polled - before.polled == 1 and after.spun == before.spun
+    assert polls == []  # the loop's poller never ran
+    assert after.pipes_armed == before.pipes_armed
+    assert turns[0] > 10  # the other task ran throughout
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+@pytest.mark.anyio
+async def test_a_lone_await_hands_its_word_to_the_poller_when_another_await_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lone await that reads its own word stops once another await of its
+    loop starts: the poller reads both words once a turn from then on, for
+    what is left of the budget; neither waits for the other."""
+    from gpuflow import _bridge
+
+    reinit(busy_poll_us=2_000_000)
+    handed: list[tuple[float, bool]] = []
+    poll_alone = _bridge.Dispatcher.poll_alone
+
+    async def spied(self: Any, loop: Any, sub: Submission) -> float:
+        left = await poll_alone(self, loop, sub)
+        handed.append((left, sub.done))
+        return left
+
+    monkeypatch.setattr(_bridge.Dispatcher, "poll_alone", spied)
+    x = await gf.zeros(64, F32)
+    y = await gf.zeros(64, F32)
+    handed.clear()
+    took: dict[str, float] = {}
+
+    async def timed(name: str, op: gf.DeviceOperation[Any]) -> None:
+        t0 = time.monotonic()
+        await op
+        took[name] = time.monotonic() - t0
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timed, "slow", K.slow_fill(x, 1.0, 0.3))
+        await anyio.sleep(0.02)  # the slow await reads its own word meanwhile
+        await timed("fast", K.slow_fill(y, 2.0, 0.0))
+    # the slow await handed over with time left, before its run was done
+    assert handed and handed[0][1] is False and 0 < handed[0][0] <= 2.0, handed
+    assert took["fast"] < 0.2 and took["slow"] >= 0.3, took
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+    np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
 
 
 def _counting(read: Any, count: list[int], polling: list[bool]) -> Any:
@@ -291,6 +372,16 @@ async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
         return poll(self)
 
     monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)  # (before the loop's first await)
+    # a lone await reads its word at its own turns first (the poller takes
+    # the rest of the budget over where another await starts): those count too
+    loop = current_loop()
+    checkpoint = loop.checkpoint
+
+    async def counted_checkpoint() -> None:
+        await checkpoint()
+        turns.append(time.monotonic())
+
+    monkeypatch.setattr(loop, "checkpoint", counted_checkpoint)
     x = await gf.zeros(64, F32)
     pipes = count_pipes(monkeypatch)
     cpu = time.process_time()
@@ -306,6 +397,34 @@ async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
     assert len(turns) - len(spun) <= 3
     assert took >= 0.5 and cpu < 0.25 * took, (cpu, took)
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+@pytest.mark.anyio
+async def test_long_awaits_of_two_tasks_are_polled_for_the_budget_then_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # two awaits at once: the loop's poller reads both words once a turn for
+    # the budget, then arms a wake-up on each stream and the loop sleeps
+    reinit(busy_poll_us=2_000)
+    x = await gf.zeros(64, F32)
+    y = await gf.zeros(64, F32)
+    pipes = count_pipes(monkeypatch)
+
+    async def leased(op: gf.DeviceOperation[Any]) -> None:
+        async with gf.open_stream_lease():  # (a stream of its own)
+            await op
+
+    cpu = time.process_time()
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(leased, K.slow_fill(x, 1.0, 0.5))
+        tg.start_soon(leased, K.slow_fill(y, 2.0, 0.5))
+    took = time.monotonic() - t0
+    cpu = time.process_time() - cpu
+    assert len(pipes) == 2 and pipes[0] is not pipes[1], pipes
+    assert took >= 0.5 and cpu < 0.25 * took, (cpu, took)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+    np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
 
 
 @pytest.mark.anyio
@@ -497,6 +616,7 @@ class _StoppedLoop:
         self.yielded = self.asked = 0.0
         self.awaiting = 0
         self.checkpoint_if_cancelled: Any = anyio.lowlevel.checkpoint_if_cancelled
+        self.checkpoint: Any = anyio.lowlevel.checkpoint
         self.ready_check_s = 0.0
 
     def others_ready(self) -> bool:

@@ -248,11 +248,14 @@ class Submission:
         lane = self.lane
         if loop is None:
             loop = current_loop()
+        budget: float | None = None  # the busy poll left to the loop's poller: all of it
         loop.awaiting += 1
         try:
             if not self.done and lane is not None:
                 # (before a waiter is registered: finished here, nobody is woken)
-                lane.dispatcher.spin(loop, lane, self.number)
+                d = lane.dispatcher
+                if d.spin(loop, lane, self.number) and not self.done:
+                    budget = await d.poll_alone(loop, self)
             if self.done:
                 now = time.perf_counter()
                 if now - loop.yielded >= YIELD_EVERY_S:
@@ -274,7 +277,7 @@ class Submission:
                     await anyio.lowlevel.checkpoint()
                 else:
                     if lane is not None:
-                        lane.dispatcher.watch(loop, lane)
+                        lane.dispatcher.watch(loop, lane, budget)
                     loop.yielded = time.perf_counter()
                     await park()
         finally:
@@ -366,23 +369,52 @@ class _FdSignal:
         self.seen = False  # the dispatcher saw it fired and unhandled once
 
 
+class _BusyPoll:
+    """The budget of one busy poll: it runs out after ``budget`` seconds of
+    turns in which the loop ran nothing else.
+
+    Time the loop ran other work in is no busy poll: the budget bounds the
+    turns it would otherwise have slept through, and a loop kept busy reads
+    the words once a turn and arms no wake-up.  A turn right after a long
+    one counts as busy too (Trio runs a batch's tasks in either order: the
+    poll's turns alternate long and short while another task works every
+    batch)."""
+
+    __slots__ = ("deadline", "ran_other", "turned")
+
+    def __init__(self) -> None:
+        self.deadline = 0.0
+        self.turned = 0.0  # when the poll last ran
+        self.ran_other = False  # and whether the loop ran other work before that
+
+    def start(self, now: float, budget: float) -> None:
+        self.turned, self.ran_other = now, False
+        self.deadline = now + budget
+
+    def turn(self, now: float) -> None:
+        """A turn of the loop ends at ``now`` (the clock is ``time.monotonic``)."""
+        gap = now - self.turned
+        ran_other = gap > BUSY_TURN_S
+        if ran_other or self.ran_other:
+            self.deadline += gap
+        self.ran_other = ran_other
+        self.turned = now
+
+
 class _Poller:
     """One event loop's side of the bridge: its busy poll, and the epoll set
     of its pipes (one registration with the loop, however many pipes are in
     flight).  Used in the loop's thread only."""
 
     __slots__ = (
-        "deadline", "dispatcher", "epoll", "kick", "lanes", "loop", "ran_other", "signals",
-        "spares", "turned",
+        "busy", "dispatcher", "epoll", "kick", "lanes", "loop", "signals", "spares",
     )  # fmt: skip
 
     def __init__(self, dispatcher: Dispatcher, loop: Loop) -> None:
         self.dispatcher = dispatcher
         self.loop = loop
         self.lanes: dict[_Lane, None] = {}  # the streams this loop waits on (ordered)
-        self.deadline = 0.0
-        self.turned = 0.0  # when poll() last ran
-        self.ran_other = False  # and whether the loop ran other work before that
+        self.busy = _BusyPoll()
         self.kick = loop.start_poller(self.poll)
         self.epoll: Any = None
         self.signals: dict[int, _FdSignal] = {}  # read end -> pipe in flight
@@ -397,14 +429,18 @@ class _Poller:
             else:
                 self.epoll = epoll
 
-    def add(self, lane: _Lane) -> None:
-        """A task of this loop waits for a run of ``lane``."""
+    def add(self, lane: _Lane, budget: float) -> None:
+        """A task of this loop waits for a run of ``lane``, to be polled for
+        ``budget`` seconds more (or the poll under way, if that is longer)."""
+        polling = bool(self.lanes)
         self.lanes[lane] = None
-        budget = self.dispatcher.busy_poll_s
-        if budget > 0:
-            now = time.monotonic()
-            self.turned, self.ran_other = now, False
-            self.deadline = lane.polled_until = now + budget
+        now = time.monotonic()
+        busy = self.busy
+        if polling and busy.deadline > now:
+            lane.polled_until = busy.deadline = max(busy.deadline, now + budget)
+        elif budget > 0:
+            busy.start(now, budget)
+            lane.polled_until = busy.deadline
             self.kick()
         else:
             self.arm()
@@ -415,18 +451,8 @@ class _Poller:
         try:
             d = self.dispatcher
             now = time.monotonic()
-            # Time the loop ran other work in is no busy poll: the budget
-            # bounds the turns it would otherwise have slept through, and a
-            # loop kept busy reads the words once a turn and arms no wake-up.
-            # A turn right after a long one counts as busy too (Trio runs a
-            # batch's tasks in either order: the poller's turns alternate
-            # long and short while another task works every batch).
-            gap = now - self.turned
-            ran_other = gap > BUSY_TURN_S
-            if ran_other or self.ran_other:
-                self.deadline += gap
-            self.ran_other = ran_other
-            self.turned = now
+            busy = self.busy
+            busy.turn(now)
             moved = []  # one read of each word a turn
             for lane in self.lanes:
                 reached = lane.read()
@@ -436,14 +462,14 @@ class _Poller:
                 done = d._advance(moved, now)
                 d.polled += len(done)
                 d._complete(done, self.loop.target)
-                self.deadline = now + d.busy_poll_s
+                busy.deadline = now + d.busy_poll_s
             for lane in [lane for lane in self.lanes if not lane.subs]:
                 del self.lanes[lane]
             if not self.lanes:
                 return False
-            if now < self.deadline:
+            if now < busy.deadline:
                 for lane in self.lanes:
-                    lane.polled_until = self.deadline
+                    lane.polled_until = busy.deadline
                 return True
             self.arm()
         except BaseException as exc:
@@ -617,7 +643,7 @@ class Dispatcher:
         waking whoever waits for it."""
         self._deliver([(sub, error)])
 
-    def spin(self, loop: Loop, lane: _Lane, number: int) -> None:
+    def spin(self, loop: Loop, lane: _Lane, number: int) -> bool:
         """A lone await (no other await of ``loop`` in progress, nothing else
         of it pending): read the word for up to :data:`INLINE_SPIN_S` (within
         the busy-poll budget), and complete the run here if it is reached.
@@ -627,31 +653,74 @@ class Dispatcher:
         submit their next work only after it (awaits of short kernels from
         many tasks would reach the GPU one at a time)."""
         limit = min(INLINE_SPIN_S, self.busy_poll_s)
-        if limit <= 0 or loop.awaiting > 1:
-            return
-        poller = self._pollers.get(loop.target)
-        if poller is not None and poller.lanes:
-            return  # other runs of the loop: its poller reads them all, once a turn
+        if limit <= 0 or not self._alone(loop):
+            return False
         read = lane.read
         clock = time.perf_counter
         deadline = clock() + limit
         reached = read()
         while reached < number:
             if clock() > deadline:
-                return
+                return True
             reached = read()
         done = self._advance([(lane, reached)], time.monotonic())
         self.spun += len(done)
         self._complete(done, loop.target)
+        return False
 
-    def watch(self, loop: Loop, lane: _Lane) -> None:
-        """A task of ``loop`` (running this) waits for a run of ``lane``."""
+    def _alone(self, loop: Loop) -> bool:
+        if loop.awaiting > 1:
+            return False
+        poller = self._pollers.get(loop.target)
+        # other runs of the loop: its poller reads them all, once a turn
+        return poller is None or not poller.lanes
+
+    async def poll_alone(self, loop: Loop, sub: Submission) -> float:
+        """A lone await past its inline spin: read the word once per loop
+        turn from the task itself, within the busy-poll budget, while no
+        other await of the loop is in progress.  The turn that sees the run
+        done resumes the task: no future, no wake-up, no turn more.
+
+        Returns when the run is done, or with the budget left (the task then
+        parks, and the loop's poller polls for the rest of it: the await
+        spins at most the budget in all).  Cancellation is the loop's own,
+        at a turn; the run stays pending, and the dispatcher thread takes it
+        over once the budget is spent."""
+        lane = sub.lane
+        assert lane is not None
+        clock = time.monotonic
+        busy = _BusyPoll()
+        busy.start(clock(), self.busy_poll_s)
+        lane.polled_until = busy.deadline
+        checkpoint = loop.checkpoint
+        while True:
+            await checkpoint()
+            loop.yielded = time.perf_counter()  # (others ran: no yield is owed when done)
+            if sub.done:
+                return 0.0
+            now = clock()
+            busy.turn(now)
+            lane.polled_until = busy.deadline
+            reached = lane.read()
+            if reached > lane.completed:
+                done = self._advance([(lane, reached)], now)
+                self.polled += len(done)
+                self._complete(done, loop.target)
+                if sub.done:
+                    return 0.0
+            if now >= busy.deadline or not self._alone(loop):
+                return max(0.0, busy.deadline - now)
+
+    def watch(self, loop: Loop, lane: _Lane, budget: float | None = None) -> None:
+        """A task of ``loop`` (running this) waits for a run of ``lane``;
+        the loop polls for it for ``budget`` more (the busy-poll budget
+        when None)."""
         poller = self._pollers.get(loop.target)
         if poller is None:
             poller = _Poller(self, loop)
             with self._lock:
                 self._pollers[loop.target] = poller
-        poller.add(lane)
+        poller.add(lane, self.busy_poll_s if budget is None else budget)
 
     def watch_communicator(self, comm: Communicating) -> None:
         """Ask ``comm`` for its asynchronous error at every watchdog tick while

@@ -72,6 +72,9 @@ class Loop(Protocol):
     #: AnyIO's ``checkpoint_if_cancelled`` for this loop (Trio's own under
     #: Trio, which is what AnyIO calls there, without finding the loop first).
     checkpoint_if_cancelled: Callable[[], Awaitable[None]]
+    #: One turn of the loop (the loop's own checkpoint: a cancelled task
+    #: gets the loop's cancellation there).
+    checkpoint: Callable[[], Awaitable[None]]
 
     def others_ready(self) -> bool:
         """Whether another task or callback of the loop is ready to run now
@@ -109,6 +112,10 @@ class Loop(Protocol):
         from any thread."""
 
 
+async def _sleep0() -> None:
+    await asyncio.sleep(0)
+
+
 def _wake_future(fut: asyncio.Future[None]) -> Call:
     def wake() -> None:
         if not fut.done():  # cancelled, or woken twice
@@ -119,8 +126,8 @@ def _wake_future(fut: asyncio.Future[None]) -> Call:
 
 class _Asyncio:
     __slots__ = (
-        "_loop", "_ready", "asked", "awaiting", "call_soon", "checkpoint_if_cancelled", "post",
-        "ready_check_s", "yielded",
+        "_loop", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
+        "checkpoint_if_cancelled", "post", "ready_check_s", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -134,6 +141,7 @@ class _Asyncio:
         self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
             anyio.lowlevel.checkpoint_if_cancelled
         )
+        self.checkpoint: Callable[[], Awaitable[None]] = _sleep0
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
 
@@ -178,7 +186,7 @@ class _Asyncio:
 class _Trio:
     __slots__ = (
         "_ended", "_statistics", "_token", "_trio", "asked", "awaiting", "call_soon",
-        "checkpoint_if_cancelled", "post", "ready_check_s", "yielded",
+        "checkpoint", "checkpoint_if_cancelled", "post", "ready_check_s", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
@@ -193,6 +201,7 @@ class _Trio:
         self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
             trio.lowlevel.checkpoint_if_cancelled
         )
+        self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
         self._token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks

@@ -207,11 +207,11 @@ MUTATIONS = [
         "B5",
         "a loop's poller stops polling while runs are pending (and arms nothing)",
         '_bridge.py',
-        '            if now < self.deadline:\n'
+        '            if now < busy.deadline:\n'
         '                for lane in self.lanes:\n'
-        '                    lane.polled_until = self.deadline\n'
+        '                    lane.polled_until = busy.deadline\n'
         '                return True\n',
-        '            if now < self.deadline:\n'
+        '            if now < busy.deadline:\n'
         '                return False\n',
         ('tests/test_bridge.py',),
     ),
@@ -509,16 +509,34 @@ MUTATIONS = [
         "B10",
         "an await spins while other awaits of its loop are in progress",
         '_bridge.py',
-        '        if limit <= 0 or loop.awaiting > 1:\n',
-        '        if limit <= 0:\n',
+        '        if loop.awaiting > 1:\n'
+        '            return False\n',
+        '        if False:\n'
+        '            return False\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
         "B11",
         "the busy-poll budget runs out in turns the loop spent on other work",
         '_bridge.py',
-        '            if ran_other or self.ran_other:\n',
-        '            if False:\n',
+        '        if ran_other or self.ran_other:\n',
+        '        if False:\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B12",
+        "a lone await reads its own word past the busy-poll budget (a long await spins to its end)",
+        '_bridge.py',
+        '            if now >= busy.deadline or not self._alone(loop):\n',
+        '            if not self._alone(loop):\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B13",
+        "a lone await goes on reading its own word once another await of its loop starts",
+        '_bridge.py',
+        '            if now >= busy.deadline or not self._alone(loop):\n',
+        '            if now >= busy.deadline:\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
