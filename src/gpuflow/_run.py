@@ -100,7 +100,9 @@ def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, Sched
             if s is not None and s.device == device:
                 return s, _Pinned(s)
         policy = DEFAULT_POLICY
-    elif not isinstance(policy, SchedulingPolicy):
+    elif not callable(getattr(policy, "next_stream", None)):
+        # (what isinstance(policy, SchedulingPolicy) asks, without the
+        # protocol check's cost: microseconds a run)
         raise UsageTypeError(
             f"policy must be a gf.SchedulingPolicy (with next_stream(device)), "
             f"got {type(policy).__name__}"
