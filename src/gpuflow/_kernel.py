@@ -473,28 +473,34 @@ class _Launch(DeviceOperation[Any]):
             p.pointer or isinstance(a, DeviceOperation)
             for p, a in zip(kernel.params, args, strict=True)
         )
-        self._cache: tuple[object, Any, Callable[..., None]] | None = None
+        self._cache: tuple[object, Any, Callable[[Any], None] | None] | None = None
 
-    def _loaded(self, ctx: ExecutionContext) -> tuple[object, Any, Callable[..., None]]:
+    def _loaded(self, ctx: ExecutionContext) -> tuple[object, Any, Callable[[Any], None] | None]:
         # one launch op is usually run on one device: remember its handle
-        # there (and the backend's launch), for the life of that device's
-        # context in that runtime
+        # there (and, for a launch whose arguments are final, the backend's
+        # launcher of it), for the life of that device's context in that runtime
         c = self._cache
         life = ctx.stream._life
         if c is None or c[0] is not life:
             raw = self._kernel.module._load(ctx, self._kernel.name)
-            c = self._cache = (life, raw, ctx._runtime.backend.launch)
+            cfg = self._config
+            launch_on = (
+                ctx._runtime.backend.launcher(raw, cfg.grid, cfg.block, cfg.shmem, self._args)
+                if self._plain
+                else None
+            )
+            c = self._cache = (life, raw, launch_on)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:
-        cfg = self._config
         if self._plain:
             c = self._cache
             stream = ctx.stream
             if c is None or c[0] is not stream._life:
                 c = self._loaded(ctx)
-            c[2](c[1], cfg.grid, cfg.block, cfg.shmem, self._args, stream._raw)
+            c[2](stream._raw)  # type: ignore[misc]  # (a plain launch has its launcher)
             return None
+        cfg = self._config
         k = self._kernel
         values: list[Any] = []
         for p, a in zip(k.params, self._args, strict=True):

@@ -17,7 +17,7 @@ from gpuflow._backends import _nvrtc
 # which the stand-in does not have: it compiles once before the stand-in is
 # loaded.  cuda-bindings then finds the stand-in by its soname.
 _nvrtc.compile_source('extern "C" __global__ void warm() {}', "sm_90", ())
-ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+standin = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
 
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
@@ -49,6 +49,37 @@ s = gf.new_stream()
 for _ in range(100):
     empty.enqueue_on(s)
 s.synchronize()
+
+# what a launch passes: scalar arguments packed once into a launch's own
+# parameter array, and its later runs (enqueued, traced, on another stream)
+# pass the same values; another launch of the kernel passes its own
+recorded = (ctypes.c_uint64 * 8).in_dll(standin, "standin_params")
+ctypes.c_int.in_dll(standin, "standin_record").value = 3
+put = gf.compile('extern "C" __global__ void put(float v, int i, unsigned long long p) {}').put
+
+
+def passed() -> tuple[float, int, int]:
+    raw = bytes(recorded)
+    return (
+        float(np.frombuffer(raw[0:4], np.float32)[0]),
+        int(np.frombuffer(raw[8:12], np.int32)[0]),
+        int(np.frombuffer(raw[16:24], np.uint64)[0]),
+    )
+
+
+one = put(gf.LaunchConfig(1, 1), 2.5, -7, 0x123456789)
+other = put(gf.LaunchConfig(1, 1), -1.25, 3, 42)
+for op, want in ((one, (2.5, -7, 0x123456789)), (other, (-1.25, 3, 42))):
+    for run in range(3):
+        recorded[:] = [0] * 8
+        op.sync() if run == 0 else op.enqueue_on(s)
+        assert passed() == want, (run, passed(), want)
+recorded[:] = [0] * 8
+with testing.record_activity():  # (timed launches take the checked path)
+    one.sync_on(gf.new_stream())
+assert passed() == (2.5, -7, 0x123456789), passed()
+s.synchronize()
+ctypes.c_int.in_dll(standin, "standin_record").value = 0
 
 # awaits under each loop: the completion words, the poller, the inline read
 stats = gf.lowlevel.current_completion_statistics

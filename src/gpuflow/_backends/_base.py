@@ -305,6 +305,25 @@ class Backend(abc.ABC):
     ) -> None:
         """Enqueue a kernel; LaunchError for a bad configuration."""
 
+    def launcher(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shmem: int,
+        args: Sequence[KernelArg],
+    ) -> Callable[[Any], None]:
+        """:meth:`launch` of ``kernel`` with everything but the stream fixed
+        (scalar arguments only): called with a stream, it enqueues the
+        kernel there.  Made once for many launches; a backend may prepare
+        the call (the cuda backend packs the arguments once)."""
+        launch = self.launch
+
+        def launch_on(stream: Any) -> None:
+            launch(kernel, grid, block, shmem, args, stream)
+
+        return launch_on
+
     # -- the native half of the completion bridge -----------------------------
     @abc.abstractmethod
     def mark(self, stream: Any) -> int:

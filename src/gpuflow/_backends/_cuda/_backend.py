@@ -57,6 +57,7 @@ from ._kernels import (
     UINT_OF_SIZE,
     VALUES_OFFSET,
     arange_kernel,
+    packed,
     plan,
 )
 from ._nccl import NcclComms
@@ -638,6 +639,44 @@ class CudaBackend(CudaContexts):
                 raise
         if timed is not None:
             timer.end(timed)
+
+    def launcher(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shmem: int,
+        args: Sequence[KernelArg],
+    ) -> Callable[[Any], None]:
+        if any(type(a) is PointerArg for a in args):
+            return super().launcher(kernel, grid, block, shmem, args)
+        # the arguments are packed once, into an array of the launcher's own
+        # (the driver copies them at each launch); a launch where anything is
+        # not as usual (a fault, a reset, another thread's context, the
+        # activity record) goes through launch(), which checks and times it
+        keep, params = packed(tuple(map(type, args)), tuple(args)) if args else (None, 0)
+        launch, launch_failed, f = self.launch, self._launch_failed, self._launch
+        obj, tls, timer = kernel.obj, self._tls, self._timer
+        gx, gy, gz = grid
+        bx, by, bz = block
+
+        def launch_on(stream: CudaStream, _keep: Any = keep) -> None:
+            dev = stream.dev
+            if (
+                dev.fault is not None
+                or kernel.token is not dev.token
+                or stream.token is not dev.token
+                or stream.destroyed
+                or tls.token is not dev.token
+                or timer.records
+            ):
+                launch(kernel, grid, block, shmem, args, stream)
+                return
+            (err,) = f(obj, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
+            if err:
+                launch_failed(int(err), kernel, grid, block, shmem, params, stream)
+
+        return launch_on
 
     def _stale_launch(self, kernel: CudaKernel, stream: CudaStream) -> NoReturn:
         if kernel.token is not kernel.dev.token:

@@ -47,6 +47,20 @@ class ThreadState(threading.local):
 
 VALUES_OFFSET = 8 * MAX_ARGS
 
+
+def packed(key: tuple[type, ...], values: tuple[Any, ...]) -> tuple[Any, int]:
+    """A parameter array of its own for arguments that never change, laid out
+    as a thread's (``n`` pointers, then the ``n`` value slots they point
+    at): ``(the array, to keep alive while it is used; its address)``."""
+    st = plan(key)
+    n = len(values)
+    buf = (ctypes.c_uint64 * (2 * n))()
+    base = ctypes.addressof(buf)
+    for i in range(n):
+        buf[i] = base + 8 * (n + i)
+    st.pack_into(buf, 8 * n, *values)
+    return buf, base
+
 _SCALAR_CODES = {
     ("f", 2): "e", ("f", 4): "f", ("f", 8): "d",
     ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
