@@ -220,3 +220,32 @@ def test_the_demo_fan_out_compares_tokens_per_second_with_one_device(
         r"device's tokens/s \(median of 3 runs each\)", line)
     assert m, line
     assert float(m[3]) == pytest.approx(float(m[2]) / float(m[1]), rel=0.01)
+
+
+def test_the_bench_takes_its_paths_in_turns_and_each_where_it_may_run() -> None:
+    # a ratio of two medians compares like with like only if both paths were
+    # timed across the same stretch of the run: in turns of `block` calls,
+    # coroutine functions inside an event loop, plain ones outside any
+    from gpuflow._loops import running_loop_name
+
+    calls: list[tuple[str, str | None]] = []
+
+    async def awaited() -> None:
+        calls.append(("awaited", running_loop_name()))
+
+    def plain() -> None:
+        calls.append(("plain", running_loop_name()))
+
+    got = _bench_rows.interleaved({"awaited": awaited, "plain": plain}, 40, 10)
+    assert {k: len(v) for k, v in got.items()} == {"awaited": 40, "plain": 40}
+    assert all(t >= 0 for v in got.values() for t in v)
+    # 4 untimed calls of each, then turns of 10
+    names = [name for name, _ in calls]
+    assert names == ["awaited"] * 4 + ["plain"] * 4 + (["awaited"] * 10 + ["plain"] * 10) * 4
+    assert {where for name, where in calls if name == "awaited"} == {"asyncio"}
+    assert {where for name, where in calls if name == "plain"} == {None}
+    # coroutine functions alone: one loop, in turns all the same
+    calls.clear()
+    got = _bench_rows.interleaved({"a": awaited, "b": awaited}, 20, 5, "trio")
+    assert {k: len(v) for k, v in got.items()} == {"a": 20, "b": 20}
+    assert len(calls) == 2 * (2 + 20) and {where for _, where in calls} == {"trio"}

@@ -41,7 +41,15 @@ from ._bench_poll import (
     bench_poll_turn,
     bench_torch_requests,
 )
-from ._bench_rows import ROWS, Completions, event_loops, median_us, missing_loops, row
+from ._bench_rows import (
+    ROWS,
+    Completions,
+    event_loops,
+    interleaved,
+    median_us,
+    missing_loops,
+    row,
+)
 from ._runtime import get_runtime
 from .lowlevel import pool_streams
 
@@ -129,64 +137,37 @@ class Raw:
 def bench_launch_await(mod: gf.Module, quick: bool, cuda: bool) -> None:
     n = 300 if quick else 3000
     op = mod.empty(gf.LaunchConfig(1, 1))
-    print("launch + await of one empty kernel (median per op)")
+    print("launch + await of one empty kernel (median per op; the paths taken in turns)")
+    raw = Raw(gf.new_stream()) if cuda else None
     for lib, backend, options in event_loops():
-        async def gf_loop() -> list[float]:
-            out = []
-            for _ in range(n // 10):
-                await op
-            for _ in range(n):
-                t0 = time.perf_counter()
-                await op
-                out.append(time.perf_counter() - t0)
-            return out
+        async def ours() -> None:
+            await op
 
+        paths: dict[str, Callable[[], Any]] = {"ours": ours}
+        if raw is not None:
+            async def thread(raw: Raw = raw) -> None:
+                raw.launch()
+                await anyio.to_thread.run_sync(raw.sync)
+
+            def blocking(raw: Raw = raw) -> None:
+                raw.launch()
+                raw.sync()
+
+            paths.update(thread=thread, naive=raw.naive_await, blocking=blocking)
         seen = Completions()
-        ours = median_us(anyio.run(gf_loop, backend=backend, backend_options=options))
-        if not cuda:
-            row(f"gpuflow await ({lib})", ours, "us", target="(sim: no target)")
+        got = interleaved(paths, n, 100, backend, options)
+        us = {name: median_us(samples) for name, samples in got.items()}
+        if raw is None:
+            row(f"gpuflow await ({lib})", us["ours"], "us", target="(sim: no target)")
             seen.show()
             continue
-        stream = gf.new_stream()
-        raw = Raw(stream)
-
-        async def thread_loop(raw: Raw) -> list[float]:
-            out = []
-            for _ in range(n // 10):
-                raw.launch()
-                await anyio.to_thread.run_sync(raw.sync)
-            for _ in range(n):
-                t0 = time.perf_counter()
-                raw.launch()
-                await anyio.to_thread.run_sync(raw.sync)
-                out.append(time.perf_counter() - t0)
-            return out
-
-        base = median_us(anyio.run(thread_loop, raw, backend=backend, backend_options=options))
-        row(f"gpuflow await ({lib})", ours, "us", f"to_thread(sync) {lib}", base, "<= 0.35x")
+        row(f"gpuflow await ({lib})", us["ours"], "us", f"to_thread(sync) {lib}", us["thread"],
+            "<= 0.35x")
         seen.show()
-
-        async def naive_loop(raw: Raw) -> list[float]:
-            out = []
-            for _ in range(n // 10):
-                await raw.naive_await()
-            for _ in range(n):
-                t0 = time.perf_counter()
-                await raw.naive_await()
-                out.append(time.perf_counter() - t0)
-            return out
-
-        naive = median_us(anyio.run(naive_loop, raw, backend=backend, backend_options=options))
-        row(f"gpuflow await ({lib}) vs naive bridge", ours, "us", "launch+close(pipe) host fn",
-            naive, "(reference)")
-        blocking = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            raw.launch()
-            raw.sync()
-            blocking.append(time.perf_counter() - t0)
-        row(f"gpuflow await ({lib}) vs blocking", ours, "us", "launch+cuStreamSynchronize",
-            median_us(blocking), "<= 2x")
+        row(f"gpuflow await ({lib}) vs naive bridge", us["ours"], "us",
+            "launch+close(pipe) host fn", us["naive"], "(reference)")
+        row(f"gpuflow await ({lib}) vs blocking", us["ours"], "us", "launch+cuStreamSynchronize",
+            us["blocking"], "<= 2x")
 
 
 def bench_throughput(mod: gf.Module, quick: bool, cuda: bool) -> None:
@@ -228,16 +209,17 @@ def bench_throughput(mod: gf.Module, quick: bool, cuda: bool) -> None:
     for lib, backend, options in event_loops():
         target = ">= 70,000 (asyncio)" if lib == "asyncio" else ""
         seen = Completions()
-        rates = [anyio.run(timed, ours, backend=backend, backend_options=options)
-                 for _ in range(3)]
+        rates, base = [], []
+        for _ in range(3):  # (in turns with the baseline's runs)
+            rates.append(anyio.run(timed, ours, backend=backend, backend_options=options))
+            if cuda:
+                base.append(anyio.run(timed, naive, backend=backend, backend_options=options))
         rate = statistics.median(rates)
         if not cuda:
             row(f"awaited ops per second ({lib})", rate, "op/s",
                 target="(sim: no target)", lower_is_better=False)
             seen.show()
         else:
-            base = [anyio.run(timed, naive, backend=backend, backend_options=options)
-                    for _ in range(3)]
             row(f"awaited ops per second ({lib})", rate, "op/s",
                 f"naive close(pipe) bridge {lib}", statistics.median(base),
                 f">= 2.5x{', ' + target if target else ''}", lower_is_better=False)
@@ -259,19 +241,38 @@ def bench_chain_and_graph(mod: gf.Module, quick: bool, cuda: bool) -> None:
     reps = 20 if quick else 200
     chain = _chain(mod, 132)
     stream = gf.new_stream()
-    print("132-kernel token (median per token)")
-
+    print("132-kernel token (median per token; the paths taken in turns)")
     one = gf.SingleStream()
+    graph = chain.capture(stream)
+    launch = graph.launch()
 
-    async def timed(op: gf.DeviceOperation[Any]) -> list[float]:
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            await op.run(one)
-            out.append(time.perf_counter() - t0)
-        return out
+    async def chain_awaited() -> None:
+        await chain.run(one)
 
-    ours = median_us(anyio.run(timed, chain))
+    async def replay_awaited() -> None:
+        await launch.run(one)
+
+    paths: dict[str, Callable[[], Any]] = {"chain": chain_awaited, "replay": replay_awaited}
+    if cuda:
+        raw = Raw(stream)
+        cu = raw.cu
+        gexec = cu.CUgraphExec(gf.lowlevel.graph_exec_handle(graph))
+
+        def raw_chain() -> None:
+            for _ in range(132):
+                raw.launch()
+            raw.sync()
+
+        def raw_replay() -> None:
+            cu.cuGraphLaunch(gexec, raw.stream)
+            raw.sync()
+
+        def replay_synced() -> None:
+            launch.sync_on(stream)
+
+        paths.update(raw_chain=raw_chain, raw_replay=raw_replay, synced=replay_synced)
+    got = interleaved(paths, reps, 10)
+    us = {name: median_us(samples) for name, samples in got.items()}
     per_kernel = []
     k = mod.empty(gf.LaunchConfig(1, 1))
     for _ in range(max(3, reps // 20)):
@@ -280,44 +281,20 @@ def bench_chain_and_graph(mod: gf.Module, quick: bool, cuda: bool) -> None:
             k.sync_on(stream)
         per_kernel.append(time.perf_counter() - t0)
     sync_each = median_us(per_kernel)
-    graph = chain.capture(stream)
-    launch = graph.launch()
-    replay = median_us(anyio.run(timed, launch))
+    ours, replay = us["chain"], us["replay"]
     if cuda:
-        raw = Raw(stream)
-        loop = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(132):
-                raw.launch()
-            raw.sync()
-            loop.append(time.perf_counter() - t0)
         row("then chain awaited once", ours, "us", "raw cuLaunchKernel x132 + sync",
-            median_us(loop), "<= 1.15x")
+            us["raw_chain"], "<= 1.15x")
     row("then chain awaited once", ours, "us", "op.sync() after every kernel", sync_each,
         "<= 0.6x")
     row("graph replay awaited", replay, "us", "op.sync() after every kernel", sync_each,
         ">= 10x faster (<= 0.1x)")
     if cuda:
-        cu = raw.cu
-        exec_handle = gf.lowlevel.graph_exec_handle(graph)
-        gexec = cu.CUgraphExec(exec_handle)
-        rawg = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            cu.cuGraphLaunch(gexec, raw.stream)
-            raw.sync()
-            rawg.append(time.perf_counter() - t0)
         row("graph replay awaited", replay, "us", "raw cuGraphLaunch + sync (same graph)",
-            median_us(rawg), "<= 1.2x")
-        synced = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            launch.sync_on(stream)
-            synced.append(time.perf_counter() - t0)
-        row("graph replay, launch().sync_on(stream)", median_us(synced), "us",
-            "raw cuGraphLaunch + sync (same graph)", median_us(rawg), "<= 1.1x")
-        row("graph replay, launch().sync_on(stream)", median_us(synced), "us",
+            us["raw_replay"], "<= 1.2x")
+        row("graph replay, launch().sync_on(stream)", us["synced"], "us",
+            "raw cuGraphLaunch + sync (same graph)", us["raw_replay"], "<= 1.1x")
+        row("graph replay, launch().sync_on(stream)", us["synced"], "us",
             "op.sync() after every kernel", sync_each, ">= 10x faster (<= 0.1x)")
 
 

@@ -5,9 +5,14 @@ ratio and the target; and the event loops each row is measured under."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 import statistics
+import time
+from collections.abc import Callable
 from typing import Any
+
+import anyio
 
 from .lowlevel import current_completion_statistics
 
@@ -46,6 +51,65 @@ def row(name: str, value: float, unit: str, base_name: str = "", base: float | N
 
 def median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
+
+
+def interleaved(
+    paths: dict[str, Callable[[], Any]],
+    n: int,
+    block: int = 20,
+    backend: str = "asyncio",
+    options: dict[str, Any] | None = None,
+) -> dict[str, list[float]]:
+    """``n`` timed calls of each path, after ``n // 10`` untimed ones, taken
+    in turns of ``block`` calls: a machine whose speed drifts during the run
+    (other tenants, clocks) weighs on every path alike, and a ratio of their
+    medians compares like with like.
+
+    A coroutine function is awaited in an event loop (``anyio.run`` with
+    ``backend`` and ``options``), a plain function called outside any (where
+    gpuflow's blocking calls are allowed); with plain ones among the paths,
+    each turn runs a loop of its own."""
+    asynchronous = {name: inspect.iscoroutinefunction(fn) for name, fn in paths.items()}
+    out: dict[str, list[float]] = {name: [] for name in paths}
+    clock = time.perf_counter
+
+    def plain_turn(count: int, keep: bool) -> None:
+        for name, fn in paths.items():
+            if not asynchronous[name]:
+                samples = out[name] if keep else []
+                for _ in range(count):
+                    t0 = clock()
+                    fn()
+                    samples.append(clock() - t0)
+
+    async def async_turns(count: int, keep: bool, turns: int) -> None:
+        for _ in range(turns):
+            for name, fn in paths.items():
+                if asynchronous[name]:
+                    samples = out[name] if keep else []
+                    for _ in range(count):
+                        t0 = clock()
+                        await fn()
+                        samples.append(clock() - t0)
+
+    def loop_turns(count: int, keep: bool, turns: int) -> None:
+        if any(asynchronous.values()):
+            anyio.run(async_turns, count, keep, turns, backend=backend, backend_options=options)
+
+    warm, turns = max(1, n // 10), max(1, n // block)
+    if all(asynchronous.values()):
+        async def everything() -> None:
+            await async_turns(warm, False, 1)
+            await async_turns(block, True, turns)
+
+        anyio.run(everything, backend=backend, backend_options=options)
+        return out
+    loop_turns(warm, False, 1)
+    plain_turn(warm, False)
+    for _ in range(turns):
+        loop_turns(block, True, 1)
+        plain_turn(block, True)
+    return out
 
 
 def event_loops() -> list[tuple[str, str, dict[str, Any]]]:
