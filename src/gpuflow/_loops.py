@@ -308,6 +308,12 @@ def running_loop_name() -> str | None:
 
 def current_loop() -> Loop:
     """The adapter of the loop running in this thread (UsageError if none)."""
+    cache = _cache
+    running = asyncio._get_running_loop()  # (no exception where none runs)
+    if running is not None and running is cache.target:
+        # the asyncio loop found here last time (never where Trio runs too,
+        # as under trio-asyncio: the target is then Trio's token)
+        return cache.loop  # type: ignore[return-value]
     trio = _in_trio()
     if trio is not None:
         target: Any = trio.lowlevel.current_trio_token()
@@ -318,7 +324,6 @@ def current_loop() -> Loop:
             raise UsageError(
                 "awaiting a gpuflow operation needs a running asyncio or Trio event loop"
             ) from None
-    cache = _cache
     if cache.target is not target:  # a loop runs many runs: make its adapter once
         cache.loop = _Trio(trio) if trio is not None else _Asyncio(target)
         cache.target = target
