@@ -9,7 +9,9 @@ no driver call, no thread, no host function on the way.
   words of the streams those runs are on once per loop turn, and completes
   every run a word covers, in order: it releases what the runs kept and
   wakes their tasks directly.  One read per stream per turn, however many
-  runs are pending.
+  runs are pending.  An await alone in its loop reads its own word instead:
+  inline for a few microseconds, then once per turn of the loop, so that
+  the turn that sees its run done resumes it (:meth:`Dispatcher.poll_alone`).
 * **Sleep when idle.**  When no run completes within the busy-poll budget
   (``busy_poll_s``; see :func:`gpuflow.init_device_contexts`), the poller
   stops and arms a wake-up for the oldest pending run of each stream: a
@@ -124,7 +126,8 @@ class CompletionStatistics:
 
     #: seen done by the awaiting task itself before it parked (its inline spin)
     spun: int
-    #: seen done by a loop's poller in a loop turn (busy poll, or after a wake-up)
+    #: seen done by a read once per loop turn: a loop's poller's (busy poll,
+    #: or after a wake-up), or a lone await's own past its inline spin
     polled: int
     #: seen done by the dispatcher thread (runs no loop awaits, loops that
     #: slept on a wake-up the thread watches, loops that stopped)
