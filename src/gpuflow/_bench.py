@@ -107,6 +107,7 @@ class Raw:
         self.mod = cu.cuModuleLoadData(cubin)[1]
         self.empty = cu.cuModuleGetFunction(self.mod, b"empty")[1]
         handle = stream.__cuda_stream__()[1]
+        self.owner = stream  # (the handle lives as long as the stream: keep it)
         self.stream = cu.CUstream(handle)
         # the naive bridge: libc close() as the host function, through ctypes
         # (the bindings' wrapper would take the GIL in the driver's thread)
