@@ -5,7 +5,9 @@ No device is used.  Run: python benchmarks/profile_frontend.py [profile]
 
 ``--driver-share`` (on a GPU) runs the 64-task throughput on the cuda
 backend with the backend's ``launch`` and ``mark`` timed: the two driver
-calls every run makes on the loop's thread.
+calls every run makes on the loop's thread; and the CPU time of the loop's
+thread and of the process over the run's wall time (a loop thread near 1.0
+is busy throughout, waiting neither for the GIL nor in the driver).
 
 ``--stand-in LIB`` runs the same rows on the ``cuda`` backend against a
 stand-in libcuda, which does each item at once and kernels not at all
@@ -222,9 +224,17 @@ class ModelBackend(NullBackend):
         return True
 
 
-def throughput(lib: str, op: gf.DeviceOperation[Any], tasks: int, per: int) -> float:
+def throughput(
+    lib: str,
+    op: gf.DeviceOperation[Any],
+    tasks: int,
+    per: int,
+    cpu: dict[str, float] | None = None,
+) -> float:
     """Awaited ops per second: ``tasks`` tasks each awaiting ``op`` ``per``
-    times (the bench's ``throughput`` row, without its naive baseline)."""
+    times (the bench's ``throughput`` row, without its naive baseline).
+    ``cpu``, if given, receives the CPU time of the loop's thread and of the
+    whole process over the timed part, as fractions of its wall time."""
 
     async def worker() -> None:
         for _ in range(per):
@@ -234,11 +244,15 @@ def throughput(lib: str, op: gf.DeviceOperation[Any], tasks: int, per: int) -> f
         async with anyio.create_task_group() as tg:  # warm-up
             for _ in range(4):
                 tg.start_soon(worker)
-        t0 = time.perf_counter()
+        c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
         async with anyio.create_task_group() as tg:
             for _ in range(tasks):
                 tg.start_soon(worker)
-        return tasks * per / (time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        if cpu is not None:
+            cpu["loop thread"] = (time.thread_time() - c0) / wall
+            cpu["process"] = (time.process_time() - p0) / wall
+        return tasks * per / wall
 
     if lib == "uvloop":
         import uvloop
@@ -379,10 +393,10 @@ def driver_share() -> int:
     backend = gf.lowlevel.current_backend_object()
     spent: dict[str, list[float]] = {}
 
-    def timed(name: str) -> None:
-        real = getattr(backend, name)
+    clock = time.perf_counter
+
+    def timing(name: str, real: Any) -> Any:
         spent[name] = [0.0, 0]
-        clock = time.perf_counter
 
         def call(*args: Any) -> Any:
             t0 = clock()
@@ -392,22 +406,28 @@ def driver_share() -> int:
             tally[1] += 1
             return out
 
-        setattr(backend, name, call)  # (an instance attribute: this process only)
+        return call
 
-    timed("launch")
-    timed("mark")
+    # (instance attributes: this process only) a launch of an op whose
+    # arguments are final goes through the launcher the backend made for it
+    made = backend.launcher
+    setattr(backend, "launcher", lambda *args: timing("launch", made(*args)))  # noqa: B010
+    setattr(backend, "mark", timing("mark", backend.mark))  # noqa: B010
     op = gf.compile('extern "C" __global__ void empty() {}').empty(gf.LaunchConfig(1, 1))
     loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
     for lib in loops:
         for tally in spent.values():
             tally[:] = [0.0, 0]
-        rate = throughput(lib, op, 64, 100)
+        cpu: dict[str, float] = {}
+        rate = throughput(lib, op, 64, 100, cpu)
         # (a call a run: its time times the rate is its share of the thread)
         parts = ", ".join(
             f"{name} {s / n * 1e6:.2f} us a call ({s / n * rate * 100:.0f}% of the loop thread)"
             for name, (s, n) in spent.items()
         )
-        print(f"64 tasks x 100 awaits, {lib:<7} {rate:>9,.0f} op/s; {parts}")
+        busy = ", ".join(f"{name} {share:.2f}" for name, share in cpu.items())
+        print(f"64 tasks x 100 awaits, {lib:<7} {rate:>9,.0f} op/s; {parts}; "
+              f"CPU time over wall time: {busy}")
     return 0
 
 
