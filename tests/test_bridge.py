@@ -460,6 +460,45 @@ async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wak
 
 
 @pytest.mark.anyio
+async def test_the_dispatcher_thread_leaves_a_busy_loops_runs_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # turns of 3 ms (other tasks' CPU work) and runs of 1 ms: every run is
+    # done well before the turn that reads its word.  The loop reads it
+    # there all the same: the dispatcher thread, ticking meanwhile, leaves a
+    # loop that is still turning its runs (its completions would come as
+    # posts from another thread, each a wake-up of the loop)
+    reinit(busy_poll_us=200)
+    x = await gf.zeros(64, F32)
+    pipes = count_pipes(monkeypatch)
+    stats = gf.lowlevel.current_completion_statistics
+    busy = True
+
+    async def other_work() -> None:
+        while busy:
+            time.sleep(0.003)  # (CPU work between two checkpoints)
+            await anyio.lowlevel.checkpoint()
+
+    async def awaits() -> None:
+        for _ in range(40):
+            await K.slow_fill(x, 1.0, 0.001)
+
+    before = stats()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_work)
+        async with anyio.create_task_group() as inner:
+            for _ in range(2):  # (not alone: the loop's poller reads the words)
+                inner.start_soon(awaits)
+        busy = False
+    after = stats()
+    assert pipes == []
+    assert (after.by_thread, after.watched_by_thread) == (
+        before.by_thread, before.watched_by_thread
+    ), (before, after)
+    assert after.polled + after.spun - before.polled - before.spun == 80
+
+
+@pytest.mark.anyio
 async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -498,6 +537,44 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
     assert pipes == []
     await gf.to_host(y).run(one)
     np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
+
+
+@pytest.mark.anyio
+async def test_a_run_left_to_the_thread_as_the_loop_sleeps_is_seen_done_at_its_end() -> None:
+    # a short run with a long one queued behind it: once the loop's budget
+    # is spent it sleeps, and the dispatcher thread watches the short run's
+    # word every millisecond; the loop no longer reads it, so the thread
+    # does not wait for a loop that is not turning before it takes the run
+    reinit(busy_poll_us=200)
+    one = gf.SingleStream()
+    x = await gf.zeros(64, F32)
+    y = await gf.zeros(64, F32)
+    stats = gf.lowlevel.current_completion_statistics
+    took: list[float] = []
+
+    async def timed(op: gf.DeviceOperation[Any]) -> None:
+        t0 = time.monotonic()
+        await op.run(one)
+        took.append(time.monotonic() - t0)
+
+    before = stats()
+    for _ in range(3):
+        enqueued = anyio.Event()
+
+        def short(ctx: gf.ExecutionContext, enqueued: anyio.Event = enqueued) -> Any:
+            enqueued.set()  # (the run is submitted before its task next yields)
+            return K.slow_fill(x, 1.0, 0.004)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(timed, gf.with_context(short))
+            await enqueued.wait()  # submitted, and being polled for
+            K.slow_fill(y, 2.0, 0.05).enqueue_on(one.stream)
+        await gf.to_host(y).run(one)  # (the next short run queues behind nothing)
+    after = stats()
+    assert after.watched_by_thread - before.watched_by_thread >= 3, (before, after)
+    # each within a few milliseconds of its 4 ms, not LOOP_STALL_S (20 ms) later
+    assert min(took) < 0.014, took
+    one.stream.synchronize()
 
 
 @pytest.mark.parametrize("busy_poll_us", [0, 200, 50_000])

@@ -74,6 +74,13 @@ INLINE_SPIN_S = 20e-6
 #: would otherwise have slept through (measured on an idle loop: a turn of
 #: the poller alone takes a few microseconds under asyncio, tens under Trio).
 BUSY_TURN_S = 100e-6
+#: A loop that reads a stream's word at every turn keeps the stream's runs
+#: from the dispatcher thread until this long after its last turn, even past
+#: its budget's deadline: a busy loop's turns are long, and the runs it would
+#: see done at its next turn would otherwise reach its tasks as posts from
+#: the thread (a wake-up of the loop each).  A loop that stopped turning has
+#: its runs completed by the thread that much later.
+LOOP_STALL_S = WATCHDOG_S
 #: An await whose run is done before it would park (an inline spin saw it
 #: done) yields to the loop when another task or callback is ready to run
 #: (asked at most every ``Loop.ready_check_s``), or when the loop's tasks
@@ -342,7 +349,8 @@ class _Lane:
         self.since = time.monotonic()
         self.wake_for = 0  # the mark a pipe's wake-up was armed for
         self.fast_for = 0  # the mark the dispatcher thread watches for a loop
-        #: a loop polls the word every turn until then: the thread leaves it be
+        #: a loop reads the word at every turn: the thread leaves the lane's
+        #: runs to it until then (LOOP_STALL_S)
         self.polled_until = 0.0
         #: when the dispatcher thread first saw reached a mark a loop's pipe
         #: will report (it leaves that to the loop for a tick)
@@ -394,6 +402,11 @@ class _BusyPoll:
         self.turned, self.ran_other = now, False
         self.deadline = now + budget
 
+    def held_until(self, now: float) -> float:
+        """Until when the dispatcher thread leaves the polled streams' runs
+        to the loop, as of a turn at ``now`` (a lane's ``polled_until``)."""
+        return max(self.deadline, now + LOOP_STALL_S)
+
     def turn(self, now: float) -> None:
         """A turn of the loop ends at ``now`` (the clock is ``time.monotonic``)."""
         gap = now - self.turned
@@ -440,10 +453,11 @@ class _Poller:
         now = time.monotonic()
         busy = self.busy
         if polling and busy.deadline > now:
-            lane.polled_until = busy.deadline = max(busy.deadline, now + budget)
+            busy.deadline = max(busy.deadline, now + budget)
+            lane.polled_until = busy.held_until(now)
         elif budget > 0:
             busy.start(now, budget)
-            lane.polled_until = busy.deadline
+            lane.polled_until = busy.held_until(now)
             self.kick()
         else:
             self.arm()
@@ -471,8 +485,9 @@ class _Poller:
             if not self.lanes:
                 return False
             if now < busy.deadline:
+                held = busy.held_until(now)
                 for lane in self.lanes:
-                    lane.polled_until = busy.deadline
+                    lane.polled_until = held
                 return True
             self.arm()
         except BaseException as exc:
@@ -483,6 +498,7 @@ class _Poller:
         """Going to sleep: a wake-up for the oldest pending run of each lane."""
         d = self.dispatcher
         for lane in self.lanes:
+            lane.polled_until = 0.0  # (no more reads: the thread may take its runs)
             subs = lane.subs
             if not subs:
                 continue
@@ -693,8 +709,9 @@ class Dispatcher:
         assert lane is not None
         clock = time.monotonic
         busy = _BusyPoll()
-        busy.start(clock(), self.busy_poll_s)
-        lane.polled_until = busy.deadline
+        now = clock()
+        busy.start(now, self.busy_poll_s)
+        lane.polled_until = busy.held_until(now)
         checkpoint = loop.checkpoint
         while True:
             await checkpoint()
@@ -703,7 +720,7 @@ class Dispatcher:
                 return 0.0
             now = clock()
             busy.turn(now)
-            lane.polled_until = busy.deadline
+            lane.polled_until = busy.held_until(now)
             reached = lane.read()
             if reached > lane.completed:
                 done = self._advance([(lane, reached)], now)

@@ -208,8 +208,9 @@ MUTATIONS = [
         "a loop's poller stops polling while runs are pending (and arms nothing)",
         '_bridge.py',
         '            if now < busy.deadline:\n'
+        '                held = busy.held_until(now)\n'
         '                for lane in self.lanes:\n'
-        '                    lane.polled_until = busy.deadline\n'
+        '                    lane.polled_until = held\n'
         '                return True\n',
         '            if now < busy.deadline:\n'
         '                return False\n',
@@ -521,6 +522,22 @@ MUTATIONS = [
         '_bridge.py',
         '        if ran_other or self.ran_other:\n',
         '        if False:\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B14",
+        "the dispatcher thread takes the runs of a busy loop that still reads their words",
+        '_bridge.py',
+        '        return max(self.deadline, now + LOOP_STALL_S)\n',
+        '        return self.deadline\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B15",
+        "a loop going to sleep keeps its streams' runs from the dispatcher thread a while longer",
+        '_bridge.py',
+        '            lane.polled_until = 0.0  # (no more reads: the thread may take its runs)\n',
+        '            pass\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
