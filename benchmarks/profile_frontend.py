@@ -309,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         _nvrtc.compile_source('extern "C" __global__ void warm() {}', "sm_90", ())
         ctypes.CDLL(args.stand_in, mode=ctypes.RTLD_GLOBAL)  # found by its soname
         gf.init_device_contexts(backend="cuda")
+        name = gf.lowlevel.current_backend_object().device_name(0)
+        if name != "Fake GPU":
+            # a driver of the machine answered cuda-bindings (and the stand-in
+            # perhaps ctypes): the figures would mix the two
+            p.error(f"--stand-in: the device is {name!r}, not the stand-in's: run it where "
+                    "no CUDA driver is installed")
         mod = gf.compile('extern "C" __global__ void empty() {}')
     else:
         gf.init_device_contexts(backend=NullBackend())
