@@ -666,6 +666,8 @@ class Dispatcher:
         """A lone await (no other await of ``loop`` in progress, nothing else
         of it pending): read the word for up to :data:`INLINE_SPIN_S` (within
         the busy-poll budget), and complete the run here if it is reached.
+        True where the await is alone and its run was not seen done (it
+        may go on reading the word at its loop's turns: :meth:`poll_alone`).
 
         Never where other awaits of the loop are in progress, parked or
         woken and not yet resumed: their tasks would wait for the spin, and
@@ -704,7 +706,7 @@ class Dispatcher:
         parks, and the loop's poller polls for the rest of it: the await
         spins at most the budget in all).  Cancellation is the loop's own,
         at a turn; the run stays pending, and the dispatcher thread takes it
-        over once the budget is spent."""
+        over :data:`LOOP_STALL_S` after the last turn that read its word."""
         lane = sub.lane
         assert lane is not None
         clock = time.monotonic
