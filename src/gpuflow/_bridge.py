@@ -48,7 +48,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -57,6 +56,7 @@ import anyio.lowlevel
 from ._backends._base import Backend
 from ._errors import DeviceError, DeviceFaultError
 from ._loops import Loop, current_loop
+from ._statistics import CompletionStatistics
 
 #: How often the dispatcher thread reads the words and watches for faults
 #: while anything is pending.
@@ -118,32 +118,6 @@ class Communicating(Protocol):
 
     def abort(self, reason: str) -> None:
         """Make its collectives in flight return (and fail)."""
-
-
-@dataclass(frozen=True)
-class CompletionStatistics:
-    """How the completions of runs were seen, since the runtime started
-    (:func:`gpuflow.lowlevel.current_completion_statistics`): what a busy
-    poll saves, and what it costs, on this machine.
-
-    Each count is of runs completed (``pipes_armed`` and
-    ``watched_by_thread`` of wake-ups armed).  The counts are kept without a
-    lock: exact while one thread awaits, approximate where several race.
-    """
-
-    #: seen done by the awaiting task itself before it parked (its inline spin)
-    spun: int
-    #: seen done by a read once per loop turn: a loop's poller's (busy poll,
-    #: or after a wake-up), or a lone await's own past its inline spin
-    polled: int
-    #: seen done by the dispatcher thread (runs no loop awaits, loops that
-    #: slept on a wake-up the thread watches, loops that stopped)
-    by_thread: int
-    #: sleeping wake-ups armed as a pipe the GPU closes (no thread involved)
-    pipes_armed: int
-    #: sleeping wake-ups left to the dispatcher thread (the run had work
-    #: queued behind it on its stream, or no pipe could be had)
-    watched_by_thread: int
 
 
 #: Makes "done" and "take the callbacks" one step against add_done_callback.

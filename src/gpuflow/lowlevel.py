@@ -11,7 +11,6 @@ from ._backends import register_backend as register_backend
 from ._backends._base import Backend as Backend
 from ._backends._base import CollectiveCall as CollectiveCall
 from ._backends._base import PointerArg as PointerArg
-from ._bridge import CompletionStatistics as CompletionStatistics
 from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
 from ._interop import ImportedAllocation as ImportedAllocation
@@ -19,6 +18,7 @@ from ._interop import StreamAdapter as StreamAdapter
 from ._interop import register_stream_adapter as register_stream_adapter
 from ._operation import Graph
 from ._runtime import current_device, get_runtime
+from ._statistics import CompletionStatistics as CompletionStatistics
 from ._stream import Stream
 
 __all__ = [
