@@ -16,12 +16,14 @@ import the private modules that hold them (``_bridge``, ``_runtime``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,25 @@ def count_pipes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(backend, "enqueue_close", closing)
     return calls
+
+
+@contextlib.asynccontextmanager
+async def other_task_working(turn_s: float) -> AsyncIterator[None]:
+    """While the block runs, another task of the loop does ``turn_s`` of CPU
+    work between two checkpoints: the loop's turns are that long."""
+    busy = True
+
+    async def work() -> None:
+        while busy:
+            time.sleep(turn_s)
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(work)
+        try:
+            yield
+        finally:
+            busy = False
 
 
 def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -438,18 +459,9 @@ async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wak
     x = await gf.zeros(64, F32)
     pipes = count_pipes(monkeypatch)
     stats = gf.lowlevel.current_completion_statistics
-    busy = True
-
-    async def other_work() -> None:
-        while busy:
-            time.sleep(0.0005)  # (CPU work between two checkpoints)
-            await anyio.lowlevel.checkpoint()
-
     before = stats()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(other_work)
+    async with other_task_working(0.0005):
         await K.slow_fill(x, 1.0, 0.03)
-        busy = False
     after = stats()
     assert pipes == []
     assert (after.watched_by_thread, after.by_thread) == (
@@ -472,24 +484,14 @@ async def test_the_dispatcher_thread_leaves_a_busy_loops_runs_to_the_loop(
     x = await gf.zeros(64, F32)
     pipes = count_pipes(monkeypatch)
     stats = gf.lowlevel.current_completion_statistics
-    busy = True
-
-    async def other_work() -> None:
-        while busy:
-            time.sleep(0.003)  # (CPU work between two checkpoints)
-            await anyio.lowlevel.checkpoint()
-
     async def awaits() -> None:
         for _ in range(40):
             await K.slow_fill(x, 1.0, 0.001)
 
     before = stats()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(other_work)
-        async with anyio.create_task_group() as inner:
-            for _ in range(2):  # (not alone: the loop's poller reads the words)
-                inner.start_soon(awaits)
-        busy = False
+    async with other_task_working(0.003), anyio.create_task_group() as tg:
+        for _ in range(2):  # (not alone: the loop's poller reads the words)
+            tg.start_soon(awaits)
     after = stats()
     assert pipes == []
     assert (after.by_thread, after.watched_by_thread) == (

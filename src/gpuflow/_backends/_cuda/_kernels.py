@@ -38,11 +38,17 @@ class ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.token: Token | None = None
-        self.params = (ctypes.c_uint64 * (2 * MAX_ARGS))()
-        base = ctypes.addressof(self.params)
-        for i in range(MAX_ARGS):
-            self.params[i] = base + 8 * (MAX_ARGS + i)
-        self.params_addr = base
+        self.params, self.params_addr = param_array(MAX_ARGS)
+
+
+def param_array(n: int) -> tuple[Any, int]:
+    """``n`` pointers followed by the ``n`` 8-byte value slots they point at:
+    ``(the array, to keep alive while it is used; its address)``."""
+    buf = (ctypes.c_uint64 * (2 * n))()
+    base = ctypes.addressof(buf)
+    for i in range(n):
+        buf[i] = base + 8 * (n + i)
+    return buf, base
 
 
 VALUES_OFFSET = 8 * MAX_ARGS
@@ -50,15 +56,10 @@ VALUES_OFFSET = 8 * MAX_ARGS
 
 def packed(key: tuple[type, ...], values: tuple[Any, ...]) -> tuple[Any, int]:
     """A parameter array of its own for arguments that never change, laid out
-    as a thread's (``n`` pointers, then the ``n`` value slots they point
-    at): ``(the array, to keep alive while it is used; its address)``."""
-    st = plan(key)
+    as a thread's: ``(the array, its address)``."""
     n = len(values)
-    buf = (ctypes.c_uint64 * (2 * n))()
-    base = ctypes.addressof(buf)
-    for i in range(n):
-        buf[i] = base + 8 * (n + i)
-    st.pack_into(buf, 8 * n, *values)
+    buf, base = param_array(n)
+    plan(key).pack_into(buf, 8 * n, *values)
     return buf, base
 
 _SCALAR_CODES = {
