@@ -155,6 +155,33 @@ async def test_an_already_cancelled_task_enqueues_nothing() -> None:
     assert await count(c) == 0
 
 
+@pytest.mark.anyio
+async def test_a_cancelled_outer_scope_stops_a_run_and_a_shield_inside_it_does_not() -> None:
+    """Whether a run may start is asked of every scope out to the first
+    shielded one, as AnyIO's and Trio's checkpoints ask it."""
+    c = await gf.zeros(1, I32)
+
+    async def run_bump() -> None:
+        await bump(c)
+
+    async def in_a_task_group() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_bump)  # (the group's scope and the task's, inside)
+
+    for inner in (run_bump, in_a_task_group):
+        with anyio.CancelScope() as outer:
+            outer.cancel()
+            with anyio.CancelScope():  # not cancelled itself
+                await inner()
+        assert outer.cancelled_caught
+    with anyio.CancelScope() as outer:
+        outer.cancel()
+        with anyio.CancelScope(shield=True):
+            await run_bump()
+    await anyio.sleep(0.05)
+    assert await count(c) == 1  # the shielded run ran; the two before did not
+
+
 # -- every buffer stays alive until the GPU is done ------------------------------------------------
 
 

@@ -235,7 +235,7 @@ class Submission:
         budget: float | None = None  # the busy poll left to the loop's poller: all of it
         loop.awaiting += 1
         try:
-            if not self.done and lane is not None:
+            if loop.awaiting == 1 and not self.done and lane is not None:
                 # (before a waiter is registered: finished here, nobody is woken)
                 d = lane.dispatcher
                 if d.spin(loop, lane, self.number) and not self.done:
@@ -263,7 +263,7 @@ class Submission:
                     if lane is not None:
                         lane.dispatcher.watch(loop, lane, budget)
                     loop.yielded = time.perf_counter()
-                    await park()
+                    await park
         finally:
             loop.awaiting -= 1
         if self.error is not None:
@@ -427,7 +427,8 @@ class _Poller:
         now = time.monotonic()
         busy = self.busy
         if polling and busy.deadline > now:
-            busy.deadline = max(busy.deadline, now + budget)
+            if now + budget > busy.deadline:
+                busy.deadline = now + budget
             lane.polled_until = busy.held_until(now)
         elif budget > 0:
             busy.start(now, budget)
@@ -606,7 +607,9 @@ class Dispatcher:
         destroyed stream, which takes no mark ever again, ``sub`` is refused
         (raised, and not pending)."""
         with self._lock:
-            lane = self._lane_locked(raw_stream, sub.device)
+            lane = self._lanes.get(raw_stream)
+            if lane is None:
+                lane = self._lane_locked(raw_stream, sub.device)
             error: BaseException | None = None
             try:
                 lane.issued = number = self._backend.mark(raw_stream)
@@ -625,7 +628,8 @@ class Dispatcher:
                 self._active[lane] = None
             lane.subs.append(sub)
             self._pending += 1
-            self._arm_locked()
+            if not self._armed or self._thread is None:
+                self._arm_locked()
         if error is not None:
             if isinstance(error, DeviceError):
                 self.fail_device(sub.device, error)

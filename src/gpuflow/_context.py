@@ -39,7 +39,7 @@ class ExecutionContext:
     ) -> None:
         self._runtime = runtime
         self.stream = stream
-        self.device = stream.device
+        self.device = stream._device
         self._policy = policy
         self._submission = submission
         self._capturing = capturing

@@ -26,9 +26,10 @@ A post to a loop that has finished raises :class:`RuntimeError` (Trio's
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol
 
 import anyio.lowlevel
@@ -72,6 +73,10 @@ class Loop(Protocol):
     #: AnyIO's ``checkpoint_if_cancelled`` for this loop (Trio's own under
     #: Trio, which is what AnyIO calls there, without finding the loop first).
     checkpoint_if_cancelled: Callable[[], Awaitable[None]]
+    #: False where the current task is surely not in a cancelled scope:
+    #: then ``checkpoint_if_cancelled`` would return at once, and need not
+    #: be awaited.  True where it may be (or the loop cannot tell).
+    may_be_cancelled: Callable[[], bool]
     #: One turn of the loop (the loop's own checkpoint: a cancelled task
     #: gets the loop's cancellation there).
     checkpoint: Callable[[], Awaitable[None]]
@@ -80,9 +85,8 @@ class Loop(Protocol):
         """Whether another task or callback of the loop is ready to run now
         (True where the loop cannot tell)."""
 
-    @property
-    def target(self) -> Any:
-        """The loop (or Trio token): the identity completions are grouped by."""
+    #: The loop (or Trio token): the identity completions are grouped by.
+    target: Any
 
     def call_soon(self, fn: Call) -> object:
         """Run ``fn`` at the end of this turn of the loop (from its own thread only)."""
@@ -90,11 +94,12 @@ class Loop(Protocol):
     def post(self, fn: Call) -> object:
         """Run ``fn`` in the loop soon; callable from any thread, never blocks."""
 
-    def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
-        """``(wake, park)``: ``await park()`` suspends the current task until
+    def parker(self) -> tuple[Call, Awaitable[None]]:
+        """``(wake, park)``: ``await park`` suspends the current task until
         ``wake()`` runs in the loop (through :meth:`post`) or the task is
         cancelled, which raises the loop's own cancellation.  ``wake`` is
-        idempotent and harmless after a cancellation."""
+        idempotent and harmless after a cancellation; ``park`` is awaited
+        at most once, and may be dropped unawaited."""
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
         """Run ``poll()`` in the loop once per turn while it returns True.
@@ -112,46 +117,95 @@ class Loop(Protocol):
         from any thread."""
 
 
+def _true() -> bool:
+    return True
+
+
+def _anyio_asyncio_scopes() -> Callable[[], bool]:
+    """``may_be_cancelled`` under asyncio: AnyIO's own record of the current
+    task's cancel scopes, read as its ``checkpoint_if_cancelled`` reads it
+    (the innermost scope out to the first shielded one), without a
+    coroutine.  Where AnyIO keeps it otherwise, always True: the checkpoint
+    is then awaited at every run, as before."""
+    try:
+        from anyio._backends import _asyncio as anyio_asyncio
+
+        states = anyio_asyncio._task_states
+        probe = anyio_asyncio.CancelScope()
+        probe._cancel_called, probe._shield, probe._parent_scope  # noqa: B018
+        get_state = states.get
+    except Exception:
+        return _true
+    current_task = asyncio.current_task
+
+    def may_be_cancelled() -> bool:
+        task = current_task()
+        if task is None:
+            return False
+        try:
+            state = get_state(task)
+            if state is None:  # a task AnyIO did not start: no scope of it
+                return False
+            scope = state.cancel_scope
+            while scope is not None:
+                if scope._cancel_called:
+                    return True
+                if scope._shield:
+                    return False
+                scope = scope._parent_scope
+        except Exception:  # (a layout seen only now)
+            return True
+        return False
+
+    return may_be_cancelled
+
+
+def _backend_checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:
+    """AnyIO's ``checkpoint_if_cancelled`` of the running loop's backend,
+    found once: the public one finds the backend at every call (about a
+    microsecond of a short await)."""
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        fn: Callable[[], Awaitable[None]] = get_async_backend().checkpoint_if_cancelled
+    except Exception:  # an AnyIO laid out otherwise: its public call
+        return anyio.lowlevel.checkpoint_if_cancelled
+    return fn
+
+
 async def _sleep0() -> None:
     await asyncio.sleep(0)
 
 
-def _wake_future(fut: asyncio.Future[None]) -> Call:
-    def wake() -> None:
-        if not fut.done():  # cancelled, or woken twice
-            fut.set_result(None)
-
-    return wake
+def _wake_future(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # cancelled, or woken twice
+        fut.set_result(None)
 
 
 class _Asyncio:
     __slots__ = (
         "_loop", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
-        "checkpoint_if_cancelled", "post", "ready_check_s", "yielded",
+        "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
+        "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._loop = self.target = loop
         self.yielded = self.asked = 0.0
         self.awaiting = 0
         # the callbacks the loop runs in its next turn: asyncio's own loop
         # keeps them in a deque (uvloop keeps them where Python cannot see)
         self._ready: Any = getattr(loop, "_ready", None)
         self.ready_check_s = 0.0 if self._ready is not None else BLIND_YIELD_S
-        self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
-            anyio.lowlevel.checkpoint_if_cancelled
-        )
+        self.checkpoint_if_cancelled = _backend_checkpoint_if_cancelled()
+        self.may_be_cancelled = _anyio_asyncio_scopes()
         self.checkpoint: Callable[[], Awaitable[None]] = _sleep0
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
 
-    @property
-    def target(self) -> Any:
-        return self._loop
-
-    def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
+    def parker(self) -> tuple[Call, Awaitable[None]]:
         fut: asyncio.Future[None] = self._loop.create_future()
-        return _wake_future(fut), lambda: fut
+        return functools.partial(_wake_future, fut), fut
 
     def others_ready(self) -> bool:
         ready = self._ready
@@ -183,10 +237,34 @@ class _Asyncio:
         return self._loop.is_closed()
 
 
+class _TrioPark:
+    """A Trio task parked until :meth:`wake` (or its cancellation)."""
+
+    __slots__ = ("lowlevel", "parked", "task")
+
+    def __init__(self, lowlevel: Any) -> None:
+        self.lowlevel = lowlevel
+        self.task = lowlevel.current_task()
+        self.parked = True
+
+    def wake(self) -> None:  # in Trio's thread, through run_sync_soon
+        if self.parked:
+            self.parked = False
+            self.lowlevel.reschedule(self.task)
+
+    def _abort(self, _raise_cancel: Any) -> Any:
+        self.parked = False  # cancelled: a later wake-up must not reschedule
+        return self.lowlevel.Abort.SUCCEEDED
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.lowlevel.wait_task_rescheduled(self._abort).__await__()  # type: ignore[no-any-return]
+
+
 class _Trio:
     __slots__ = (
-        "_ended", "_statistics", "_token", "_trio", "asked", "awaiting", "call_soon",
-        "checkpoint", "checkpoint_if_cancelled", "post", "ready_check_s", "yielded",
+        "_ended", "_statistics", "_trio", "asked", "awaiting", "call_soon", "checkpoint",
+        "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
+        "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
@@ -202,34 +280,17 @@ class _Trio:
             trio.lowlevel.checkpoint_if_cancelled
         )
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
-        self._token = trio.lowlevel.current_trio_token()
+        # (Trio's checkpoint_if_cancelled is itself a few attribute reads)
+        self.may_be_cancelled: Callable[[], bool] = _true
+        self.target = token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks
-        self.call_soon: Callable[[Call], object] = self._token.run_sync_soon
-        self.post: Callable[[Call], object] = self._token.run_sync_soon
+        self.call_soon: Callable[[Call], object] = token.run_sync_soon
+        self.post: Callable[[Call], object] = token.run_sync_soon
 
-    @property
-    def target(self) -> Any:
-        return self._token
-
-    def parker(self) -> tuple[Call, Callable[[], Awaitable[None]]]:
-        lowlevel = self._trio.lowlevel
-        task = lowlevel.current_task()
-        parked = [True]
-
-        def wake() -> None:  # in Trio's thread, through run_sync_soon
-            if parked[0]:
-                parked[0] = False
-                lowlevel.reschedule(task)
-
-        def abort(_raise_cancel: Any) -> Any:
-            parked[0] = False  # cancelled: a later wake-up must not reschedule
-            return lowlevel.Abort.SUCCEEDED
-
-        async def park() -> None:
-            await lowlevel.wait_task_rescheduled(abort)
-
-        return wake, park
+    def parker(self) -> tuple[Call, Awaitable[None]]:
+        park = _TrioPark(self._trio.lowlevel)
+        return park.wake, park
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
         lowlevel = self._trio.lowlevel

@@ -96,9 +96,12 @@ class StreamPoolLeastLoaded:
         streams = rt.streams(device)
         n = len(streams)
         start = next(self._counter) % n
-        for s in streams[start:] + streams[:start] if start else streams:
+        # start, ..., n - 1, 0, ..., start - 1 (negative indices wrap): no
+        # list is made, and the first stream looked at is usually the one
+        for i in range(start - n, start):
+            s = streams[i]
             lane = s._lane
-            if not s._syncs and not s._leased and (lane is None or lane.idle()):
+            if not s._syncs and not s._leased and (lane is None or lane.read() >= lane.issued):
                 return s
         if n < self._max:
             grown = rt.grow(device, self._max)

@@ -28,7 +28,7 @@ from ._hazards import capture_log
 from ._loops import current_loop, running_loop_name
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy
-from ._runtime import Runtime, current_device, get_runtime
+from ._runtime import Runtime, current_device
 from ._stream import Stream
 
 if TYPE_CHECKING:
@@ -90,17 +90,20 @@ class _Running:
         return f"running {self.op!r}"
 
 
-def _choose(rt: Runtime, policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
+def _choose(policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
     """The stream a run starts on, and the policy its zip arms fork with."""
     device = current_device()
     if policy is None:
-        for scope in reversed(current_scopes.get()):
-            s = scope.stream
-            # a lease of another device does not apply (a device group's child)
-            if s is not None and s.device == device:
-                return s, _Pinned(s)
-        policy = DEFAULT_POLICY
-    elif not callable(getattr(policy, "next_stream", None)):
+        scopes = current_scopes.get()
+        if scopes:
+            for scope in reversed(scopes):
+                s = scope.stream
+                # a lease of another device does not apply (a device group's child)
+                if s is not None and s.device == device:
+                    return s, _Pinned(s)
+        # (the default policy is ours: it returns a Stream)
+        return DEFAULT_POLICY.next_stream(device), DEFAULT_POLICY
+    if not callable(getattr(policy, "next_stream", None)):
         # (what isinstance(policy, SchedulingPolicy) asks, without the
         # protocol check's cost: microseconds a run)
         raise UsageTypeError(
@@ -123,23 +126,21 @@ def _start(
     if capture_log.get() is not None:
         refuse_in_capture(_Running(op))
     rt = stream._runtime
-    if not rt.current(stream):
-        raise UsageError(
-            f"{stream!r} belongs to a runtime or device context that was replaced or reset"
-        )
-    rt.check_fault(stream.device)
+    device = stream._device
+    rt.check_startable(stream)
     if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
-    sub = Submission(stream.device)
-    for scope in current_scopes.get():
-        scope.track(sub)
+    sub = Submission(device)
+    scopes = current_scopes.get()
+    if scopes:
+        for scope in scopes:
+            scope.track(sub)
     return rt, sub, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, sub)
 
 
 def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
     _refuse_blocking("op.sync()")
-    rt = get_runtime()
-    stream, policy = _choose(rt, policy)
+    stream, policy = _choose(policy)
     return _sync(op, stream, policy)
 
 
@@ -237,9 +238,9 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         await watcher(_points.BEFORE_ENQUEUE, op)
     loop = current_loop()
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
-    await loop.checkpoint_if_cancelled()
-    rt = get_runtime()
-    stream, policy = _choose(rt, policy)
+    if loop.may_be_cancelled():
+        await loop.checkpoint_if_cancelled()
+    stream, policy = _choose(policy)
     rt, sub, ctx = _start(op, stream, policy)
     traced = _traced(op, "await", stream, sub) if _trace.active else None
     try:
@@ -269,4 +270,4 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         raise
     if traced is not None:
         traced.ended(None)
-    return resolve(out)
+    return out if out is None else resolve(out)

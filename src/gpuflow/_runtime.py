@@ -82,6 +82,9 @@ class Runtime:
         #: makes a new one), which a stream keeps: one comparison says that
         #: what was loaded for one stream serves another
         self._lives = {d: object() for d in devices}
+        #: per device: the backend's state of it, whose ``fault`` every run
+        #: checks (the same object for the backend's life)
+        self._states = {d: backend._device_state(d) for d in devices}
         self._pools: dict[int, list[Stream]] = {}
         #: per device: the pool, then the streams grow() added (append only)
         self._streams: dict[int, list[Stream]] = {}
@@ -216,8 +219,27 @@ class Runtime:
             streams.append(s)
             return s
 
+    def check_startable(self, stream: Stream) -> None:
+        """A run may start on ``stream``: it is :meth:`current`, and its
+        device has no sticky fault (else the error that says which)."""
+        device = stream._device
+        state = self._states.get(device)
+        if (
+            state is not None
+            and state.fault is None
+            and self.live
+            and stream._life is self._lives[device]
+        ):
+            return
+        if not self.current(stream):
+            raise UsageError(
+                f"{stream!r} belongs to a runtime or device context that was replaced or reset"
+            )
+        self.check_fault(device)
+
     def check_fault(self, device: int) -> None:
-        fault = self.backend.device_fault(device)
+        state = self._states.get(device)
+        fault = state.fault if state is not None else self.backend.device_fault(device)
         if fault is not None:
             raise DeviceFaultError(
                 f"device {device} has a sticky fault; call gf.reset_device({device}) "

@@ -557,6 +557,22 @@ MUTATIONS = [
         ('tests/test_bridge.py',),
     ),
     Mutation(
+        "C3",
+        "a run asks only the innermost cancel scope whether it may start (asyncio)",
+        '_loops.py',
+        '                scope = scope._parent_scope\n',
+        '                break\n',
+        ('tests/test_cancellation.py::test_a_cancelled_outer_scope_stops_a_run_and_a_shield_inside_it_does_not',),
+    ),
+    Mutation(
+        "C4",
+        "a run never asks AnyIO's checkpoint whether it may start (asyncio)",
+        '_loops.py',
+        '                if scope._cancel_called:\n                    return True\n',
+        '                if False:\n                    return True\n',
+        ('tests/test_cancellation.py::test_an_already_cancelled_task_enqueues_nothing',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',

@@ -33,7 +33,7 @@ import functools
 import mmap
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._codes import CUDA_ERROR_NOT_READY, CUDA_SUCCESS
 from ._driver import error_for
@@ -138,9 +138,12 @@ class WordMarks:
 
     name = "word"
 
-    def __init__(self, write64: MemOp, wait64: MemOp) -> None:
+    def __init__(self, write64: MemOp, wait64: MemOp, bound: Any = None) -> None:
         self._write = write64  # cuStreamWriteValue64(stream, addr, value, flags)
         self._wait = wait64  # cuStreamWaitValue64(stream, addr, value, flags)
+        #: the bindings' ``cuStreamWriteValue64`` itself, where ``write64``
+        #: calls it: the backend's common mark calls it with nothing between
+        self.bound = bound
 
     def mark(self, dev: Dev, stream: CudaStream) -> int:
         number = stream.issued + 1
@@ -169,6 +172,7 @@ class EventMarks:
     a mark records a pooled event, the reader queries them in order."""
 
     name = "event"
+    bound = None  # (no write to call)
 
     def __init__(
         self,
