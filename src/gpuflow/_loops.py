@@ -184,7 +184,7 @@ def _wake_future(fut: asyncio.Future[None]) -> None:
 
 class _Asyncio:
     __slots__ = (
-        "_loop", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
+        "_loop", "_new_future", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
         "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
         "yielded",
     )  # fmt: skip
@@ -202,9 +202,15 @@ class _Asyncio:
         self.checkpoint: Callable[[], Awaitable[None]] = _sleep0
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
+        # asyncio's own create_future is a Python call that makes a Future:
+        # make it here (a loop with a create_future of its own keeps it)
+        create = loop.create_future
+        if type(loop).create_future is asyncio.BaseEventLoop.create_future:
+            create = functools.partial(asyncio.Future, loop=loop)
+        self._new_future: Callable[[], asyncio.Future[None]] = create
 
     def parker(self) -> tuple[Call, Awaitable[None]]:
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut = self._new_future()
         return functools.partial(_wake_future, fut), fut
 
     def others_ready(self) -> bool:

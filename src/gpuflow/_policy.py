@@ -93,7 +93,7 @@ class StreamPoolLeastLoaded:
 
     def next_stream(self, device: int) -> Stream:
         rt = get_runtime()
-        streams = rt.streams(device)
+        streams = rt._streams.get(device) or rt.streams(device)  # (the latter raises)
         n = len(streams)
         start = next(self._counter) % n
         # start, ..., n - 1, 0, ..., start - 1 (negative indices wrap): no
