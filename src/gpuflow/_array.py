@@ -178,7 +178,7 @@ class DeviceArray:
     def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
         a = self._alloc
         rt = ctx._runtime
-        if a.generation != rt.generation(self.device) or a.writer._runtime is not rt:
+        if a.generation != rt.generation(a.buffer.device) or a.writer._runtime is not rt:
             raise UsageError(
                 f"{what}: {self!r} belongs to a device context that was reset or replaced"
             )
@@ -435,7 +435,8 @@ class _Copy(DeviceOperation[DeviceArray]):
             dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
             stream = ctx.stream if dev == ctx.device else _stream_on(dev)
             dst = _allocate(ctx, src.shape, src.dtype, stream)
-        if not src.nbytes:
+        nbytes = src.nbytes
+        if not nbytes:
             return dst
         # the copy runs on the destination's device (on a stream the default
         # policy gives, so that it queues behind no unrelated work there);
@@ -444,8 +445,9 @@ class _Copy(DeviceOperation[DeviceArray]):
         with hazard_lock:
             src._alloc.before_read(stream, ctx._submission)
             dst._alloc.before_write(stream, ctx._submission)
-            ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, src.nbytes, stream._raw)
-        ctx.wait_for(stream)
+            ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, nbytes, stream._raw)
+        if stream is not ctx.stream:
+            ctx.wait_for(stream)
         return dst
 
     def _label(self) -> str:

@@ -92,7 +92,7 @@ def foreign_stream(rt: Runtime, handle: int, device: int) -> Stream:
     """Another library's stream ``handle`` (``device``: that of a default stream),
     to record an event on or make wait, now.  Never destroyed by gpuflow."""
     raw, dev = rt.backend.foreign_stream(handle, device)
-    return Stream(rt, dev, raw)
+    return rt.foreign_stream(raw, dev)
 
 
 def stream_for(rt: Runtime, handle: int, device: int) -> tuple[Stream, bool]:

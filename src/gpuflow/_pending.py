@@ -53,7 +53,7 @@ def is_pending(value: Any) -> bool:
     """Whether ``value`` (or an element of a tuple or list) waits for the GPU."""
     if isinstance(value, Pending):
         return True
-    if isinstance(value, tuple | list):
+    if isinstance(value, (tuple, list)):  # (a tuple of types: no union made each call)
         return any(is_pending(v) for v in value)
     return False
 
@@ -62,7 +62,7 @@ def has_map(value: Any) -> bool:
     """Whether a host-side ``map`` waits for ``value`` to become valid."""
     if isinstance(value, PendingMap):
         return True
-    if isinstance(value, tuple | list):
+    if isinstance(value, (tuple, list)):  # (a tuple of types: no union made each call)
         return any(has_map(v) for v in value)
     return False
 

@@ -93,6 +93,9 @@ class Runtime:
         #: every live stream of this runtime, by its handle (__cuda_stream__)
         self._handles_lock = threading.Lock()  # (reset_device holds _lock when it adopts)
         self._by_handle: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
+        #: the Stream of each backend stream of another library in use: a
+        #: Stream is equal only to itself, so one backend stream has one
+        self._foreign: weakref.WeakValueDictionary[Any, Stream] = weakref.WeakValueDictionary()
         #: the private stream of each device for other libraries' arrays
         self._interop: dict[tuple[int, int], Stream] = {}
         #: per device: backend streams made ahead (see _make_pool)
@@ -140,6 +143,14 @@ class Runtime:
         with self._handles_lock:
             self._by_handle[handle] = s
         return s
+
+    def foreign_stream(self, raw: Any, device: int) -> Stream:
+        """The :class:`Stream` of another library's backend stream ``raw``."""
+        with self._handles_lock:
+            s = self._foreign.get(raw)
+            if s is None:
+                s = self._foreign[raw] = Stream(self, device, raw)
+            return s
 
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""

@@ -79,11 +79,5 @@ class Stream:
         """The CUDA stream protocol: ``(version, CUstream address)``."""
         return (0, self._runtime.backend.stream_handle(self._raw))
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Stream) and other._raw is self._raw
-
-    def __hash__(self) -> int:
-        return id(self._raw)
-
     def __repr__(self) -> str:
         return f"<gpuflow.Stream device={self._device} {self._raw!r}>"
