@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 class Stream:
     """A device stream: work enqueued on it runs in order.
 
-    Hashable; two ``Stream`` objects are equal when they are the same
-    underlying stream.  Safe to use from any thread.  Implements
+    Hashable; there is one ``Stream`` object for each underlying stream
+    (``copy`` returns it), so two are equal when they are the same stream.
+    Safe to use from any thread.  Implements
     ``__cuda_stream__``, so CuPy, PyTorch and cuda.core can enqueue on it
     (``torch.cuda.ExternalStream``, ``cupy.cuda.ExternalStream``); on
     ``sim`` its handle maps back to the simulated stream, for
@@ -78,6 +79,15 @@ class Stream:
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(version, CUstream address)``."""
         return (0, self._runtime.backend.stream_handle(self._raw))
+
+    # one Stream object for each backend stream, so that a Stream is equal
+    # (and hashes equal) only to itself: hazard tracking keys its sets and
+    # dicts by streams, and identity is what makes that cost nothing
+    def __copy__(self) -> Stream:
+        return self
+
+    def __deepcopy__(self, memo: object) -> Stream:
+        return self
 
     def __repr__(self) -> str:
         return f"<gpuflow.Stream device={self._device} {self._raw!r}>"
