@@ -208,7 +208,8 @@ class Submission:
                 if error is not None:
                     break
         self.error = error
-        self.keep = []
+        if self.keep:
+            self.keep = []
         with _callbacks_lock:  # a callback added meanwhile runs once, here or there
             self.done = True
             callbacks, self.on_done = self.on_done, None
@@ -217,7 +218,9 @@ class Submission:
                 fn(error)
             except BaseException as exc:  # never into the dispatcher thread
                 warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
-        waiters, self.waiters = self.waiters, []
+        waiters = self.waiters
+        if waiters:  # (a lone await's run has none: no list made)
+            self.waiters = []
         return waiters
 
     async def wait(self, loop: Loop | None = None) -> None:
@@ -787,12 +790,13 @@ class Dispatcher:
         """Finish runs whose marks were reached (outside the lock)."""
         if not done:
             return
-        seen: set[Any] = set()
+        backend = self._backend
+        last = None  # (_advance gives each lane's runs together: once a lane)
         for sub, _ in done:
             lane = sub.lane
-            if lane is not None and lane.raw not in seen:
-                seen.add(lane.raw)
-                self._backend.complete_transfers(lane.raw)
+            if lane is not None and lane is not last:
+                last = lane
+                backend.complete_transfers(lane.raw)
         self._deliver(done, here)
 
     def _deliver(self, done: Done, here: Any = None) -> None:
