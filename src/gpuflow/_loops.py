@@ -349,6 +349,8 @@ class _Trio:
 class _Cache(threading.local):
     target: Any = None
     loop: Loop | None = None
+    #: where the loop found last time is Trio's: its current_trio_token
+    trio_token: Callable[[], Any] | None = None
 
 
 _cache = _Cache()
@@ -381,6 +383,13 @@ def current_loop() -> Loop:
         # the asyncio loop found here last time (never where Trio runs too,
         # as under trio-asyncio: the target is then Trio's token)
         return cache.loop  # type: ignore[return-value]
+    if running is None and cache.trio_token is not None:
+        # the Trio run found here last time, if it is this one
+        try:
+            if cache.trio_token() is cache.target:
+                return cache.loop  # type: ignore[return-value]
+        except RuntimeError:  # (no Trio run in this thread now)
+            pass
     trio = _in_trio()
     if trio is not None:
         target: Any = trio.lowlevel.current_trio_token()
@@ -394,5 +403,6 @@ def current_loop() -> Loop:
     if cache.target is not target:  # a loop runs many runs: make its adapter once
         cache.loop = _Trio(trio) if trio is not None else _Asyncio(target)
         cache.target = target
+        cache.trio_token = trio.lowlevel.current_trio_token if trio is not None else None
     assert cache.loop is not None
     return cache.loop

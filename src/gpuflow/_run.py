@@ -90,19 +90,8 @@ class _Running:
         return f"running {self.op!r}"
 
 
-def _choose(policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
-    """The stream a run starts on, and the policy its zip arms fork with."""
-    device = current_device()
-    if policy is None:
-        scopes = current_scopes.get()
-        if scopes:
-            for scope in reversed(scopes):
-                s = scope.stream
-                # a lease of another device does not apply (a device group's child)
-                if s is not None and s.device == device:
-                    return s, _Pinned(s)
-        # (the default policy is ours: it returns a Stream)
-        return DEFAULT_POLICY.next_stream(device), DEFAULT_POLICY
+def _chosen(policy: SchedulingPolicy, device: int) -> Stream:
+    """The stream an explicit ``policy`` gives a run on ``device``."""
     if not callable(getattr(policy, "next_stream", None)):
         # (what isinstance(policy, SchedulingPolicy) asks, without the
         # protocol check's cost: microseconds a run)
@@ -115,23 +104,39 @@ def _choose(policy: SchedulingPolicy | None) -> tuple[Stream, SchedulingPolicy]:
         raise UsageTypeError(
             f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream"
         )
-    return stream, policy
+    return stream
 
 
 def _start(
-    op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None
+    op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
 ) -> tuple[Runtime, Submission, ExecutionContext]:
-    if not isinstance(stream, Stream):
+    """Begin a run of ``op`` on ``stream``, or where none is given, on the
+    stream of the innermost stream lease of the device, else the one
+    ``policy`` (the default policy where None) gives; the run's zip arms
+    fork with that policy."""
+    scopes = current_scopes.get()
+    if stream is None:
+        device = current_device()
+        if policy is None:
+            for scope in reversed(scopes):
+                s = scope.stream
+                # a lease of another device does not apply (a device group's child)
+                if s is not None and s.device == device:
+                    stream, policy = s, _Pinned(s)
+                    break
+            else:  # (the default policy is ours: it returns a Stream)
+                stream, policy = DEFAULT_POLICY.next_stream(device), DEFAULT_POLICY
+        else:
+            stream = _chosen(policy, device)
+    elif not isinstance(stream, Stream):
         raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
     if capture_log.get() is not None:
         refuse_in_capture(_Running(op))
     rt = stream._runtime
-    device = stream._device
     rt.check_startable(stream)
     if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
-    sub = Submission(device)
-    scopes = current_scopes.get()
+    sub = Submission(stream._device)
     if scopes:
         for scope in scopes:
             scope.track(sub)
@@ -140,8 +145,7 @@ def _start(
 
 def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
     _refuse_blocking("op.sync()")
-    stream, policy = _choose(policy)
-    return _sync(op, stream, policy)
+    return _sync(op, None, policy)
 
 
 def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
@@ -160,8 +164,11 @@ def _traced(
     return traced
 
 
-def _sync(op: DeviceOperation[Any], stream: Stream, policy: SchedulingPolicy | None) -> Any:
+def _sync(
+    op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
+) -> Any:
     _rt, sub, ctx = _start(op, stream, policy)
+    stream = ctx.stream
     traced = _traced(op, "sync", stream, sub) if _trace.active else None
     # a blocking run is never handed to the dispatcher: count it on its
     # stream, so that the default policy sees that stream as busy meanwhile
@@ -240,8 +247,8 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         await loop.checkpoint_if_cancelled()
-    stream, policy = _choose(policy)
-    rt, sub, ctx = _start(op, stream, policy)
+    rt, sub, ctx = _start(op, None, policy)
+    stream = ctx.stream
     traced = _traced(op, "await", stream, sub) if _trace.active else None
     try:
         out = op.execute(ctx)

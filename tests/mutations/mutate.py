@@ -166,7 +166,7 @@ MUTATIONS = [
         "M13",
         "a completed run keeps what it kept (a leak)",
         "_bridge.py",
-        "        self.error = error\n        self.keep = []\n",
+        "        self.error = error\n        if self.keep:\n            self.keep = []\n",
         "        self.error = error\n",
         ("tests/test_lifetimes.py",),
     ),
@@ -256,7 +256,7 @@ MUTATIONS = [
         "M15",
         'the default policy deals streams whatever is pending on them (round robin)',
         '_policy.py',
-        '            if not s._syncs and not s._leased and (lane is None or lane.idle()):\n'
+        '            if not s._syncs and not s._leased and (lane is None or lane.read() >= lane.issued):\n'
         '                return s\n',
         '            if True:\n'
         '                return s\n',
