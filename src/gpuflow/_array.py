@@ -178,7 +178,7 @@ class DeviceArray:
     def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
         a = self._alloc
         rt = ctx._runtime
-        if a.generation != rt.generation(a.buffer.device) or a.writer._runtime is not rt:
+        if a.generation != rt._generations.get(a.buffer.device, 0) or a.writer._runtime is not rt:
             raise UsageError(
                 f"{what}: {self!r} belongs to a device context that was reset or replaced"
             )
@@ -445,7 +445,9 @@ class _Copy(DeviceOperation[DeviceArray]):
         with hazard_lock:
             src._alloc.before_read(stream, ctx._submission)
             dst._alloc.before_write(stream, ctx._submission)
-            ctx.backend.copy_device(dst._alloc.buffer, src._alloc.buffer, nbytes, stream._raw)
+            ctx._runtime.backend.copy_device(
+                dst._alloc.buffer, src._alloc.buffer, nbytes, stream._raw
+            )
         if stream is not ctx.stream:
             ctx.wait_for(stream)
         return dst

@@ -256,7 +256,8 @@ MUTATIONS = [
         "M15",
         'the default policy deals streams whatever is pending on them (round robin)',
         '_policy.py',
-        '            if not s._syncs and not s._leased and (lane is None or lane.read() >= lane.issued):\n'
+        '            if not s._syncs and not s._leased and (lane is None or lane.read()'
+        ' >= lane.issued):\n'
         '                return s\n',
         '            if True:\n'
         '                return s\n',

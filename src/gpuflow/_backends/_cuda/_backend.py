@@ -167,7 +167,10 @@ class CudaBackend(CudaContexts):
         rc = self._n.ctx_get_current(ctypes.byref(prev))
         if rc:
             raise error_for(rc, "cuCtxGetCurrent", dev)
-        self._force_cur(dev)
+        if (prev.value or 0) == dev.ctx:
+            self._tls.token = dev.token  # current already (the common case): no call
+        else:
+            self._force_cur(dev)
         try:
             return fn()
         finally:
