@@ -850,6 +850,26 @@ def test_wait_stream_on_a_default_stream(default: int) -> None:
     assert np.array_equal(out, np.full(N, 5, F32))
 
 
+def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
+    """Another library's stream, named again, is the same gpuflow stream (its
+    hazards are one stream's), and a new one once its device was reset."""
+    from gpuflow import _foreign  # the resolution itself
+    from gpuflow._runtime import get_runtime
+
+    fake = FakeLib()
+    rt = get_runtime()
+    handle = fake.own  # (a handle of the backend's, no gpuflow stream)
+    first, own = _foreign.stream_for(rt, handle, 0)
+    assert not own
+    assert _foreign.stream_for(rt, handle, 0)[0] is first
+    default = _foreign.stream_for(rt, 0, 0)[0]
+    assert default is _foreign.stream_for(rt, 0, 0)[0] and default is not first
+    gf.reset_device(0)
+    after = _foreign.stream_for(rt, 0, 0)[0]
+    assert after is not default
+    gf.wait_stream(0).sync()  # (the new one is usable)
+
+
 def test_wait_stream_refuses_what_is_not_a_stream() -> None:
     class BadProtocol:
         def __cuda_stream__(self) -> str:

@@ -32,6 +32,9 @@ _current_device: ContextVar[int | None] = ContextVar("gpuflow_current_device", d
 #: many as CUDA's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which
 #: gpuflow sets to 32), so that no two pool streams share one.
 MAX_POOL_STREAMS = 32
+#: Other libraries' streams a runtime keeps a :class:`Stream` of at most
+#: (past it, they are made again on their next use).
+MAX_FOREIGN_STREAMS = 1024
 #: How long an event loop with runs pending polls the GPU's completion words
 #: before it arms a wake-up and sleeps (see ``init_device_contexts``).
 DEFAULT_BUSY_POLL_US = 200.0
@@ -93,9 +96,9 @@ class Runtime:
         #: every live stream of this runtime, by its handle (__cuda_stream__)
         self._handles_lock = threading.Lock()  # (reset_device holds _lock when it adopts)
         self._by_handle: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
-        #: the Stream of each backend stream of another library in use: a
-        #: Stream is equal only to itself, so one backend stream has one
-        self._foreign: weakref.WeakValueDictionary[Any, Stream] = weakref.WeakValueDictionary()
+        #: the Stream of each backend stream of another library used so far
+        #: (a Stream is equal only to itself: one backend stream has one)
+        self._foreign: dict[Any, Stream] = {}
         #: the private stream of each device for other libraries' arrays
         self._interop: dict[tuple[int, int], Stream] = {}
         #: per device: backend streams made ahead (see _make_pool)
@@ -146,11 +149,14 @@ class Runtime:
 
     def foreign_stream(self, raw: Any, device: int) -> Stream:
         """The :class:`Stream` of another library's backend stream ``raw``."""
-        with self._handles_lock:
-            s = self._foreign.get(raw)
-            if s is None:
-                s = self._foreign[raw] = Stream(self, device, raw)
+        s = self._foreign.get(raw)
+        if s is not None and s._life is self._lives.get(device):
             return s
+        with self._handles_lock:
+            if len(self._foreign) >= MAX_FOREIGN_STREAMS:
+                self._foreign.clear()  # (made again on their next use)
+            s = self._foreign[raw] = Stream(self, device, raw)
+        return s
 
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""

@@ -67,6 +67,8 @@ from ._words import WORDS
 
 #: CUDA's default-stream handles: the NULL stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 _DEFAULT_STREAM_HANDLES = (0, 1, 2)
+#: Other libraries' streams the backend keeps a stream object of at most.
+_MAX_FOREIGN_STREAMS = 1024
 
 T = TypeVar("T")
 
@@ -93,6 +95,8 @@ class CudaBackend(CudaContexts):
         self._modules: dict[tuple[int, bytes], CudaModule] = {}
         self._module_lock = threading.Lock()
         self._stream_lock = threading.Lock()
+        #: (handle, device) -> the stream object of another library's stream
+        self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
 
     # -- streams ------------------------------------------------------------------
     def create_stream(self, device: int) -> CudaStream:
@@ -154,8 +158,17 @@ class CudaBackend(CudaContexts):
             dev = found[0]
         if dev.fault is not None:
             raise dev.fault
-        stream = CudaStream(dev, self._cu.CUstream(handle), None)
-        stream.foreign = True
+        # one backend stream for a handle in a context life (the driver said
+        # which context the handle is in just now, so a handle reused by
+        # another context's stream is another key)
+        key = (handle, dev.index)
+        stream = self._foreign_streams.get(key)
+        if stream is None or stream.token is not dev.token:
+            stream = CudaStream(dev, self._cu.CUstream(handle), None)
+            stream.foreign = True
+            if len(self._foreign_streams) >= _MAX_FOREIGN_STREAMS:
+                self._foreign_streams.clear()
+            self._foreign_streams[key] = stream
         return stream, dev.index
 
     def _foreign_call(self, dev: Dev, fn: Callable[[], T]) -> T:
