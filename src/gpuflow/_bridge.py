@@ -642,8 +642,9 @@ class Dispatcher:
 
     def finish(self, sub: Submission, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
-        waking whoever waits for it."""
-        self._deliver([(sub, error)])
+        waking whoever waits for it (a scope's exit, from its loop)."""
+        for target, poster, fn in sub._finish(error):
+            post(target, poster, [fn])
 
     def spin(self, loop: Loop, lane: _Lane, number: int) -> bool:
         """A lone await (no other await of ``loop`` in progress, nothing else

@@ -368,11 +368,9 @@ def running_loop_name() -> str | None:
     """``"asyncio"`` or ``"trio"`` when this thread runs an event loop, else None."""
     if _in_trio() is not None:
         return "trio"
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-    return "asyncio"
+    # (the running loop, without raising where there is none: every blocking
+    # run asks this)
+    return None if asyncio._get_running_loop() is None else "asyncio"
 
 
 def current_loop() -> Loop:

@@ -213,7 +213,7 @@ def _sync_run(
         dispatcher.finish(sub)
     if sub.error is not None:  # a communicator aborted under the run
         raise sub.error
-    return resolve(out)
+    return out if out is None else resolve(out)
 
 
 def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:

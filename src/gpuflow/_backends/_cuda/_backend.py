@@ -892,8 +892,11 @@ class CudaBackend(CudaContexts):
         if graph.token is not graph.dev.token:
             raise UsageError("the graph was captured before its device was reset")
         self._cur(dev)
-        what = f"graph of {graph.nodes} nodes"
-        timed = self._timer.start(dev, stream, what) if self._timer.records else None
+        timed = (
+            self._timer.start(dev, stream, f"graph of {graph.nodes} nodes")
+            if self._timer.records
+            else None
+        )
         rc = self._n.graph_launch(graph.exec, stream.handle)
         if rc:
             self._timer.drop(timed)
