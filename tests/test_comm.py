@@ -559,3 +559,49 @@ def test_spawn_ranks_is_refused_inside_an_event_loop() -> None:
 
     with pytest.raises(gf.UsageError, match="block the running"):
         anyio.run(inside)
+
+
+@pytest.mark.sim_only
+def test_a_rank_joins_while_another_rank_asks_whether_it_left() -> None:
+    """A rank asking whether another left takes that rank's lock for an
+    instant; a rank joining just then still joins (it failed as "already
+    joined" about one run in five of the late-join test), and a lock held
+    for good is still another holder."""
+    import fcntl
+    import threading
+    import time
+
+    from gpuflow._backends import _simcomm  # the simulated rendezvous itself
+    from gpuflow._runtime import get_runtime
+
+    uid = gf.new_unique_id()
+    root = uid[len(_simcomm._ID_PREFIX) :].decode()
+    lock_file = os.path.join(root, "rank-1")
+
+    def probe_held(seconds: float) -> threading.Thread:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as _gone does, held longer
+
+        def release() -> None:
+            time.sleep(seconds)
+            os.close(fd)
+
+        t = threading.Thread(target=release)
+        t.start()
+        return t
+
+    def join_rank_1() -> Any:
+        backend: Any = get_runtime().backend
+        return _simcomm.SimComm(backend, root, 1, 2, backend._dev(0))
+
+    releaser = probe_held(0.01)
+    comm = join_rank_1()
+    comm.join()  # retried past the probe
+    releaser.join()
+    comm.leave()
+    releaser = probe_held(4 * _simcomm._JOIN_PROBE_S)
+    try:
+        with pytest.raises(gf.UsageError, match="already joined"):
+            join_rank_1().join()
+    finally:
+        releaser.join()

@@ -60,6 +60,9 @@ _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.005
 #: how often a waiting rank checks that the ranks it waits for are still there
 _LIVENESS_S = 0.05
+#: how long a joining rank retries a rank lock that is taken: a probe of
+#: another rank (_gone) holds it for microseconds, a joined rank for good
+_JOIN_PROBE_S = 0.1
 
 
 def new_unique_id() -> bytes:
@@ -153,14 +156,22 @@ class SimComm:
     def join(self) -> None:
         path = self._path(f"rank-{self.rank}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise UsageError(
-                f"rank {self.rank} of this communicator has already joined (another process "
-                "or communicator holds it)"
-            ) from None
+        # another rank asking whether this one left takes the lock for a few
+        # microseconds (_gone): only a lock held past that is another holder
+        deadline = time.monotonic() + _JOIN_PROBE_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(_POLL_FIRST_S)
+                    continue
+                os.close(fd)
+                raise UsageError(
+                    f"rank {self.rank} of this communicator has already joined (another "
+                    "process or communicator holds it)"
+                ) from None
         self._fd = fd
 
     def wait_joined(self) -> None:
