@@ -1,7 +1,9 @@
 """Front-end overhead with a backend that does nothing: marks are reached at once.
 
 No device is used.  Run: python benchmarks/profile_frontend.py [profile]
-(``profile``: also cProfile 5,000 awaits and print the top functions).
+(``profile``: also cProfile 5,000 awaits and print the top functions, and
+count the function calls a run of the 64-task row makes, under asyncio and
+Trio: a measure of the run path that no machine's speed moves).
 
 ``--driver-share`` (on a GPU) runs the 64-task throughput on the cuda
 backend with the backend's ``launch`` and ``mark`` timed: the two driver
@@ -285,7 +287,8 @@ async def awaits(op: gf.DeviceOperation[Any], n: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("profile", nargs="?", choices=["profile"], help="also run cProfile")
+    p.add_argument("profile", nargs="?", choices=["profile"],
+                   help="also run cProfile, and count the calls a run of the 64-task row makes")
     p.add_argument("--model-throughput", action="store_true",
                    help="instead: 64 tasks x 100 awaits against ModelBackend (marks reached "
                         "5, 10 and 30 us apart), medians of 5 runs per loop")
@@ -370,7 +373,24 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(tmp, "frontend.prof")
             cProfile.runctx("anyio.run(awaits, op, 5000)", globals(), {"op": op}, out)
             pstats.Stats(out).sort_stats("tottime").print_stats(18)
+        for lib in ("asyncio", "trio"):
+            print(f"64 tasks x 100 awaits, {lib}: {calls_per_run(lib, op):.1f} calls a run "
+                  "(Python functions and builtins, the loop's and AnyIO's included)")
     return 0
+
+
+def calls_per_run(lib: str, op: gf.DeviceOperation[Any]) -> float:
+    """Function calls (Python and built-in, as cProfile counts them) per
+    awaited run of the 64-task row: what the run path costs, in a unit
+    that no machine's speed moves."""
+    throughput(lib, op, 64, 100)  # (warm: every stream and lane made)
+    prof = cProfile.Profile()
+    prof.enable()
+    throughput(lib, op, 64, 100)
+    prof.disable()
+    stats: Any = pstats.Stats(prof)
+    runs = (64 + 4) * 100  # (the row's warm-up tasks included)
+    return float(sum(v[1] for v in stats.stats.values())) / runs
 
 
 def raw_launch_loop(op: gf.DeviceOperation[Any], pol: gf.SingleStream) -> None:
