@@ -605,3 +605,42 @@ def test_a_rank_joins_while_another_rank_asks_whether_it_left() -> None:
             join_rank_1().join()
     finally:
         releaser.join()
+
+
+@pytest.mark.sim_only
+def test_a_rank_is_never_seen_gone_while_it_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's lock file appears already locked: a rank asking whether it
+    left, while it joins slowly, never takes it for gone (the last rank
+    "out" then removed the directory, and the joining rank waited for the
+    others for ever: the late-join test hung once in CI)."""
+    import fcntl
+    import threading
+    import time
+
+    from gpuflow._backends import _simcomm  # the simulated rendezvous itself
+    from gpuflow._runtime import get_runtime
+
+    uid = gf.new_unique_id()
+    root = uid[len(_simcomm._ID_PREFIX) :].decode()
+    lock_file = os.path.join(root, "rank-1")
+    real_flock = fcntl.flock
+    joining: list[threading.Thread] = []
+
+    def slow_to_lock(fd: int, operation: int) -> None:
+        if threading.current_thread() in joining:
+            time.sleep(0.05)  # the joining rank is slow to take its lock
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", slow_to_lock)
+    backend: Any = get_runtime().backend
+    comm = _simcomm.SimComm(backend, root, 1, 2, backend._dev(0))
+    joiner = threading.Thread(target=comm.join)
+    joining.append(joiner)
+    joiner.start()
+    seen_gone = False
+    while joiner.is_alive():
+        seen_gone = _simcomm._gone(lock_file) or seen_gone
+    joiner.join()
+    assert not seen_gone
+    assert os.path.exists(lock_file) and not _simcomm._gone(lock_file)  # joined, held
+    comm.leave()

@@ -155,14 +155,34 @@ class SimComm:
     # -- joining and leaving --------------------------------------------------------
     def join(self) -> None:
         path = self._path(f"rank-{self.rank}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # the rank's file appears already locked: a rank asking whether this
+        # one left (_gone) must never find it there and free, which it would
+        # take for a rank gone (the last rank "out" then removed the
+        # directory under this one, which waited for the others for ever)
+        try:
+            fd, fresh = tempfile.mkstemp(dir=self.root, prefix=f".rank-{self.rank}-")
+        except FileNotFoundError:
+            raise UsageError(f"the sim communicator {self.root!r} is gone") from None
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (a file no one else has opened)
+        try:
+            os.link(fresh, path)
+        except FileExistsError:  # the rank was here before: its file, if it left
+            os.close(fd)
+            fd = self._take_over(path)
+        finally:
+            os.unlink(fresh)
+        self._fd = fd
+
+    def _take_over(self, path: str) -> int:
+        """The lock of a rank's existing file, where the rank left."""
+        fd = os.open(path, os.O_RDWR)
         # another rank asking whether this one left takes the lock for a few
         # microseconds (_gone): only a lock held past that is another holder
         deadline = time.monotonic() + _JOIN_PROBE_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return fd
             except BlockingIOError:
                 if time.monotonic() < deadline:
                     time.sleep(_POLL_FIRST_S)
@@ -172,7 +192,6 @@ class SimComm:
                     f"rank {self.rank} of this communicator has already joined (another "
                     "process or communicator holds it)"
                 ) from None
-        self._fd = fd
 
     def wait_joined(self) -> None:
         """Block until every rank has joined (NCCL's initialisation is collective)."""
