@@ -656,9 +656,10 @@ class Dispatcher:
         Never where other awaits of the loop are in progress, parked or
         woken and not yet resumed: their tasks would wait for the spin, and
         submit their next work only after it (awaits of short kernels from
-        many tasks would reach the GPU one at a time)."""
+        many tasks would reach the GPU one at a time).  The caller (the
+        await) asks that first, from ``loop.awaiting``, before the call."""
         limit = min(INLINE_SPIN_S, self.busy_poll_s)
-        if limit <= 0 or not self._alone(loop):
+        if limit <= 0 or self._others_polled(loop):
             return False
         read = lane.read
         clock = time.perf_counter
@@ -674,11 +675,12 @@ class Dispatcher:
         return False
 
     def _alone(self, loop: Loop) -> bool:
-        if loop.awaiting > 1:
-            return False
+        return loop.awaiting <= 1 and not self._others_polled(loop)
+
+    def _others_polled(self, loop: Loop) -> bool:
+        """Other runs of ``loop`` are pending: its poller reads them all, once a turn."""
         poller = self._pollers.get(loop.target)
-        # other runs of the loop: its poller reads them all, once a turn
-        return poller is None or not poller.lanes
+        return poller is not None and bool(poller.lanes)
 
     async def poll_alone(self, loop: Loop, sub: Submission) -> float:
         """A lone await past its inline spin: read the word once per loop

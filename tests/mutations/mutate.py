@@ -511,10 +511,8 @@ MUTATIONS = [
         "B10",
         "an await spins while other awaits of its loop are in progress",
         '_bridge.py',
-        '        if loop.awaiting > 1:\n'
-        '            return False\n',
-        '        if False:\n'
-        '            return False\n',
+        '            if loop.awaiting == 1 and not self.done and lane is not None:\n',
+        '            if not self.done and lane is not None:\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
