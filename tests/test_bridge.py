@@ -81,6 +81,28 @@ async def other_task_working(turn_s: float) -> AsyncIterator[None]:
             busy = False
 
 
+async def watched_runtime(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[gf.DeviceArray, list[Any], Any]:
+    """A runtime with the default 200 us budget, an array, the record of
+    its pipe wake-ups and the completion statistics so far."""
+    reinit(busy_poll_us=200)
+    x = await gf.zeros(64, F32)
+    return x, count_pipes(monkeypatch), gf.lowlevel.current_completion_statistics()
+
+
+def seen_by_the_loop_alone(before: Any, pipes: list[Any]) -> Any:
+    """Assert that since ``before`` (completion statistics) no sleeping
+    wake-up was armed and the dispatcher thread completed no run: the
+    loop's own reads saw every run done.  Returns the statistics now."""
+    after = gf.lowlevel.current_completion_statistics()
+    assert pipes == []
+    assert (after.by_thread, after.watched_by_thread) == (
+        before.by_thread, before.watched_by_thread
+    ), (before, after)
+    return after
+
+
 def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every wake-up posted to a loop from another thread."""
     from gpuflow import _bridge  # the post the dispatcher thread makes
@@ -455,18 +477,10 @@ async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wak
     # the budget bounds the turns an otherwise idle loop spins; a loop whose
     # turns run other work reads the words once a turn for as long as it
     # takes, and never pays for a wake-up
-    reinit(busy_poll_us=200)
-    x = await gf.zeros(64, F32)
-    pipes = count_pipes(monkeypatch)
-    stats = gf.lowlevel.current_completion_statistics
-    before = stats()
+    x, pipes, before = await watched_runtime(monkeypatch)
     async with other_task_working(0.0005):
         await K.slow_fill(x, 1.0, 0.03)
-    after = stats()
-    assert pipes == []
-    assert (after.watched_by_thread, after.by_thread) == (
-        before.watched_by_thread, before.by_thread
-    )
+    after = seen_by_the_loop_alone(before, pipes)
     assert after.polled - before.polled == 1
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
 
@@ -480,23 +494,16 @@ async def test_the_dispatcher_thread_leaves_a_busy_loops_runs_to_the_loop(
     # there all the same: the dispatcher thread, ticking meanwhile, leaves a
     # loop that is still turning its runs (its completions would come as
     # posts from another thread, each a wake-up of the loop)
-    reinit(busy_poll_us=200)
-    x = await gf.zeros(64, F32)
-    pipes = count_pipes(monkeypatch)
-    stats = gf.lowlevel.current_completion_statistics
+    x, pipes, before = await watched_runtime(monkeypatch)
+
     async def awaits() -> None:
         for _ in range(40):
             await K.slow_fill(x, 1.0, 0.001)
 
-    before = stats()
     async with other_task_working(0.003), anyio.create_task_group() as tg:
         for _ in range(2):  # (not alone: the loop's poller reads the words)
             tg.start_soon(awaits)
-    after = stats()
-    assert pipes == []
-    assert (after.by_thread, after.watched_by_thread) == (
-        before.by_thread, before.watched_by_thread
-    ), (before, after)
+    after = seen_by_the_loop_alone(before, pipes)
     assert after.polled + after.spun - before.polled - before.spun == 80
 
 

@@ -432,9 +432,7 @@ class _Poller:
         if polling and busy.deadline > now:
             if now + budget > busy.deadline:
                 busy.deadline = now + budget
-            # (busy.held_until(now), without the call: this is every await's)
-            held = now + LOOP_STALL_S
-            lane.polled_until = held if held > busy.deadline else busy.deadline
+            lane.polled_until = busy.held_until(now)
         elif budget > 0:
             busy.start(now, budget)
             lane.polled_until = busy.held_until(now)

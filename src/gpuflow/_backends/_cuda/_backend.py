@@ -455,22 +455,6 @@ class CudaBackend(CudaContexts):
         self._staging.done(dev, Pending(ev, buf, flat, n))
 
     def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
-        dev = stream.dev
-        if (
-            dst.dev is src.dev
-            and nbytes > 0
-            and dev.fault is None
-            and stream.token is dev.token
-            and not stream.destroyed
-            and self._tls.token is dev.token
-            and not self._timer.records
-        ):
-            # the common copy: what the checks below would let through, with
-            # one call to the bindings (a failed call enqueued nothing: the
-            # path below makes it again, and reports its error)
-            (err,) = self._cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, stream.obj)
-            if not err:
-                return
         dev = self._live(stream)
         if nbytes <= 0:
             return
@@ -479,17 +463,19 @@ class CudaBackend(CudaContexts):
         if self._timer.records:
             self._cur(dev)
             timed = self._timer.start(dev, stream, f"copy {src!r} -> {dst!r}")
-        if dst.device != src.device:
+        # (the bindings take the stream object faster than its handle)
+        if dst.dev is not src.dev:
             self._call(
                 dev, "cuMemcpyPeerAsync", cu.cuMemcpyPeerAsync,
-                dst.ptr, dst.dev.ctx, src.ptr, src.dev.ctx, nbytes, stream.handle,
+                dst.ptr, dst.dev.ctx, src.ptr, src.dev.ctx, nbytes, stream.obj,
             )  # fmt: skip
         else:
             self._call(
                 dev, "cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync,
-                dst.ptr, src.ptr, nbytes, stream.handle,
+                dst.ptr, src.ptr, nbytes, stream.obj,
             )  # fmt: skip
-        self._timer.end(timed)
+        if timed is not None:
+            self._timer.end(timed)
 
     # -- fills (memset, or a built-in kernel: ._kernels) ------------------------------
     def _builtin(self, dev: Dev, name: str) -> Any:
@@ -755,24 +741,17 @@ class CudaBackend(CudaContexts):
     # -- the native half of the completion bridge -------------------------------------
     def mark(self, stream: Any) -> int:
         dev = stream.dev
-        write = self._marks.bound
         if (
-            write is not None
-            and dev.fault is None
+            dev.fault is None
             and stream.token is dev.token
             and not stream.destroyed
             and stream.capture is None
             and not stream.foreign
             and self._tls.token is dev.token
         ):
-            # every run's mark: what the checks below would let through,
-            # with one call to the bindings and nothing else between
-            number = stream.issued + 1
-            (err,) = write(stream.obj, stream.word.addr, number, 0)
-            if err:
-                raise error_for(int(err), "cuStreamWriteValue64", dev)
-            stream.issued = number
-            return number  # type: ignore[no-any-return]
+            # every run's mark: what the checks below let through, without
+            # their calls
+            return self._marks.mark(dev, stream)
         dev = self._live(stream)
         if stream.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")

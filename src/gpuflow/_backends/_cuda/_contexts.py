@@ -192,8 +192,11 @@ class CudaContexts(Backend):
 
     def _call(self, dev: Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
         """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""
-        self._cur(dev)
+        if self._tls.token is not dev.token:
+            self._cur(dev)
         res = fn(*args)
+        if not res[0]:  # (CUDA_SUCCESS: every call but a failed one)
+            return tuple(res[1:])
         if int(res[0]) in CONTEXT_ERRORS:
             self._force_cur(dev)
             res = fn(*args)

@@ -142,13 +142,17 @@ class WordMarks:
         self._write = write64  # cuStreamWriteValue64(stream, addr, value, flags)
         self._wait = wait64  # cuStreamWaitValue64(stream, addr, value, flags)
         #: the bindings' ``cuStreamWriteValue64`` itself, where ``write64``
-        #: calls it: the backend's common mark calls it with nothing between
-        self.bound = bound
+        #: calls it: a mark calls it with nothing between (it is every run's)
+        self._bound = bound
 
     def mark(self, dev: Dev, stream: CudaStream) -> int:
         number = stream.issued + 1
         assert stream.word is not None  # (every stream of ours has one with word marks)
-        rc = self._write(stream, stream.word.addr, number, 0)
+        bound = self._bound
+        if bound is not None:
+            (rc,) = bound(stream.obj, stream.word.addr, number, 0)
+        else:
+            rc = self._write(stream, stream.word.addr, number, 0)
         if rc:
             raise error_for(int(rc), "cuStreamWriteValue64", dev)
         stream.issued = number
@@ -172,7 +176,6 @@ class EventMarks:
     a mark records a pooled event, the reader queries them in order."""
 
     name = "event"
-    bound = None  # (no write to call)
 
     def __init__(
         self,
