@@ -141,6 +141,32 @@ async def test_a_fault_fails_the_await_within_100_ms() -> None:
         np.testing.assert_array_equal(await gf.to_host(x), np.arange(5, dtype=np.int32))
 
 
+@pytest.mark.anyio
+async def test_a_fault_on_another_librarys_stream_fails_a_wait_stream_on_it() -> None:
+    """A lone ``await gf.wait_stream(s)`` completes on ``s`` itself, where
+    the mark after the foreign work is never reached once the device
+    faults: the watchdog fails it as any await (asking our marks' events
+    there, never the library's stream, which may be gone by then)."""
+    from gpuflow import _foreign  # a stream of the backend's that no gpuflow stream is
+    from gpuflow._runtime import get_runtime
+
+    be = gf.lowlevel.current_backend_object()
+    handle = be.stream_handle(be.create_stream(0))
+    theirs = _foreign.foreign_stream(get_runtime(), handle, 0)
+    x = await gf.zeros(16, F32)
+    with resetting(0), anyio.fail_after(2):
+        fault = fault_op()
+        K.slow_fill(x, 1.0, 0.05).then(lambda _: fault).enqueue_on(theirs)
+        t0 = time.perf_counter()
+        with pytest.raises(gf.DeviceFaultError, match=FAULTED_0) as info:
+            await gf.wait_stream(handle)
+        elapsed = time.perf_counter() - t0 - 0.05
+        assert elapsed < fault_deadline(), (
+            f"the fault took {elapsed * 1e3:.0f} ms to reach the await"
+        )
+        assert_fault(info.value)
+
+
 def test_a_launch_operation_loads_its_kernel_again_for_each_context_life() -> None:
     """An operation built once keeps the kernel it loaded for the life of the
     device's context it ran in: after a reset, and in a runtime made later,

@@ -840,6 +840,52 @@ async def test_a_cancelled_wait_stream_is_cancelled_at_once() -> None:
     await gf.wait_stream(fake.own)  # (x must outlive the write gpuflow knows nothing of)
 
 
+@pytest.mark.anyio
+async def test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow() -> None:
+    """``await gf.wait_stream(s)`` alone completes on ``s`` itself: no stream
+    of gpuflow's waits for the foreign work, so a run the same policy puts on
+    the same stream meanwhile does not wait for work it does not use."""
+    fake = FakeLib()
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0, seconds=0.5)
+    policy = gf.SingleStream(0)  # every run of it on one stream
+    waited: list[bool] = []
+
+    async def wait_for_the_library() -> None:
+        await gf.wait_stream(fake.own).run(policy)
+        waited.append(fake.idle())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_for_the_library)
+        await anyio.sleep(0.02)  # (its run is in flight)
+        assert not waited
+        ours = await gf.to_host(gf.full(N, 1.0, F32)).run(policy)
+        ours_before_theirs = not fake.idle()
+    assert np.array_equal(ours, np.full(N, 1, F32))
+    assert ours_before_theirs  # ours did not wait for the foreign work
+    assert waited == [True]  # and the wait did
+
+
+@pytest.mark.anyio
+async def test_wait_stream_of_a_stream_being_captured_is_refused() -> None:
+    """The foreign work of a stream being captured runs when its graph is
+    launched: waiting for it now is refused, before anything is enqueued,
+    whether the wait is awaited alone or composed, and leaves nothing in
+    flight (the lease's exit would wait for it)."""
+    fake = FakeLib()
+    be = backend()
+    be.begin_capture(fake._own_raw)
+    try:
+        async with gf.open_stream_lease():
+            with pytest.raises(gf.UsageError, match="captured into a graph"):
+                await gf.wait_stream(fake.own)
+            with pytest.raises(gf.UsageError, match="being captured into a graph"):
+                await gf.wait_stream(fake.own).then(lambda _: gf.full(N, 1.0, F32))
+    finally:
+        be.end_capture(fake._own_raw)
+    await gf.wait_stream(fake.own)  # (waits again once the capture ended)
+
+
 @pytest.mark.parametrize("default", [0, 1, 2])
 def test_wait_stream_on_a_default_stream(default: int) -> None:
     fake = FakeLib()

@@ -602,13 +602,14 @@ class Dispatcher:
             )
         return lane
 
-    def submit(self, raw_stream: Any, sub: Submission) -> None:
+    def submit(self, raw_stream: Any, sub: Submission, foreign: bool = False) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
         done: marks it, and hands it to whoever reads the word first.  A
         failure to mark fails the device where it is a device error, and is
         raised (the run is then completed by the stream's next mark).  On a
         destroyed stream, which takes no mark ever again, ``sub`` is refused
-        (raised, and not pending)."""
+        (raised, and not pending); so it is where ``foreign``, another
+        library's stream, is not marked (nothing of the run is there)."""
         with self._lock:
             lane = self._lanes.get(raw_stream)
             if lane is None:
@@ -617,8 +618,8 @@ class Dispatcher:
             try:
                 lane.issued = number = self._backend.mark(raw_stream)
             except BaseException as exc:
-                if not isinstance(exc, DeviceError) and self._backend.stream_destroyed(
-                    raw_stream
+                if not isinstance(exc, DeviceError) and (
+                    foreign or self._backend.stream_destroyed(raw_stream)
                 ):
                     if not lane.subs:
                         self._lanes.pop(raw_stream, None)

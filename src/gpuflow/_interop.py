@@ -52,7 +52,7 @@ from ._errors import UsageError, UsageTypeError
 from ._finalizers import finalize_later
 from ._hazards import Allocation, EventPoint, Uses, hazard_lock, usable_stream, wait_for_uses
 from ._operation import DeviceOperation, _fn_name
-from ._runtime import Runtime, get_runtime
+from ._runtime import Runtime, current_device, get_runtime
 from ._stream import Stream
 
 #: Owners whose release could not be ordered after gpuflow's uses: kept for
@@ -291,20 +291,44 @@ class _WaitStream(DeviceOperation[None]):
         self._handle = handle
         self._device = device
 
+    # Awaited alone, it runs on the other library's stream itself: its run's
+    # completion mark is an event recorded there, polled, and no stream of
+    # gpuflow's waits for the foreign work (another run placed on that
+    # stream would wait for it too, and the GPU would hop streams to say it
+    # is done).
+    _awaited_alone = True
+
+    def _stream_alone(self) -> Stream | None:
+        rt = get_runtime()
+        device = current_device() if self._device is None else self._device
+        s, own = _foreign.stream_for(rt, self._handle, device)
+        return None if own else s
+
     def execute(self, ctx: ExecutionContext) -> None:
         if ctx.capturing:
             raise UsageError(
                 "wait_stream inside a graph capture: the foreign work is not part of the "
                 "graph; wait for it before launching the graph"
             )
-        rt = ctx._runtime
+        if self._source is not None:
+            ctx.keep(self._source)  # (its handle is used until the run completes)
+        be = ctx.backend
+        here = ctx.stream
+        if be.stream_handle(here._raw) == self._handle and (
+            self._device is None or here.device == self._device
+        ):
+            return  # the run is on that stream (awaited alone: _stream_alone)
         device = ctx.device if self._device is None else self._device
-        s, own = _foreign.stream_for(rt, self._handle, device)
+        s, own = _foreign.stream_for(ctx._runtime, self._handle, device)
         if own:
             ctx.wait_for(s)
-        else:
-            be = ctx.backend
-            be.wait_event(ctx.stream._raw, be.record_event(s._raw))
+        elif s is not here:
+            if be.stream_capturing(s._raw):  # (our stream would join the capture)
+                raise UsageError(
+                    f"wait_stream of {_foreign.describe(self._handle)}, which is being "
+                    "captured into a graph: its work runs when the graph is launched"
+                )
+            be.wait_event(here._raw, be.record_event(s._raw))
 
     def _label(self) -> str:
         return f"wait_stream {_foreign.describe(self._handle)}"
@@ -320,11 +344,18 @@ def wait_stream(stream: Any) -> DeviceOperation[None]:
     a ``cupy.cuda.Stream``, or a raw ``CUstream`` handle (an int: 0 or 1 the
     legacy default stream, 2 the per-thread one) of the run's device (or of
     the device the stream object names).  "So far" is when the operation
-    runs.  It makes the run's stream wait on an event recorded on
-    ``stream``, nothing else, so ``await gf.wait_stream(s)`` never blocks
-    the event loop, and ``gf.wait_stream(s).then(...)`` orders gpuflow work
-    after the foreign work.  Composable and cancellable like every
-    operation; refused inside a graph capture.
+    runs.  Awaited alone, ``await gf.wait_stream(s)`` completes on ``s``
+    itself: an event recorded there, read by the loop's poller like any
+    run's completion, and no stream of gpuflow's waits for the foreign work
+    (other runs never queue behind it).  Composed (``then``, ``zip``, or
+    run with ``sync``/``enqueue_on``), the run's stream waits on an event
+    recorded on ``s``, so ``gf.wait_stream(s).then(...)`` orders gpuflow
+    work after the foreign work.  Either way the event loop never blocks.
+    Composable and cancellable like every operation; refused inside a graph
+    capture, and while ``s`` is being captured into another library's
+    graph (its work runs when that graph is launched).  A stream given as a
+    bare handle must live until the run completes (a stream object is kept
+    alive until then).
     """
     handle, device = _foreign.stream_handle(stream, "wait_stream()")
     return _WaitStream(stream if not isinstance(stream, int) else None, handle, device)

@@ -160,6 +160,16 @@ class DeviceOperation(Generic[T]):
         """``await op`` with an explicit scheduling policy."""
         return await _run.run_async(self, policy)  # type: ignore[no-any-return]
 
+    # -- for the run path ----------------------------------------------------------------
+    #: an ``await`` of it alone asks :meth:`_stream_alone` where to run
+    _awaited_alone = False
+
+    def _stream_alone(self) -> Stream | None:
+        """Where an ``await`` of this operation alone runs, whatever the
+        lease or the policy (None: where they say); checked as every run's
+        stream, before anything is enqueued."""
+        return None
+
     # -- graphs and pictures ---------------------------------------------------------
     def capture(self, stream: Stream | None = None) -> Graph[T]:
         """Capture this operation's work into a replayable :class:`gpuflow.Graph`."""

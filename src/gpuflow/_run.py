@@ -239,6 +239,20 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return out
 
 
+def _submit(rt: Runtime, stream: Stream, sub: Submission, foreign: bool) -> None:
+    """Hand ``sub`` to the dispatcher.  Where another library's stream takes
+    no mark, the run (which enqueued nothing) is finished with the error."""
+    if not foreign:
+        rt.dispatcher.submit(stream._raw, sub)
+        return
+    try:
+        rt.dispatcher.submit(stream._raw, sub, True)
+    except BaseException as exc:
+        if not sub.done:  # refused (a fault fails it instead)
+            rt.dispatcher.finish(sub, exc)
+        raise
+
+
 async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = None) -> Any:
     watcher = _points.watcher  # (a test's; None otherwise)
     if watcher is not None:
@@ -247,7 +261,10 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         await loop.checkpoint_if_cancelled()
-    rt, sub, ctx = _start(op, None, policy)
+    # an operation that waits for another library's stream and does nothing
+    # else completes on that stream itself: no stream of ours waits for it
+    home = op._stream_alone() if op._awaited_alone else None
+    rt, sub, ctx = _start(op, home, policy)
     stream = ctx.stream
     traced = _traced(op, "await", stream, sub) if _trace.active else None
     try:
@@ -256,13 +273,13 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         if traced is not None:
             traced.ended(exc)
         try:
-            rt.dispatcher.submit(stream._raw, sub)
+            _submit(rt, stream, sub, home is not None)
         except Exception:  # the original failure is the one to report
             pass
         raise
     if traced is not None:
         traced.enqueued()
-    rt.dispatcher.submit(stream._raw, sub)
+    _submit(rt, stream, sub, home is not None)
     try:
         if watcher is not None:
             await watcher(_points.IN_FLIGHT, op)

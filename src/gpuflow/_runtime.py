@@ -154,8 +154,11 @@ class Runtime:
             return s
         with self._handles_lock:
             if len(self._foreign) >= MAX_FOREIGN_STREAMS:
-                self._foreign.clear()  # (made again on their next use)
+                for old in self._foreign:  # (made again on their next use)
+                    self.dispatcher.retire_stream(old)
+                self._foreign.clear()
             s = self._foreign[raw] = Stream(self, device, raw)
+            s._lane = self.dispatcher.lane(raw, device)
         return s
 
     def stream_by_handle(self, handle: int) -> Stream | None:

@@ -572,6 +572,22 @@ MUTATIONS = [
         ('tests/test_cancellation.py::test_an_already_cancelled_task_enqueues_nothing',),
     ),
     Mutation(
+        "W1",
+        "a lone await of another library's stream waits for it on a stream of gpuflow's",
+        '_interop.py',
+        '    _awaited_alone = True\n',
+        '    _awaited_alone = False\n',
+        ('tests/test_interop.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
+    ),
+    Mutation(
+        "W2",
+        "a refused mark on another library's stream leaves its run in flight",
+        '_run.py',
+        '        if not sub.done:  # refused (a fault fails it instead)\n',
+        '        if False:\n',
+        ('tests/test_interop.py::test_wait_stream_of_a_stream_being_captured_is_refused',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',

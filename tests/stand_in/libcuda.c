@@ -107,6 +107,7 @@ CUresult cuEventRecord(void *e, void *s) { return 0; }
 CUresult cuEventQuery(void *e) { return 0; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { return 0; }
 CUresult cuStreamQuery(void *s) { return 0; }
+CUresult cuStreamIsCapturing(void *s, int *status) { *status = 0; return 0; }
 CUresult cuStreamSynchronize(void *s) { return 0; }
 CUresult cuStreamWaitValue64_v2(void *s, u64 a, u64 v, unsigned f) { return 0; }
 CUresult cuGraphLaunch(void *e, void *s) { return 0; }

@@ -428,14 +428,23 @@ class Backend(abc.ABC):
 
         ``handle`` is a ``CUstream`` address, or 0, 1 (the legacy default
         stream) or 2 (the per-thread default stream), whose device is
-        ``device``.  gpuflow only records events on such a stream and makes
-        it wait on events (:meth:`record_event`, :meth:`wait_event`), and
-        never destroys it.  Both calls on it may run inside another
-        library's code (a DLPack deleter, on any thread): they leave the
-        calling thread as they found it (its current CUDA context).  A
-        handle the backend cannot use is a :class:`gpuflow.UsageError`.
+        ``device``.  gpuflow records events on such a stream, makes it wait
+        on events (:meth:`record_event`, :meth:`wait_event`), marks it
+        (:meth:`mark`: the run of a lone ``await gf.wait_stream(s)``
+        completes there, its completion reader, :meth:`query` and
+        :meth:`enqueue_close` then work as on any stream), and never
+        destroys it.  A call on it may run inside another library's code
+        (a DLPack deleter, on any thread): it leaves the calling thread as
+        it found it (its current CUDA context).  A handle the backend cannot
+        use is a :class:`gpuflow.UsageError`.
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's streams")
+
+    def stream_capturing(self, stream: Any) -> bool:
+        """Whether ``stream`` (gpuflow's or another library's) is being
+        captured into a graph now: work enqueued on it would become a node
+        of that graph instead of running."""
+        return False
 
     def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> RawBuffer:
         """``nbytes`` of device memory at ``ptr`` that another library owns.

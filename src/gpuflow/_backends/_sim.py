@@ -506,6 +506,10 @@ class SimBackend(Backend):
             if stream.device.fault is not None:
                 raise stream.device.fault
 
+    def stream_capturing(self, stream: Any) -> bool:
+        with self.cond:
+            return stream.capture is not None
+
     def query(self, stream: Any) -> bool:
         with self.cond:
             if stream.device.fault is not None:

@@ -255,6 +255,13 @@ class CudaBackend(CudaContexts):
         dev = stream.dev
         if dev.fault is not None:
             raise dev.fault
+        if stream.foreign:
+            # another library's stream may be gone by now: ask the events of
+            # our marks on it instead (a fault's sticky code is recorded)
+            reached = self._foreign_marks.reached(stream)
+            if dev.fault is not None:
+                raise dev.fault
+            return bool(reached >= stream.issued)
         with self._stream_lock:  # not destroyed while we ask
             if stream.token is not dev.token or stream.destroyed:
                 return True
@@ -756,19 +763,27 @@ class CudaBackend(CudaContexts):
         if stream.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")
         if stream.foreign:
-            raise UsageError(f"{stream!r} is another library's: gpuflow does not mark it")
+            return self._foreign_call(dev, lambda: self._foreign_mark(dev, stream))
         if self._tls.token is not dev.token:
             self._cur(dev)
         return self._marks.mark(dev, stream)
 
+    def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
+        if self._capturing(dev, stream):
+            raise UsageError(
+                f"{stream!r} is being captured into a graph: a completion mark cannot be "
+                "enqueued there"
+            )
+        return self._foreign_marks.mark(dev, stream)
+
     def completion_reader(self, stream: Any) -> Callable[[], int]:
-        return self._marks.reader(stream)
+        return (self._foreign_marks if stream.foreign else self._marks).reader(stream)
 
     def wait_mark(self, stream: Any, other: Any, number: int) -> None:
         dev = self._live(stream)
         if not self._worth_waiting(dev, other.dev, other.token):
             return
-        marks = self._marks
+        marks = self._foreign_marks if other.foreign else self._marks
         if stream.foreign:
             rc = self._foreign_call(dev, lambda: marks.wait(dev, stream, other, number))
         else:
@@ -782,12 +797,33 @@ class CudaBackend(CudaContexts):
         dev = self._live(stream)
         if stream.capture is not None:
             return False  # a host node would close the fd again at every replay
+        if stream.foreign:
+            return self._foreign_call(dev, lambda: self._close_after(dev, stream, fd))
         if self._tls.token is not dev.token:
             self._cur(dev)
+        return self._close_after(dev, stream, fd)
+
+    def _close_after(self, dev: Dev, stream: CudaStream, fd: int) -> bool:
+        if stream.foreign and self._capturing(dev, stream):
+            return False  # (another library's capture: as one of ours)
         rc = self._n.launch_host_func(stream.handle, self._n.close_addr, fd)
         if rc:
             raise error_for(rc, "cuLaunchHostFunc", dev)
         return True
+
+    def stream_capturing(self, stream: Any) -> bool:
+        if not stream.foreign:
+            return stream.capture is not None
+        dev = self._live(stream)
+        return self._foreign_call(dev, lambda: self._capturing(dev, stream))
+
+    def _capturing(self, dev: Dev, stream: CudaStream) -> bool:
+        """Whether another library captures ``stream`` (its context current)."""
+        status = ctypes.c_int()
+        rc = self._n.stream_is_capturing(stream.handle, ctypes.byref(status))
+        if rc:
+            raise error_for(rc, "cuStreamIsCapturing", dev)
+        return status.value != 0
 
     def complete_transfers(self, stream: Any) -> None:
         if self._staging.d2h_pending:

@@ -108,11 +108,18 @@ class CudaContexts(Backend):
                         dev.peers.append(other.index)
         for dev in self._devices:
             self._enable_peers(dev)
+        #: another library's stream is marked with events whatever the driver
+        #: takes: a word written there would be a write into memory of ours
+        #: enqueued where we cannot see when the stream goes, and an event is
+        #: queried without its stream (which may be gone by then)
+        self._foreign_marks = EventMarks(
+            self._record, self._n.event_query, self._n.stream_wait_event, self._cur
+        )
         self._marks: WordMarks | EventMarks = self._choose_marks(marks)
 
     def _choose_marks(self, marks: str) -> WordMarks | EventMarks:
         n = self._n
-        events = EventMarks(self._record, n.event_query, n.stream_wait_event, self._cur)
+        events = self._foreign_marks
         if marks == "event":
             return events
         # the bindings' call is the shorter path (measured on the H200: 2.7 us

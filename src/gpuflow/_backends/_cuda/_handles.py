@@ -92,8 +92,8 @@ class CudaStream:
     ``issued`` is the number of its last mark; with event marks,
     ``mark_events`` holds the events of the marks not yet seen reached and
     ``reached`` the last one that was.  A *foreign* stream is another
-    library's (``foreign_stream``): it has no word and no marks, gpuflow
-    only records events on it and makes it wait, and never destroys it.
+    library's (``foreign_stream``): it has no word, its marks are events,
+    gpuflow records events on it and makes it wait, and never destroys it.
     """
 
     __slots__ = (

@@ -22,7 +22,8 @@ numbering goes on from there (a wait for an old number is then already
 satisfied).
 
 Where the driver refuses stream memory operations, :class:`EventMarks`
-keeps an event per mark instead.
+keeps an event per mark instead; so it does on another library's stream
+(``foreign``), whatever the driver takes.
 """
 
 from __future__ import annotations
@@ -196,9 +197,11 @@ class EventMarks:
         return number
 
     def reader(self, stream: CudaStream) -> Callable[[], int]:
-        return functools.partial(self._reached, stream)
+        return functools.partial(self.reached, stream)
 
-    def _reached(self, stream: CudaStream) -> int:
+    def reached(self, stream: CudaStream) -> int:
+        """The last of ``stream``'s marks seen reached (never raises: a
+        failed query is recorded, as a fault where its code is sticky)."""
         q = stream.mark_events
         dev = stream.dev
         with stream.mark_lock:
