@@ -16,8 +16,9 @@ stand-in libcuda, which does each item at once and kernels not at all
 (``tests/stand_in/libcuda.c``; build it with ``cc -shared -fPIC -O2
 -Wl,-soname,libcuda.so.1 -o LIB tests/stand_in/libcuda.c``): the cuda
 backend's Python and cuda-bindings' calls without the driver's own cost,
-with the raw launch loop of the bench's chain row beside the chain, and the
-64-task throughput.  Beside the bench on the same host, the difference is
+with the raw launch loop of the bench's chain row beside the chain, an
+await of ``gf.wait_stream`` on another library's stream, and the 64-task
+throughput.  Beside the bench on the same host, the difference is
 what the driver and the GPU add.
 """
 
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{lib} await us/op {per_await:.2f}, chain us/step {per_step:.2f}")
     if args.stand_in:
         raw_launch_loop(op, pol)
+        for lib in ("asyncio", "trio"):
+            print(f"{lib} await gf.wait_stream(another library's stream) us/op "
+                  f"{anyio.run(foreign_waits, backend=lib):.2f}")
 
     # the chain's own Python: execute() alone, no run set-up, no await, in a
     # context kept from a run (valid here: the null backend enqueues nothing)
@@ -391,6 +395,27 @@ def calls_per_run(lib: str, op: gf.DeviceOperation[Any]) -> float:
     stats: Any = pstats.Stats(prof)
     runs = (64 + 4) * 100  # (the row's warm-up tasks included)
     return float(sum(v[1] for v in stats.stats.values())) / runs
+
+
+async def foreign_waits(n: int = 2000) -> float:
+    """``await gf.wait_stream(s)`` of a stream gpuflow did not make, as a
+    PyTorch stream is named (``cuda_stream``, ``device``): the median of five
+    batches, µs per await."""
+    from cuda.bindings import driver as cu
+
+    class TorchLike:
+        cuda_stream = int(cu.cuStreamCreate(1)[1])
+        device = 0
+
+    theirs = TorchLike()
+    batches = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await gf.wait_stream(theirs)
+        if i:  # (the first warms)
+            batches.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(batches)
 
 
 def raw_launch_loop(op: gf.DeviceOperation[Any], pol: gf.SingleStream) -> None:

@@ -141,14 +141,13 @@ class CudaBackend(CudaContexts):
         if handle in _DEFAULT_STREAM_HANDLES:
             dev = self._dev(device)
         else:
-            res = self._cu.cuStreamGetCtx(self._cu.CUstream(handle))
-            rc = int(res[0])
+            ctx = ctypes.c_void_p()
+            rc = self._n.stream_get_ctx(handle, ctypes.byref(ctx))
             if rc:
                 raise UsageError(
                     f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(rc)})"
                 )
-            ctx = int(res[1])
-            found = [d for d in self._devices if d.ctx == ctx]
+            found = [d for d in self._devices if d.ctx == ctx.value]
             if not found:
                 raise UsageError(
                     f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "
@@ -762,19 +761,18 @@ class CudaBackend(CudaContexts):
         dev = self._live(stream)
         if stream.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")
-        if stream.foreign:
-            return self._foreign_call(dev, lambda: self._foreign_mark(dev, stream))
         if self._tls.token is not dev.token:
             self._cur(dev)
+        if stream.foreign:
+            # (gpuflow's own call, never from inside another library's code,
+            # which _foreign_call would leave its thread to as it found it)
+            if self._capturing(dev, stream):
+                raise UsageError(
+                    f"{stream!r} is being captured into a graph: a completion mark cannot "
+                    "be enqueued there"
+                )
+            return self._foreign_marks.mark(dev, stream)
         return self._marks.mark(dev, stream)
-
-    def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
-        if self._capturing(dev, stream):
-            raise UsageError(
-                f"{stream!r} is being captured into a graph: a completion mark cannot be "
-                "enqueued there"
-            )
-        return self._foreign_marks.mark(dev, stream)
 
     def completion_reader(self, stream: Any) -> Callable[[], int]:
         return (self._foreign_marks if stream.foreign else self._marks).reader(stream)

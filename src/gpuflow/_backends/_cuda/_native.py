@@ -38,6 +38,7 @@ class Native:
         self.stream_query = cu("cuStreamQuery", [vp])
         self.stream_synchronize = cu("cuStreamSynchronize", [vp])
         self.stream_is_capturing = cu("cuStreamIsCapturing", [vp, ctypes.POINTER(ci)])
+        self.stream_get_ctx = cu("cuStreamGetCtx", [vp, ctypes.POINTER(vp)])
         # stream memory operations: the v2 entry points (always available
         # since CUDA 12, whatever CAN_USE_STREAM_MEM_OPS_V1 says)
         self.write_value64 = cu("cuStreamWriteValue64_v2", [vp, u64, u64, ui])
