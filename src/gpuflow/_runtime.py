@@ -284,6 +284,10 @@ class Runtime:
             self._generations[device] += 1
             self._lives[device] = object()
             self._make_pool(device)
+        with self._handles_lock:  # other libraries' streams there: named anew from now
+            for raw in [raw for raw, s in self._foreign.items() if s._device == device]:
+                self.dispatcher.retire_stream(raw)
+                del self._foreign[raw]
         for s in old:
             self.backend.destroy_stream(s._raw)
 
