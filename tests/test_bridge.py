@@ -988,6 +988,31 @@ async def test_the_loop_adapter_is_the_running_loops(
 
 
 @pytest.mark.anyio
+async def test_the_loop_adapter_says_whether_another_task_is_ready(
+    anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
+    """What an await whose run is done asks before it runs on without a
+    loop turn: another task ready now is seen (a loop that cannot tell,
+    uvloop, says so every time, and asks rarely)."""
+    from gpuflow._loops import current_loop  # the machinery itself
+
+    loop = current_loop()
+    blind = anyio_backend_options.get("use_uvloop", False)
+    if not blind:  # asyncio's ready callbacks, Trio's run queue: free to ask, asked every time
+        assert loop.ready_check_s == 0.0
+    await anyio.sleep(0.01)
+    alone = loop.others_ready()
+    ran: list[bool] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: anyio.sleep(0))
+        tg.start_soon(lambda: anyio.sleep(0))
+        ready = loop.others_ready()  # (they have not run yet)
+        ran.append(True)
+    assert ready and ran
+    assert alone is blind  # alone, only a blind loop says another is ready
+
+
+@pytest.mark.anyio
 async def test_a_poller_runs_once_a_turn_while_it_asks_to() -> None:
     from gpuflow._loops import current_loop  # the machinery itself
 

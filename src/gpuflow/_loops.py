@@ -29,7 +29,7 @@ import asyncio
 import functools
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sized
 from typing import Any, Protocol
 
 import anyio.lowlevel
@@ -40,9 +40,9 @@ from ._errors import UsageError
 Call = Callable[[], object]
 
 #: How often a task awaiting short kernels back to back asks Trio whether
-#: other tasks are ready (the question costs more than a short await
-#: otherwise spends in gpuflow): they wait at most this long, as they do
-#: for a spin.
+#: other tasks are ready where its public answer is all there is (the
+#: question costs more than a short await otherwise spends in gpuflow):
+#: they wait at most this long, as they do for a spin.
 READY_CHECK_S = 50e-6
 #: How often such a task yields on a loop that cannot tell whether others
 #: are ready (uvloop): a yield there costs 3-5 us, about a fifth of a short
@@ -66,7 +66,7 @@ class Loop(Protocol):
 
     #: How long a task may run gpuflow's awaits back to back before it asks
     #: :meth:`others_ready` again (0 where asking costs nothing; Trio's
-    #: answer costs 1-2 us: :data:`READY_CHECK_S`; a loop that cannot tell:
+    #: public answer costs 1-2 us: :data:`READY_CHECK_S`; a loop that cannot tell:
     #: :data:`BLIND_YIELD_S`; see ``_bridge.YIELD_EVERY_S``).
     ready_check_s: float
 
@@ -266,9 +266,23 @@ class _TrioPark:
         return self.lowlevel.wait_task_rescheduled(self._abort).__await__()  # type: ignore[no-any-return]
 
 
+def _trio_run_queue() -> Sized | None:
+    """The current Trio run's queue of runnable tasks (what
+    ``current_statistics().tasks_runnable`` counts; one object for the whole
+    run), or None where Trio keeps it otherwise."""
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        runq = GLOBAL_RUN_CONTEXT.runner.runq
+        len(runq)
+    except Exception:
+        return None
+    return runq
+
+
 class _Trio:
     __slots__ = (
-        "_ended", "_statistics", "_trio", "asked", "awaiting", "call_soon", "checkpoint",
+        "_ended", "_runq", "_statistics", "_trio", "asked", "awaiting", "call_soon", "checkpoint",
         "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
         "yielded",
     )  # fmt: skip
@@ -279,9 +293,11 @@ class _Trio:
         self.yielded = self.asked = 0.0
         self.awaiting = 0
         self._statistics = trio.lowlevel.current_statistics
-        # (current_statistics, the only public count of runnable tasks,
-        # gathers every statistic of the run: 1.7 us measured)
-        self.ready_check_s = READY_CHECK_S
+        # current_statistics, the only public count of runnable tasks,
+        # gathers every statistic of the run (1.7 us measured): read Trio's
+        # run queue itself where Trio keeps it, which costs nothing
+        self._runq = _trio_run_queue()
+        self.ready_check_s = READY_CHECK_S if self._runq is None else 0.0
         self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
             trio.lowlevel.checkpoint_if_cancelled
         )
@@ -325,6 +341,9 @@ class _Trio:
         return kick
 
     def others_ready(self) -> bool:
+        runq = self._runq
+        if runq is not None:
+            return bool(runq)
         return bool(self._statistics().tasks_runnable)
 
     def watch(self, fd: int, on_ready: Call) -> None:
