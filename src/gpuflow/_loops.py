@@ -40,9 +40,9 @@ from ._errors import UsageError
 Call = Callable[[], object]
 
 #: How often a task awaiting short kernels back to back asks Trio whether
-#: other tasks are ready where its public answer is all there is (the
-#: question costs more than a short await otherwise spends in gpuflow):
-#: they wait at most this long, as they do for a spin.
+#: other tasks are ready (they wait at most this long, as they do for a
+#: spin): a yield to Trio's scheduler costs more than a short await spends
+#: in gpuflow.
 READY_CHECK_S = 50e-6
 #: How often such a task yields on a loop that cannot tell whether others
 #: are ready (uvloop): a yield there costs 3-5 us, about a fifth of a short
@@ -65,8 +65,8 @@ class Loop(Protocol):
     awaiting: int
 
     #: How long a task may run gpuflow's awaits back to back before it asks
-    #: :meth:`others_ready` again (0 where asking costs nothing; Trio's
-    #: public answer costs 1-2 us: :data:`READY_CHECK_S`; a loop that cannot tell:
+    #: :meth:`others_ready` again (0 under asyncio, where asking and yielding
+    #: cost little; Trio: :data:`READY_CHECK_S`; a loop that cannot tell:
     #: :data:`BLIND_YIELD_S`; see ``_bridge.YIELD_EVERY_S``).
     ready_check_s: float
 
@@ -295,9 +295,14 @@ class _Trio:
         self._statistics = trio.lowlevel.current_statistics
         # current_statistics, the only public count of runnable tasks,
         # gathers every statistic of the run (1.7 us measured): read Trio's
-        # run queue itself where Trio keeps it, which costs nothing
+        # run queue itself where Trio keeps it, which costs nothing.  Asked
+        # no more often for that: asked at every await, an awaited empty
+        # kernel took 48.8 us on one H200 host (19.6-38.2 us on others,
+        # asked every 50 us; `python -m gpuflow bench --only launch`), as
+        # if a task were runnable there at most asks, each answer then
+        # costing a turn of Trio's scheduler
         self._runq = _trio_run_queue()
-        self.ready_check_s = READY_CHECK_S if self._runq is None else 0.0
+        self.ready_check_s = READY_CHECK_S
         self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
             trio.lowlevel.checkpoint_if_cancelled
         )
