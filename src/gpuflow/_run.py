@@ -239,12 +239,10 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return out
 
 
-def _submit(rt: Runtime, stream: Stream, sub: Submission, foreign: bool) -> None:
-    """Hand ``sub`` to the dispatcher.  Where another library's stream takes
-    no mark, the run (which enqueued nothing) is finished with the error."""
-    if not foreign:
-        rt.dispatcher.submit(stream._raw, sub)
-        return
+def _submit_foreign(rt: Runtime, stream: Stream, sub: Submission) -> None:
+    """Hand ``sub``, a run on another library's stream, to the dispatcher.
+    Where that stream takes no mark, the run (which enqueued nothing) is
+    finished with the error."""
     try:
         rt.dispatcher.submit(stream._raw, sub, True)
     except BaseException as exc:
@@ -273,13 +271,19 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         if traced is not None:
             traced.ended(exc)
         try:
-            _submit(rt, stream, sub, home is not None)
+            if home is None:
+                rt.dispatcher.submit(stream._raw, sub)
+            else:
+                _submit_foreign(rt, stream, sub)
         except Exception:  # the original failure is the one to report
             pass
         raise
     if traced is not None:
         traced.enqueued()
-    _submit(rt, stream, sub, home is not None)
+    if home is None:
+        rt.dispatcher.submit(stream._raw, sub)
+    else:
+        _submit_foreign(rt, stream, sub)
     try:
         if watcher is not None:
             await watcher(_points.IN_FLIGHT, op)
