@@ -896,6 +896,18 @@ def test_wait_stream_on_a_default_stream(default: int) -> None:
     assert np.array_equal(out, np.full(N, 5, F32))
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("default", [0, 1, 2])
+async def test_a_lone_wait_stream_on_a_default_stream(default: int) -> None:
+    # awaited alone, it completes on the default stream itself, of the run's device
+    fake = FakeLib()
+    fake.current = default
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0)
+    await gf.wait_stream(default)
+    assert np.array_equal(await gf.to_host(x), np.full(N, 5, F32))
+
+
 def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
     """Another library's stream, named again, is the same gpuflow stream (its
     hazards are one stream's), and a new one once its device was reset."""

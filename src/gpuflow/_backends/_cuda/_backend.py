@@ -761,18 +761,19 @@ class CudaBackend(CudaContexts):
         dev = self._live(stream)
         if stream.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")
+        if stream.foreign:
+            return self._ours_on_foreign(dev, stream, lambda: self._foreign_mark(dev, stream))
         if self._tls.token is not dev.token:
             self._cur(dev)
-        if stream.foreign:
-            # (gpuflow's own call, never from inside another library's code,
-            # which _foreign_call would leave its thread to as it found it)
-            if self._capturing(dev, stream):
-                raise UsageError(
-                    f"{stream!r} is being captured into a graph: a completion mark cannot "
-                    "be enqueued there"
-                )
-            return self._foreign_marks.mark(dev, stream)
         return self._marks.mark(dev, stream)
+
+    def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
+        if self._capturing(dev, stream):
+            raise UsageError(
+                f"{stream!r} is being captured into a graph: a completion mark cannot be "
+                "enqueued there"
+            )
+        return self._foreign_marks.mark(dev, stream)
 
     def completion_reader(self, stream: Any) -> Callable[[], int]:
         return (self._foreign_marks if stream.foreign else self._marks).reader(stream)
@@ -796,7 +797,7 @@ class CudaBackend(CudaContexts):
         if stream.capture is not None:
             return False  # a host node would close the fd again at every replay
         if stream.foreign:
-            return self._foreign_call(dev, lambda: self._close_after(dev, stream, fd))
+            return self._ours_on_foreign(dev, stream, lambda: self._close_after(dev, stream, fd))
         if self._tls.token is not dev.token:
             self._cur(dev)
         return self._close_after(dev, stream, fd)
@@ -813,7 +814,20 @@ class CudaBackend(CudaContexts):
         if not stream.foreign:
             return stream.capture is not None
         dev = self._live(stream)
-        return self._foreign_call(dev, lambda: self._capturing(dev, stream))
+        return self._ours_on_foreign(dev, stream, lambda: self._capturing(dev, stream))
+
+    def _ours_on_foreign(self, dev: Dev, stream: CudaStream, fn: Callable[[], T]) -> T:
+        """``fn()`` on another library's stream, called by gpuflow's own code
+        (never from inside that library's, which _foreign_call leaves its
+        thread to as it found it).  A default stream's handle names the
+        stream of whatever context is current: that must really be
+        ``dev``'s, whichever another library made current since gpuflow
+        last did, so it is asked; any other handle names its own context."""
+        if stream.handle in _DEFAULT_STREAM_HANDLES:
+            return self._foreign_call(dev, fn)
+        if self._tls.token is not dev.token:
+            self._cur(dev)
+        return fn()
 
     def _capturing(self, dev: Dev, stream: CudaStream) -> bool:
         """Whether another library captures ``stream`` (its context current)."""
