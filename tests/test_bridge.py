@@ -508,6 +508,50 @@ async def test_the_dispatcher_thread_leaves_a_busy_loops_runs_to_the_loop(
 
 
 @pytest.mark.anyio
+async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The thread ticks while runs are pending and for a grace after, then
+    # sleeps until new work wakes it.  On a GPU a short kernel is seen done
+    # by its own await before the woken thread looks, so the thread never
+    # sees a run pending; here it is made to see none.  Once asleep, it must
+    # be woken by the first run only and tick through a new grace, not be
+    # woken (taking the GIL from the loop) by every run.
+    from gpuflow import _bridge  # the grace, and the thread's wait
+
+    monkeypatch.setattr(_bridge, "_IDLE_GRACE_S", 0.05)
+    x = await gf.zeros(64, F32)
+    dispatcher = get_runtime().dispatcher
+    busy = dispatcher._busy
+    monkeypatch.setattr(
+        dispatcher, "_busy",
+        lambda: busy() and threading.current_thread() is not dispatcher._thread,
+    )
+    real_wait = dispatcher._cv.wait
+    rearmed: list[float] = []  # wake-ups of the sleeping thread
+
+    def counted(timeout: float | None = None) -> bool:
+        woke = real_wait(timeout)
+        if timeout is None:
+            rearmed.append(time.monotonic())
+        return woke
+
+    monkeypatch.setattr(dispatcher._cv, "wait", counted)
+    deadline = time.monotonic() + 5.0
+    while dispatcher._armed:  # asleep first
+        assert time.monotonic() < deadline, "the dispatcher thread never went to sleep"
+        await anyio.sleep(0.01)
+    rearmed.clear()
+    t0 = time.monotonic()
+    runs = 200
+    for _ in range(runs):
+        await K.module().scale(K.cfg(64), x, 1.0, 64)
+    took = time.monotonic() - t0
+    # woken once, then again at most once a grace spent ticking
+    assert 1 <= len(rearmed) <= 1 + took / 0.05, (len(rearmed), runs, took)
+
+
+@pytest.mark.anyio
 async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -888,6 +888,12 @@ class Dispatcher:
                 else:
                     timeout = WATCHDOG_S if self._armed or self._closed else None
                 self._cv.wait(timeout)
+                if timeout is None:
+                    # woken by new work: the grace starts again.  Runs that end
+                    # before a tick could see them pending (short kernels, seen
+                    # done by their awaits) would otherwise find it long spent,
+                    # and each run would wake this thread, which takes the GIL
+                    idle_since = None
                 active = list(self._active)
             now = time.monotonic()
             try:

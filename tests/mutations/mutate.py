@@ -588,6 +588,16 @@ MUTATIONS = [
         ('tests/test_interop.py::test_wait_stream_of_a_stream_being_captured_is_refused',),
     ),
     Mutation(
+        "D1",
+        "the dispatcher thread, woken from its sleep by new work, keeps its old idle grace",
+        '_bridge.py',
+        '                    idle_since = None\n'
+        '                active = list(self._active)\n',
+        '                    pass\n'
+        '                active = list(self._active)\n',
+        ('tests/test_bridge.py::test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',
