@@ -121,6 +121,37 @@ async def test_in_place_all_reduce_writes_its_input() -> None:
             np.testing.assert_array_equal(await get(x), np.max(np.stack(host), axis=0))
 
 
+async def test_a_collective_run_again_takes_its_arrays_as_they_are_then() -> None:
+    """A collective of given arrays is checked once and run again from what
+    was found; each run still reads the arrays as they are at that run, the
+    lists it was given as they are then."""
+    devs = devices()
+    host = shards(len(devs))
+    async with gf.open_communicator(devs) as comm:
+        xs = [await put(h, d) for h, d in zip(host, devs, strict=True)]
+        outs = [await put(np.zeros(6, F32), d) for d in devs]
+        op = comm.all_reduce(xs, "sum", out=outs)
+        for k in range(3):  # the inputs change between runs: each run reads them anew
+            for x, h in zip(xs, host, strict=True):
+                await gf.copy(await put(h + k, x.device), out=x)
+            got = await op
+            assert all(g is o for g, o in zip(got, outs, strict=True))
+            want = np.sum(np.stack(host), axis=0) + k * len(devs)
+            for o in outs:
+                np.testing.assert_array_equal(await get(o), want)
+        # the list given as out now holds another array: the next run writes that one
+        first = outs[0]
+        outs[0] = await put(np.zeros(6, F32), devs[0])
+        got = await op
+        assert got[0] is outs[0] and got[0] is not first
+        np.testing.assert_array_equal(await get(outs[0]), want)
+        # a list given as input, changed the same way
+        xs[0] = await put(np.full(6, 100, F32), devs[0])
+        await op
+        rest = sum((h + 2 for h in host[1:]), np.zeros(6, F32))  # (the last k)
+        np.testing.assert_array_equal(await get(outs[-1]), np.full(6, 100, F32) + rest)
+
+
 async def test_broadcast_all_gather_and_reduce_scatter() -> None:
     devs = devices()
     n = len(devs)

@@ -598,6 +598,14 @@ MUTATIONS = [
         ('tests/test_bridge.py::test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each',),
     ),
     Mutation(
+        "C5",
+        "a collective run again keeps the arrays of its first run, though its lists changed",
+        '_comm.py',
+        '    return len(v) == len(kept) and all(a is b for a, b in zip(v, kept, strict=True))\n',
+        '    return True\n',
+        ('tests/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',

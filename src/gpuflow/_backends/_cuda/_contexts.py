@@ -197,6 +197,19 @@ class CudaContexts(Backend):
         self._tls.token = None
         self._cur(dev)
 
+    def _learn_cur(self) -> None:
+        """Another library's calls (NCCL's) may have made another context
+        current on this thread: ask the driver which, rather than set ours
+        again at the next call (one query, no change)."""
+        ctx = ctypes.c_void_p()
+        token = None
+        if self._n.ctx_get_current(ctypes.byref(ctx)) == CUDA_SUCCESS:
+            for dev in self._devices:
+                if dev.ctx == (ctx.value or 0):
+                    token = dev.token
+                    break
+        self._tls.token = token
+
     def _call(self, dev: Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
         """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""
         if self._tls.token is not dev.token:

@@ -153,7 +153,7 @@ class NcclComms:
                         device=comm.dev.index,
                         rank=comm.rank,
                     )
-            self._current(calls[0][0].dev)
+            self._be._cur(calls[0][0].dev)
             b.group_start()
             try:
                 for comm, call, stream in calls:
@@ -165,7 +165,9 @@ class NcclComms:
         except Exception as exc:
             raise _error(exc, f"enqueueing {calls[0][1].kind}", calls[0][0]) from exc
         finally:
-            self._forget_current()
+            # NCCL sets the device of each rank it enqueues for (and perhaps
+            # back): the context left current is asked, not assumed
+            self._be._learn_cur()
             for lock in held:
                 lock.release()
 
