@@ -399,13 +399,17 @@ def calls_per_run(lib: str, op: gf.DeviceOperation[Any]) -> float:
 
 async def foreign_waits(n: int = 2000) -> float:
     """``await gf.wait_stream(s)`` of a stream gpuflow did not make, as a
-    PyTorch stream is named (``cuda_stream``, ``device``): the median of five
-    batches, µs per await."""
+    PyTorch stream is named (``cuda_stream``, ``device_index``, ``device``):
+    the median of five batches, µs per await."""
     from cuda.bindings import driver as cu
+
+    class TorchDeviceLike:
+        index = 0
 
     class TorchLike:
         cuda_stream = int(cu.cuStreamCreate(1)[1])
-        device = 0
+        device_index = 0
+        device = TorchDeviceLike()
 
     theirs = TorchLike()
     batches = []

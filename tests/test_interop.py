@@ -759,12 +759,21 @@ class StreamProtocol:
         return (0, self._h)
 
 
+class TorchLikeDevice:
+    """torch.device's way: ``index``."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 class TorchLikeStream:
-    """torch.cuda.Stream's way: ``cuda_stream`` and ``device``."""
+    """torch.cuda.Stream's way: ``cuda_stream``, ``device_index`` and ``device``
+    (a torch.device)."""
 
     def __init__(self, h: int, device: int) -> None:
         self.cuda_stream = h
-        self.device = device
+        self.device_index = device
+        self.device = TorchLikeDevice(device)
 
 
 class CupyLikeStream:
@@ -773,6 +782,36 @@ class CupyLikeStream:
     def __init__(self, h: int, device: int) -> None:
         self.ptr = h
         self.device_id = device
+
+
+class CoreLikeStream(StreamProtocol):
+    """cuda.core's way: ``__cuda_stream__`` and ``device``, a Device with ``device_id``."""
+
+    def __init__(self, h: int, device: int) -> None:
+        super().__init__(h)
+        self.device = CupyLikeStream(0, device)  # (what counts: its device_id)
+
+
+class OldTorchLikeStream:
+    """A stream object with ``cuda_stream`` and a ``device`` with ``index`` only."""
+
+    def __init__(self, h: int, device: int) -> None:
+        self.cuda_stream = h
+        self.device = TorchLikeDevice(device)
+
+
+def test_a_stream_object_says_its_handle_and_device_each_way() -> None:
+    from gpuflow import _foreign  # the reading of other libraries' stream objects
+
+    for obj in (
+        TorchLikeStream(0x1234, 1),
+        OldTorchLikeStream(0x1234, 1),
+        CupyLikeStream(0x1234, 1),
+        CoreLikeStream(0x1234, 1),
+    ):
+        assert _foreign.stream_handle(obj, "wait_stream") == (0x1234, 1), type(obj).__name__
+    assert _foreign.stream_handle(StreamProtocol(0x1234), "wait_stream") == (0x1234, None)
+    assert _foreign.stream_handle(2, "wait_stream") == (2, None)
 
 
 @pytest.mark.anyio

@@ -26,6 +26,9 @@ from ._stream import Stream
 
 def _device_of(obj: object) -> int | None:
     """The device a stream object says it is on (torch, CuPy, cuda.core, gpuflow)."""
+    index = getattr(obj, "device_index", None)  # torch's, an int: asked first (the
+    if type(index) is int:  # common case; `device` makes a torch.device each time)
+        return index
     for candidate in (getattr(obj, "device_id", None), getattr(obj, "device", None)):
         if isinstance(candidate, int) and not isinstance(candidate, bool):
             return candidate

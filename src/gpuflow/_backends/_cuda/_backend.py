@@ -147,14 +147,15 @@ class CudaBackend(CudaContexts):
                 raise UsageError(
                     f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(rc)})"
                 )
-            found = [d for d in self._devices if d.ctx == ctx.value]
-            if not found:
+            for dev in self._devices:
+                if dev.ctx == ctx.value:
+                    break
+            else:
                 raise UsageError(
                     f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "
                     "context of one of gpuflow's devices (gpuflow, PyTorch and CuPy all work "
                     "in primary contexts)"
                 )
-            dev = found[0]
         if dev.fault is not None:
             raise dev.fault
         # one backend stream for a handle in a context life (the driver said
