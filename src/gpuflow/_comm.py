@@ -555,7 +555,6 @@ class _Plan(NamedTuple):
 
     x: Any  # the input and out as given (lists: their items then)
     out: Any
-    arrays: tuple[DeviceArray, ...]  # each checked usable again at every run
     parts: tuple[tuple[int, int, DeviceArray | None, DeviceArray | None, bool, CollectiveCall], ...]
     output: Any
 
@@ -776,10 +775,7 @@ class _Collective(DeviceOperation[Any]):
         else:
             output = results[0]
         if not allocated and _plain(self._x) and _plain(self._out):
-            arrays = tuple({id(a): a for a in (*xs.values(), *outs.values())}.values())
-            self._plan = _Plan(
-                _given(self._x), _given(self._out), arrays, tuple(parts), output
-            )
+            self._plan = _Plan(_given(self._x), _given(self._out), tuple(parts), output)
         return _Prepared(calls, reads, writes, output)
 
     def _planned(self, ctx: ExecutionContext, plan: _Plan) -> _Prepared:
@@ -787,18 +783,19 @@ class _Collective(DeviceOperation[Any]):
         usability (a device reset since) and the streams are the run's own."""
         comm = self._comm
         what = self._what
-        for arr in plan.arrays:
-            arr._check_usable(ctx, what)
         calls: list[tuple[Communicator, int, CollectiveCall, Stream]] = []
         reads: list[tuple[DeviceArray, Stream]] = []
         writes: list[tuple[DeviceArray, Stream]] = []
         here = ctx.device
         for i, dev, x, o, read, call in plan.parts:
             stream = ctx.stream if dev == here else DEFAULT_POLICY.next_stream(dev)
-            if read:
-                assert x is not None
-                reads.append((x, stream))
+            if x is not None:
+                x._check_usable(ctx, what)
+                if read:
+                    reads.append((x, stream))
             if o is not None:
+                if o is not x:
+                    o._check_usable(ctx, what)
                 writes.append((o, stream))
             calls.append((comm, i, call, stream))
         return _Prepared(calls, reads, writes, plan.output)
