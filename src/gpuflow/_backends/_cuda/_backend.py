@@ -147,15 +147,14 @@ class CudaBackend(CudaContexts):
                 raise UsageError(
                     f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(rc)})"
                 )
-            for dev in self._devices:
-                if dev.ctx == ctx.value:
-                    break
-            else:
+            found = self._dev_of_ctx(ctx.value)
+            if found is None:
                 raise UsageError(
                     f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "
                     "context of one of gpuflow's devices (gpuflow, PyTorch and CuPy all work "
                     "in primary contexts)"
                 )
+            dev = found
         if dev.fault is not None:
             raise dev.fault
         # one backend stream for a handle in a context life (the driver said

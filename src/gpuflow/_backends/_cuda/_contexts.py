@@ -202,13 +202,17 @@ class CudaContexts(Backend):
         current on this thread: ask the driver which, rather than set ours
         again at the next call (one query, no change)."""
         ctx = ctypes.c_void_p()
-        token = None
+        dev = None
         if self._n.ctx_get_current(ctypes.byref(ctx)) == CUDA_SUCCESS:
-            for dev in self._devices:
-                if dev.ctx == (ctx.value or 0):
-                    token = dev.token
-                    break
-        self._tls.token = token
+            dev = self._dev_of_ctx(ctx.value)
+        self._tls.token = None if dev is None else dev.token
+
+    def _dev_of_ctx(self, ctx: int | None) -> Dev | None:
+        """The device whose context (gpuflow's: its primary one) ``ctx`` is."""
+        for dev in self._devices:
+            if dev.ctx == (ctx or 0):
+                return dev
+        return None
 
     def _call(self, dev: Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
         """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""

@@ -6,9 +6,9 @@ low-level bindings with raw pointers and gpuflow's own stream handle: its
 high-level calls would resolve every buffer again, and default to the legacy
 stream, and order nothing (gpuflow's hazard tracking orders the buffers
 before the call).  NCCL uses the runtime's current device: the device's
-primary context (the one gpuflow uses) is made current before each call,
-and gpuflow's per-thread cache of the current context is forgotten after
-it, since NCCL may have moved it.
+primary context (the one gpuflow uses) is made current before each call;
+after a call for several devices, whose contexts NCCL makes current in
+turn, the driver is asked which context it left current.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class NcclComms:
     def group(self, calls: Sequence[tuple[NcclComm, CollectiveCall, Any]]) -> None:
         b, types, ops = self._tables()
         held: list[threading.Lock] = []
+        first = calls[0][0].dev
         try:
             for comm, _, _ in calls:
                 if comm.lock not in held:
@@ -153,7 +154,7 @@ class NcclComms:
                         device=comm.dev.index,
                         rank=comm.rank,
                     )
-            self._be._cur(calls[0][0].dev)
+            self._be._cur(first)
             b.group_start()
             try:
                 for comm, call, stream in calls:
@@ -166,8 +167,12 @@ class NcclComms:
             raise _error(exc, f"enqueueing {calls[0][1].kind}", calls[0][0]) from exc
         finally:
             # NCCL sets the device of each rank it enqueues for (and perhaps
-            # back): the context left current is asked, not assumed
-            self._be._learn_cur()
+            # back): where that is another device than the one made current
+            # above, the context left current is asked, not assumed.  (For
+            # one device NCCL can only make that device's primary context
+            # current, the one gpuflow's cache says is: a query saved.)
+            if any(comm.dev is not first for comm, _, _ in calls):
+                self._be._learn_cur()
             for lock in held:
                 lock.release()
 
