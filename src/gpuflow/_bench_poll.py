@@ -10,7 +10,8 @@
 * a PyTorch request (a 4-layer bf16 MLP forward, batch 32, width 1024)
   awaited through ``gf.wait_stream``, against
   ``to_thread(torch.cuda.synchronize)``, one in flight and 64 (the two
-  paths taken in turns);
+  paths taken in turns); beside it at one in flight, the floor with no
+  gpuflow: an event recorded after the forward, asked once per loop turn;
 * 200 requests of a few short operations each (an array, a 2 ms kernel, a
   kernel over the array, the copy back), 32 in flight against 8: more in
   flight must not be slower (on ``sim`` too, where every stream is a thread).
@@ -156,6 +157,7 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
     model = model.to("cuda", torch.bfloat16).eval()
     x = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16)
     new_stream: Any = torch.cuda.Stream  # (untyped where torch is installed)
+    new_event: Any = torch.cuda.Event
     streams = [new_stream() for _ in range(8)]
     n, tasks, each = (100, 64, 5) if quick else (1000, 64, 40)
     count = [0]
@@ -174,6 +176,16 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
     async def thread() -> None:
         forward()
         await anyio.to_thread.run_sync(torch.cuda.synchronize)
+
+    async def polled() -> None:  # the floor: an event asked once per loop turn, no gpuflow
+        s = streams[count[0] % len(streams)]
+        count[0] += 1
+        with torch.cuda.stream(s):
+            forward()
+            done = new_event()
+            done.record(s)
+        while not done.query():
+            await anyio.lowlevel.checkpoint()
 
     async def rate(fn: Any) -> float:
         async def worker() -> None:
@@ -194,9 +206,13 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
             return float(anyio.run(fn, arg, backend=backend, backend_options=options))
 
         seen = Completions()
-        one = interleaved({"ours": ours, "thread": thread}, n, 20, backend, options)
+        one = interleaved(
+            {"ours": ours, "thread": thread, "polled": polled}, n, 20, backend, options
+        )
         row(f"await gf.wait_stream(torch), 1 in flight ({lib})", median_us(one["ours"]), "us",
             f"to_thread(torch.cuda.synchronize) {lib}", median_us(one["thread"]), "<= 0.6x")
+        row(f"  the same, event.query() each loop turn ({lib})", median_us(one["polled"]), "us",
+            f"to_thread(torch.cuda.synchronize) {lib}", median_us(one["thread"]), "(no gpuflow)")
         seen.show()
         rates: dict[Any, list[float]] = {ours: [], thread: []}
         for _ in range(3):  # (in turns)
