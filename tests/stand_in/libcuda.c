@@ -75,13 +75,15 @@ CUresult cuPointerGetAttribute(void *data, int attr, u64 p) {
     return 0;
 }
 
+/* no stream of the stand-in is ever captured by another library */
+CUresult cuStreamIsCapturing(void *s, int *status) { *status = 0; return 0; }
 #define ROUTE(n) if (strcmp(symbol, #n) == 0) { *pfn = (void *)n; goto done; }
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, u64 flags, int *status) {
     ROUTE(cuInit) ROUTE(cuDriverGetVersion) ROUTE(cuDeviceGetCount) ROUTE(cuDeviceGet)
     ROUTE(cuDeviceGetName) ROUTE(cuDeviceGetAttribute) ROUTE(cuDeviceTotalMem)
     ROUTE(cuDeviceCanAccessPeer) ROUTE(cuDevicePrimaryCtxRetain) ROUTE(cuDeviceGetDefaultMemPool)
     ROUTE(cuMemPoolGetAttribute) ROUTE(cuCtxSetCurrent) ROUTE(cuCtxGetCurrent) ROUTE(cuStreamCreate)
-    ROUTE(cuStreamGetCtx) ROUTE(cuEventCreate) ROUTE(cuEventElapsedTime) ROUTE(cuMemHostGetDevicePointer)
+    ROUTE(cuStreamGetCtx) ROUTE(cuStreamIsCapturing) ROUTE(cuEventCreate) ROUTE(cuEventElapsedTime) ROUTE(cuMemHostGetDevicePointer)
     ROUTE(cuMemHostAlloc) ROUTE(cuStreamWriteValue64) ROUTE(cuLaunchHostFunc) ROUTE(cuMemAllocAsync)
     ROUTE(cuMemFreeAsync) ROUTE(cuMemcpyHtoDAsync) ROUTE(cuMemcpyDtoHAsync) ROUTE(cuMemcpyDtoDAsync)
     ROUTE(cuMemcpyPeerAsync) ROUTE(cuMemsetD8Async) ROUTE(cuMemsetD16Async) ROUTE(cuMemsetD32Async)
@@ -107,7 +109,6 @@ CUresult cuEventRecord(void *e, void *s) { return 0; }
 CUresult cuEventQuery(void *e) { return 0; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { return 0; }
 CUresult cuStreamQuery(void *s) { return 0; }
-CUresult cuStreamIsCapturing(void *s, int *status) { *status = 0; return 0; }
 CUresult cuStreamSynchronize(void *s) { return 0; }
 CUresult cuStreamWaitValue64_v2(void *s, u64 a, u64 v, unsigned f) { return 0; }
 CUresult cuGraphLaunch(void *e, void *s) { return 0; }

@@ -175,19 +175,19 @@ class CudaBackend(CudaContexts):
         context current again: a call on another library's stream may run inside
         that library's code (a DLPack deleter), which must find its thread as it
         left it."""
-        prev = ctypes.c_void_p()
-        rc = self._n.ctx_get_current(ctypes.byref(prev))
-        if rc:
-            raise error_for(rc, "cuCtxGetCurrent", dev)
-        if (prev.value or 0) == dev.ctx:
+        err, current = self._cu.cuCtxGetCurrent()
+        if err:
+            raise error_for(int(err), "cuCtxGetCurrent", dev)
+        prev = int(current)
+        if prev == dev.ctx:
             self._tls.token = dev.token  # current already (the common case): no call
         else:
             self._force_cur(dev)
         try:
             return fn()
         finally:
-            if (prev.value or 0) != dev.ctx:
-                self._n.ctx_set_current(prev.value)
+            if prev != dev.ctx:
+                self._n.ctx_set_current(prev or None)
                 self._tls.token = None  # our cache no longer says what is current
 
     def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> CudaBuffer:
@@ -831,11 +831,10 @@ class CudaBackend(CudaContexts):
 
     def _capturing(self, dev: Dev, stream: CudaStream) -> bool:
         """Whether another library captures ``stream`` (its context current)."""
-        status = ctypes.c_int()
-        rc = self._n.stream_is_capturing(stream.handle, ctypes.byref(status))
-        if rc:
-            raise error_for(rc, "cuStreamIsCapturing", dev)
-        return status.value != 0
+        err, status = self._cu.cuStreamIsCapturing(stream.obj)
+        if err:
+            raise error_for(int(err), "cuStreamIsCapturing", dev)
+        return int(status) != 0
 
     def complete_transfers(self, stream: Any) -> None:
         if self._staging.d2h_pending:

@@ -201,10 +201,8 @@ class CudaContexts(Backend):
         """Another library's calls (NCCL's) may have made another context
         current on this thread: ask the driver which, rather than set ours
         again at the next call (one query, no change)."""
-        ctx = ctypes.c_void_p()
-        dev = None
-        if self._n.ctx_get_current(ctypes.byref(ctx)) == CUDA_SUCCESS:
-            dev = self._dev_of_ctx(ctx.value)
+        err, ctx = self._cu.cuCtxGetCurrent()
+        dev = None if err else self._dev_of_ctx(int(ctx))
         self._tls.token = None if dev is None else dev.token
 
     def _dev_of_ctx(self, ctx: int | None) -> Dev | None:

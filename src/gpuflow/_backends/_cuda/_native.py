@@ -7,6 +7,14 @@ and necessarily for ``cuLaunchHostFunc``: the bindings' wrapper takes the
 GIL when the host function fires (measured: 5 ms stream stalls).  Here the
 host function is libc's own ``close`` of a pipe an event loop watches,
 called by the driver's thread with no Python involved.
+
+Calls that answer through an out-parameter (``cuCtxGetCurrent``,
+``cuStreamIsCapturing``) go through cuda-bindings instead, whose calls
+return the answer without a ctypes object to fill: on an H200 host,
+``cuCtxGetCurrent`` cost 0.19 µs through the bindings against 0.5-0.7 µs
+here, ``cuStreamIsCapturing`` 0.37-0.39 against 0.66-0.95 µs.  Those
+with no out-parameter cost the same either way (``cuEventRecord`` 0.66-0.73
+µs both).
 """
 
 from __future__ import annotations
@@ -29,7 +37,6 @@ class Native:
             return f
 
         self.ctx_set_current = cu("cuCtxSetCurrent", [vp])
-        self.ctx_get_current = cu("cuCtxGetCurrent", [ctypes.POINTER(vp)])
         self.ctx_synchronize = cu("cuCtxSynchronize", [])
         self.launch_host_func = cu("cuLaunchHostFunc", [vp, vp, vp])
         self.event_record = cu("cuEventRecord", [vp, vp])
@@ -37,7 +44,6 @@ class Native:
         self.stream_wait_event = cu("cuStreamWaitEvent", [vp, vp, ui])
         self.stream_query = cu("cuStreamQuery", [vp])
         self.stream_synchronize = cu("cuStreamSynchronize", [vp])
-        self.stream_is_capturing = cu("cuStreamIsCapturing", [vp, ctypes.POINTER(ci)])
         self.stream_get_ctx = cu("cuStreamGetCtx", [vp, ctypes.POINTER(vp)])
         # stream memory operations: the v2 entry points (always available
         # since CUDA 12, whatever CAN_USE_STREAM_MEM_OPS_V1 says)
