@@ -152,6 +152,25 @@ async def test_a_collective_run_again_takes_its_arrays_as_they_are_then() -> Non
         np.testing.assert_array_equal(await get(outs[-1]), np.full(6, 100, F32) + rest)
 
 
+@pytest.mark.sim_only  # (on CUDA a reset under a live NCCL communicator is undefined)
+async def test_a_collective_run_again_refuses_arrays_of_a_reset_device() -> None:
+    """The checks a collective's later runs keep: an array of a device reset
+    since is refused by a run from the plan as by a first run, before
+    anything is enqueued."""
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.ones(6, F32), 0)
+        y = await put(np.zeros(6, F32), 0)
+        op = comm.all_reduce([x], out=[y])
+        await op
+        await op  # (from the plan)
+        await anyio.to_thread.run_sync(gf.reset_device, 0)
+        for run in (op, comm.all_reduce([x], out=[y])):  # planned, then first
+            with pytest.raises(gf.UsageError, match="reset or replaced"):
+                await run
+        z = await put(np.ones(6, F32), 0)  # arrays made since are taken
+        np.testing.assert_array_equal(await get((await comm.all_reduce([z]))[0]), np.ones(6, F32))
+
+
 async def test_broadcast_all_gather_and_reduce_scatter() -> None:
     devs = devices()
     n = len(devs)

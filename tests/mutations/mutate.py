@@ -623,6 +623,25 @@ MUTATIONS = [
         ('tests/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
     ),
     Mutation(
+        "C6",
+        "a collective run from its plan takes arrays of a device reset since",
+        '_comm.py',
+        '            if x is not None:\n'
+        '                x._check_usable(ctx, what)\n'
+        '                if read:\n'
+        '                    reads.append((x, stream))\n'
+        '            if o is not None:\n'
+        '                if o is not x:\n'
+        '                    o._check_usable(ctx, what)\n',
+        '            if x is not None:\n'
+        '                if read:\n'
+        '                    reads.append((x, stream))\n'
+        '            if o is not None:\n'
+        '                if o is not x:\n'
+        '                    pass\n',
+        ('tests/test_comm.py::test_a_collective_run_again_refuses_arrays_of_a_reset_device',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',
