@@ -359,10 +359,7 @@ def wait_stream(stream: Any) -> DeviceOperation[None]:
     capture, and while ``s`` is being captured into another library's
     graph (its work runs when that graph is launched).  A stream given as a
     bare handle must live until the run completes (a stream object is kept
-    alive until then).  The stream's device is asked of the driver at the
-    first use of a stream object that names its device, and again only once
-    the object gives another handle or the device was reset; a bare handle
-    is asked about at each use.
+    alive until then).
     """
     handle, device = _foreign.stream_handle(stream, "wait_stream()")
     return _WaitStream(stream if not isinstance(stream, int) else None, handle, device)
