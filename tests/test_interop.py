@@ -967,64 +967,6 @@ def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
     gf.wait_stream(0).sync()  # (the new one is usable)
 
 
-@pytest.mark.anyio
-async def test_a_stream_objects_context_is_asked_of_the_driver_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Which context another library's stream is in is asked of the driver
-    (``cuStreamGetCtx``) at the first wait on its object, not at every await
-    of a request: the object gives the same handle while it lives.  A bare
-    handle, which may name another context's stream by its next use, is
-    asked each time; so is an object that gives another handle, and another
-    object."""
-    fake, other = FakeLib(), FakeLib()
-    be = backend()
-    asked: list[int] = []
-    real = be.foreign_stream
-
-    def counting(handle: int, device: int) -> Any:
-        asked.append(handle)
-        return real(handle, device)
-
-    monkeypatch.setattr(be, "foreign_stream", counting)
-    obj = TorchLikeStream(fake.own, 0)
-    for _ in range(5):
-        await gf.wait_stream(obj)  # alone: on the library's stream
-        await gf.wait_stream(obj).then(lambda _: gf.full(N, 1.0, F32))  # composed
-    assert asked == [fake.own]
-    obj.cuda_stream = other.own
-    await gf.wait_stream(obj)
-    await gf.wait_stream(TorchLikeStream(other.own, 0))
-    assert asked == [fake.own, other.own, other.own]
-    await gf.wait_stream(fake.own)
-    await gf.wait_stream(fake.own)
-    assert asked == [fake.own, other.own, other.own, fake.own, fake.own]
-    x = await gf.zeros(N, F32)  # and the remembered stream is the library's own
-    fake.late_fill_untracked(x.ptr, 5.0)
-    out = await gf.to_host(gf.wait_stream(TorchLikeStream(fake.own, 0)).map(lambda _: x))
-    assert np.array_equal(out, np.full(N, 5, F32))
-
-
-def test_a_remembered_stream_object_is_looked_up_again_after_a_reset() -> None:
-    obj = TorchLikeStream(0, 0)  # (the legacy default stream outlives the reset)
-    gf.wait_stream(obj).sync()
-    rt_stream = _remembered(obj)
-    assert rt_stream is not None
-    gf.wait_stream(obj).sync()
-    assert _remembered(obj) is rt_stream
-    gf.reset_device(0)
-    assert _remembered(obj) is None  # the old Stream is not used after the reset
-    gf.wait_stream(obj).sync()
-    after = _remembered(obj)
-    assert after is not None and after is not rt_stream
-
-
-def _remembered(obj: Any) -> gf.Stream | None:
-    from gpuflow._runtime import get_runtime
-
-    return get_runtime().known_foreign(obj, 0, 0)
-
-
 def test_wait_stream_refuses_what_is_not_a_stream() -> None:
     class BadProtocol:
         def __cuda_stream__(self) -> str:

@@ -98,25 +98,12 @@ def foreign_stream(rt: Runtime, handle: int, device: int) -> Stream:
     return rt.foreign_stream(raw, dev)
 
 
-def stream_for(
-    rt: Runtime, handle: int, device: int, source: object = None
-) -> tuple[Stream, bool]:
-    """The stream with ``handle``: ``(gpuflow's own, True)`` or ``(a foreign one, False)``.
-
-    ``source``: the stream object that gave ``handle`` and named ``device``
-    itself (not a bare handle, nor a device gpuflow chose), whose Stream is
-    then remembered for its next uses.
-    """
+def stream_for(rt: Runtime, handle: int, device: int) -> tuple[Stream, bool]:
+    """The stream with ``handle``: ``(gpuflow's own, True)`` or ``(a foreign one, False)``."""
     own = own_stream(rt, handle)
     if own is not None:
         return own, True
-    if source is None:
-        return foreign_stream(rt, handle, device), False
-    s = rt.known_foreign(source, handle, device)
-    if s is None:
-        s = foreign_stream(rt, handle, device)
-        rt.remember_foreign(source, handle, device, s)
-    return s, False
+    return foreign_stream(rt, handle, device), False
 
 
 def describe(handle: int) -> str:

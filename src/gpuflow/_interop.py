@@ -300,10 +300,8 @@ class _WaitStream(DeviceOperation[None]):
 
     def _stream_alone(self) -> Stream | None:
         rt = get_runtime()
-        if self._device is None:
-            s, own = _foreign.stream_for(rt, self._handle, current_device())
-        else:
-            s, own = _foreign.stream_for(rt, self._handle, self._device, self._source)
+        device = current_device() if self._device is None else self._device
+        s, own = _foreign.stream_for(rt, self._handle, device)
         return None if own else s
 
     def execute(self, ctx: ExecutionContext) -> None:
@@ -320,10 +318,8 @@ class _WaitStream(DeviceOperation[None]):
             self._device is None or here.device == self._device
         ):
             return  # the run is on that stream (awaited alone: _stream_alone)
-        if self._device is None:
-            s, own = _foreign.stream_for(ctx._runtime, self._handle, ctx.device)
-        else:
-            s, own = _foreign.stream_for(ctx._runtime, self._handle, self._device, self._source)
+        device = ctx.device if self._device is None else self._device
+        s, own = _foreign.stream_for(ctx._runtime, self._handle, device)
         if own:
             ctx.wait_for(s)
         elif s is not here:

@@ -99,13 +99,6 @@ class Runtime:
         #: the Stream of each backend stream of another library used so far
         #: (a Stream is equal only to itself: one backend stream has one)
         self._foreign: dict[Any, Stream] = {}
-        #: the Stream found for another library's stream object, by the
-        #: object's id: (a weak reference to it, the handle it gave, the
-        #: device it named, the Stream).  An object gives the same handle of
-        #: the same stream while it lives, so the driver is asked which
-        #: context a handle is in once per object, not at every use (a bare
-        #: handle may be another context's stream by its next use: asked each time)
-        self._sources: dict[int, tuple[weakref.ref[object], int, int, Stream]] = {}
         #: the private stream of each device for other libraries' arrays
         self._interop: dict[tuple[int, int], Stream] = {}
         #: per device: backend streams made ahead (see _make_pool)
@@ -167,35 +160,6 @@ class Runtime:
             s = self._foreign[raw] = Stream(self, device, raw)
             s._lane = self.dispatcher.lane(raw, device)
         return s
-
-    def known_foreign(self, source: object, handle: int, device: int) -> Stream | None:
-        """The Stream found for ``source`` at an earlier use, where ``source``
-        still gives ``handle`` and names ``device``, and that Stream is still
-        this runtime's (its device not reset, the Stream not retired)."""
-        entry = self._sources.get(id(source))
-        if entry is None:
-            return None
-        ref, known, dev, s = entry
-        if (
-            ref() is not source
-            or known != handle
-            or dev != device
-            or s._life is not self._lives.get(s._device)
-            or self._foreign.get(s._raw) is not s
-        ):
-            return None
-        return s
-
-    def remember_foreign(self, source: object, handle: int, device: int, s: Stream) -> None:
-        """Remember ``s`` as the Stream of ``source`` (see :meth:`known_foreign`)."""
-        try:
-            ref = weakref.ref(source)
-        except TypeError:  # an object without weak references: found anew each use
-            return
-        with self._handles_lock:
-            if len(self._sources) >= MAX_FOREIGN_STREAMS:
-                self._sources.clear()
-            self._sources[id(source)] = (ref, handle, device, s)
 
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""

@@ -464,23 +464,6 @@ MUTATIONS = [
         ('tests/test_interop.py',),
     ),
     Mutation(
-        "I16",
-        "a stream object's remembered stream is used though the object now gives another handle",
-        '_runtime.py',
-        '            or known != handle\n',
-        '            or False\n',
-        ('tests/test_interop.py::test_a_stream_objects_context_is_asked_of_the_driver_once',),
-    ),
-    Mutation(
-        "I17",
-        "a stream object's remembered stream is used after a reset of its device (or retired)",
-        '_runtime.py',
-        '            or s._life is not self._lives.get(s._device)\n'
-        '            or self._foreign.get(s._raw) is not s\n',
-        '            or False\n',
-        ('tests/test_interop.py::test_a_remembered_stream_object_is_looked_up_again_after_a_reset',),
-    ),
-    Mutation(
         "S1",
         "an item wakes every stream's worker, not its own",
         '_backends/_sim.py',
