@@ -967,6 +967,20 @@ def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
     gf.wait_stream(0).sync()  # (the new one is usable)
 
 
+@pytest.mark.anyio
+async def test_gpuflow_keeps_no_weak_reference_to_a_stream_object() -> None:
+    """PyTorch up to 2.11 leaves the weak references to a freed
+    ``torch.cuda.Stream`` dangling (its dealloc does not clear them), and the
+    garbage collector crashes on them later: gpuflow never makes one to
+    another library's stream object, awaited alone or composed."""
+    fake = FakeLib()
+    obj = TorchLikeStream(fake.own, 0)
+    await gf.wait_stream(obj)
+    await gf.wait_stream(obj).then(lambda _: gf.full(N, 1.0, F32))
+    gf.wait_stream(obj).sync()
+    assert weakref.getweakrefcount(obj) == 0
+
+
 def test_wait_stream_refuses_what_is_not_a_stream() -> None:
     class BadProtocol:
         def __cuda_stream__(self) -> str:

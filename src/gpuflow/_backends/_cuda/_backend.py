@@ -141,13 +141,12 @@ class CudaBackend(CudaContexts):
         if handle in _DEFAULT_STREAM_HANDLES:
             dev = self._dev(device)
         else:
-            ctx = ctypes.c_void_p()
-            rc = self._n.stream_get_ctx(handle, ctypes.byref(ctx))
-            if rc:
+            err, ctx = self._cu.cuStreamGetCtx(handle)
+            if err:
                 raise UsageError(
-                    f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(rc)})"
+                    f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(int(err))})"
                 )
-            found = self._dev_of_ctx(ctx.value)
+            found = self._dev_of_ctx(int(ctx))
             if found is None:
                 raise UsageError(
                     f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "

@@ -9,10 +9,11 @@ host function is libc's own ``close`` of a pipe an event loop watches,
 called by the driver's thread with no Python involved.
 
 Calls that answer through an out-parameter (``cuCtxGetCurrent``,
-``cuStreamIsCapturing``) go through cuda-bindings instead, whose calls
-return the answer without a ctypes object to fill: on an H200 host,
-``cuCtxGetCurrent`` cost 0.19 µs through the bindings against 0.5-0.7 µs
-here, ``cuStreamIsCapturing`` 0.37-0.39 against 0.66-0.95 µs.  Those
+``cuStreamIsCapturing``, ``cuStreamGetCtx``) go through cuda-bindings
+instead, whose calls return the answer without a ctypes object to fill: on
+an H200 host, ``cuCtxGetCurrent`` cost 0.19 µs through the bindings against
+0.5-0.7 µs here, ``cuStreamIsCapturing`` 0.37-0.39 against 0.66-0.95 µs,
+``cuStreamGetCtx`` 0.25-0.47 against 0.86-1.22 µs.  Those
 with no out-parameter cost the same either way (``cuEventRecord`` 0.66-0.73
 µs both).
 """
@@ -44,7 +45,6 @@ class Native:
         self.stream_wait_event = cu("cuStreamWaitEvent", [vp, vp, ui])
         self.stream_query = cu("cuStreamQuery", [vp])
         self.stream_synchronize = cu("cuStreamSynchronize", [vp])
-        self.stream_get_ctx = cu("cuStreamGetCtx", [vp, ctypes.POINTER(vp)])
         # stream memory operations: the v2 entry points (always available
         # since CUDA 12, whatever CAN_USE_STREAM_MEM_OPS_V1 says)
         self.write_value64 = cu("cuStreamWriteValue64_v2", [vp, u64, u64, ui])
