@@ -416,6 +416,19 @@ def test_copy_true_exports_a_copy() -> None:
     assert (gf.to_host(b).sync() == 2).all() and (gf.to_host(a).sync() == 1).all()
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work(copy: bool) -> None:
+    """A capsule asked for with no stream is ordered by its producer before
+    the legacy default stream's later work (DLPack's meaning of no stream);
+    gpuflow's streams do not wait for that stream by themselves, so the
+    import's first use waits for it: here for a slow write still running,
+    and for the copy behind it."""
+    a = gf.zeros(N, F32).sync()
+    late_fill(a, 5.0).enqueue_on(a._alloc.writer)  # (a write gpuflow knows of)
+    b = gf.from_dlpack(a.__dlpack__(copy=copy, max_version=(1, 0)))
+    assert (gf.to_host(b).sync() == 5).all()
+
+
 def test_dlpack_refuses_what_it_cannot_do() -> None:
     a = gf.zeros(N, F32).sync()
     with pytest.raises(BufferError, match="device"):
@@ -977,7 +990,6 @@ async def test_gpuflow_keeps_no_weak_reference_to_a_stream_object() -> None:
     obj = TorchLikeStream(fake.own, 0)
     await gf.wait_stream(obj)
     await gf.wait_stream(obj).then(lambda _: gf.full(N, 1.0, F32))
-    gf.wait_stream(obj).sync()
     assert weakref.getweakrefcount(obj) == 0
 
 

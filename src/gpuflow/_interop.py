@@ -175,8 +175,16 @@ def _arrival(rt: Runtime, device: int, stream: Stream | None) -> Stream:
 
 
 def _from_capsule(
-    rt: Runtime, capsule: Any, stream: Stream | None, what: str, device: int | None = None
+    rt: Runtime,
+    capsule: Any,
+    stream: Stream | None,
+    what: str,
+    device: int | None = None,
+    producer: int | None = None,
 ) -> DeviceArray:
+    """The array of ``capsule``; ``producer``: the handle of the stream whose
+    later work the producer ordered its own before (None: the arrival stream,
+    which the producer was given)."""
     t = _dlpack.read_capsule(capsule)
     _check_device_type(t.device_type, what)
     if device is not None and t.device_id != device:
@@ -190,6 +198,8 @@ def _from_capsule(
     buffer = rt.backend.foreign_buffer(t.ptr, math.prod(t.shape) * dtype.itemsize, device)
     owner = _dlpack.take_capsule(capsule, t)
     s = _arrival(rt, device, stream)
+    if producer is not None:
+        _arrive_after(rt, s, producer, device)  # (before the import marks its arrival there)
     return DeviceArray(ImportedAllocation(rt.backend, buffer, s, owner, t.readonly), t.shape, dtype)
 
 
@@ -237,11 +247,17 @@ def _from_cai(rt: Runtime, x: Any, stream: Stream | None, what: str) -> DeviceAr
                 f"{what}.__cuda_array_interface__ has stream {producer!r}: a CUstream address, "
                 "1 or 2 (0 is disallowed)"
             )
-        p, _own = _foreign.stream_for(rt, producer, device)
-        if p != s:
-            be = rt.backend
-            be.wait_event(s._raw, be.record_event(p._raw))
+        _arrive_after(rt, s, producer, device)
     return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), shape, dtype)
+
+
+def _arrive_after(rt: Runtime, s: Stream, producer: int, device: int) -> None:
+    """Make arrival stream ``s`` wait for the work enqueued so far on the
+    producer's stream ``producer`` (a handle), with an event."""
+    p, _own = _foreign.stream_for(rt, producer, device)
+    if p != s:
+        be = rt.backend
+        be.wait_event(s._raw, be.record_event(p._raw))
 
 
 def import_array(rt: Runtime, x: Any, stream: Stream | None = None) -> DeviceArray:
@@ -250,7 +266,11 @@ def import_array(rt: Runtime, x: Any, stream: Stream | None = None) -> DeviceArr
     _dlpack.sweep()
     what = type(x).__name__
     if _dlpack.is_capsule(x):
-        return _from_capsule(rt, x, stream, "the DLPack capsule")
+        # a capsule handed over as it is was asked of its producer with no
+        # stream, which DLPack takes as the legacy default stream: the
+        # producer ordered its work before that stream's later work, which
+        # the arrival stream (non-blocking, as all of gpuflow's) must wait for
+        return _from_capsule(rt, x, stream, "the DLPack capsule", producer=1)
     if hasattr(x, "__dlpack__"):
         return _from_dlpack_protocol(rt, x, stream, what)
     if hasattr(x, "__cuda_array_interface__"):
@@ -269,7 +289,9 @@ def from_dlpack(x: Any) -> DeviceArray:
     it alive for as long as any gpuflow array of it or any enqueued work
     uses it (the producer may drop ``x`` meanwhile), then releases it (the
     DLPack deleter runs then), never frees it.  gpuflow's first use of it
-    waits for the producer's work pending at the import, with an event;
+    waits for the producer's work pending at the import, with an event (a
+    capsule given as it is was made for no stream, which DLPack takes as
+    the legacy default stream: the work there at the import);
     uses through the producer afterwards are the producer's to order:
     ``torch.from_dlpack(arr)`` or ``cupy.asarray(arr)`` orders the
     consumer's current stream after gpuflow's writes, ``gf.wait_stream(s)``

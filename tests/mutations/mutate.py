@@ -464,6 +464,15 @@ MUTATIONS = [
         ('tests/test_interop.py',),
     ),
     Mutation(
+        "I16",
+        "the import of a capsule handed over as it is waits not for the legacy default stream",
+        '_interop.py',
+        '        _arrive_after(rt, s, producer, device)  # (before the import marks its '
+        'arrival there)\n',
+        '        pass\n',
+        ('tests/test_interop.py::test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work',),
+    ),
+    Mutation(
         "S1",
         "an item wakes every stream's worker, not its own",
         '_backends/_sim.py',
