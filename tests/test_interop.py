@@ -581,6 +581,7 @@ async def test_an_import_does_not_wait_for_the_uses_of_another() -> None:
     late_copy(a, out).enqueue_on(reader)  # a long use of the first import ...
     del a  # ... whose producer is released after it
     gc.collect()
+    gf.memory_stats()  # (runs the queued release now, before the second import)
     b = gf.from_dlpack(CaiOnly(second))
     assert np.array_equal(await gf.to_host(b), np.full(N, 2, F32))
     assert not idle(reader)  # the second import's use did not wait for the first's
