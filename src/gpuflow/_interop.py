@@ -50,7 +50,15 @@ from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
 from ._finalizers import finalize_later
-from ._hazards import Allocation, EventPoint, Uses, hazard_lock, usable_stream, wait_for_uses
+from ._hazards import (
+    Allocation,
+    EventPoint,
+    Uses,
+    hazard_lock,
+    order_after,
+    usable_stream,
+    wait_for_uses,
+)
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, current_device, get_runtime
 from ._stream import Stream
@@ -253,11 +261,8 @@ def _from_cai(rt: Runtime, x: Any, stream: Stream | None, what: str) -> DeviceAr
 
 def _arrive_after(rt: Runtime, s: Stream, producer: int, device: int) -> None:
     """Make arrival stream ``s`` wait for the work enqueued so far on the
-    producer's stream ``producer`` (a handle), with an event."""
-    p, _own = _foreign.stream_for(rt, producer, device)
-    if p != s:
-        be = rt.backend
-        be.wait_event(s._raw, be.record_event(p._raw))
+    producer's stream ``producer`` (a handle)."""
+    order_after(rt.backend, s, _foreign.stream_for(rt, producer, device)[0], None)
 
 
 def import_array(rt: Runtime, x: Any, stream: Stream | None = None) -> DeviceArray:
