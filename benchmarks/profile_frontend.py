@@ -1,9 +1,11 @@
 """Front-end overhead with a backend that does nothing: marks are reached at once.
 
 No device is used.  Run: python benchmarks/profile_frontend.py [profile]
-(``profile``: also cProfile 5,000 awaits and print the top functions, and
+(``profile``: also cProfile 5,000 awaits and print the top functions,
 count the function calls a run of the 64-task row makes, under asyncio and
-Trio: a measure of the run path that no machine's speed moves).
+Trio, and the objects the garbage collector tracks that an awaited run
+holds while in flight, with 1,000 in flight: measures of the run path that
+no machine's speed moves).
 
 ``--driver-share`` (on a GPU) runs the 64-task throughput on the cuda
 backend with the backend's ``launch`` and ``mark`` timed: the two driver
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import ctypes
+import gc
 import os
 import pstats
 import statistics
@@ -227,6 +230,24 @@ class ModelBackend(NullBackend):
         return True
 
 
+class HeldBackend(NullBackend):
+    """A GPU that reaches no mark while ``held``, then every mark at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = False
+
+    def completion_reader(self, stream: Any) -> Any:
+        seen = [0]
+
+        def read() -> int:
+            if not self.held:
+                seen[0] = stream.word
+            return seen[0]
+
+        return read
+
+
 def throughput(
     lib: str,
     op: gf.DeviceOperation[Any],
@@ -380,7 +401,43 @@ def main(argv: list[str] | None = None) -> int:
         for lib in ("asyncio", "trio"):
             print(f"64 tasks x 100 awaits, {lib}: {calls_per_run(lib, op):.1f} calls a run "
                   "(Python functions and builtins, the loop's and AnyIO's included)")
+        for lib in ("asyncio", "trio"):
+            print(f"1,000 awaits in flight, {lib}: {objects_in_flight(lib):.1f} objects "
+                  "tracked by the garbage collector a run, beyond its parked task's own")
     return 0
+
+
+def objects_in_flight(lib: str, tasks: int = 1000) -> float:
+    """Objects tracked by the garbage collector that an awaited run holds
+    while it is in flight, beyond those of a task parked on an AnyIO event:
+    what each collection goes through while many awaits are pending.  On a
+    GPU that reaches no mark until every task is parked (it replaces the
+    runtime)."""
+    backend = HeldBackend()
+    gf.init_device_contexts(backend=backend)
+    mod = gf.compile('extern "C" __global__ void empty() {}',
+                     references={"empty": lambda: None})
+    op = mod.empty(gf.LaunchConfig(1, 1))
+
+    async def run_once() -> None:
+        await op
+
+    async def main() -> float:
+        await op  # (a stream and its lane made)
+        counts = []
+        for work in (anyio.Event().wait, run_once):
+            backend.held = True
+            async with anyio.create_task_group() as tg:
+                for _ in range(tasks):
+                    tg.start_soon(work)
+                await anyio.sleep(0.05)  # every task parked
+                gc.collect()
+                counts.append(len(gc.get_objects()))
+                backend.held = False
+                tg.cancel_scope.cancel()  # (a cancelled await's run still completes)
+        return (counts[1] - counts[0]) / tasks
+
+    return anyio.run(main, backend=lib)
 
 
 def calls_per_run(lib: str, op: gf.DeviceOperation[Any]) -> float:

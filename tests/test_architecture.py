@@ -183,6 +183,28 @@ def test_no_module_grows_past_a_thousand_lines() -> None:
     assert too_long == {}
 
 
+def test_every_planted_bug_of_the_mutation_check_still_finds_its_code() -> None:
+    """``tests/mutations/mutate.py`` plants each bug by an exact text
+    replacement, and refuses one whose code moved: a change of the code
+    under a mutation must move the mutation with it, here rather than at
+    the next (long) mutation run."""
+    import importlib.util
+
+    path = Path(__file__).parent / "mutations" / "mutate.py"
+    spec = importlib.util.spec_from_file_location("gpuflow_mutations", path)
+    assert spec is not None and spec.loader is not None
+    mutations = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mutations  # (its dataclasses look their module up)
+    try:
+        spec.loader.exec_module(mutations)
+    finally:
+        del sys.modules[spec.name]
+    src = Path(gpuflow.__file__).parent
+    found = {m.name: (src / m.path).read_text().count(m.old) for m in mutations.MUTATIONS}
+    assert len(found) > 60 and len(found) == len(mutations.MUTATIONS)  # (names are unique)
+    assert {name: n for name, n in found.items() if n != 1} == {}
+
+
 def test_import_gpuflow_runs_each_module_once_top_to_bottom() -> None:
     # at run time: no import statement of any gpuflow module may reach a
     # module that is still being executed (what a cycle does), and each

@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow._bridge import Submission
 from gpuflow._loops import current_loop
 from gpuflow._runtime import get_runtime
+from gpuflow._submission import Submission
 
 F32 = np.float32
 
@@ -106,9 +106,9 @@ def seen_by_the_loop_alone(before: Any, pipes: list[Any]) -> Any:
 def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every wake-up posted to a loop from another thread."""
     from gpuflow import _bridge  # the post the dispatcher thread makes
+    from gpuflow._submission import post as real_post
 
     posts: list[Any] = []
-    real_post = _bridge.post
 
     def recorded(*args: Any) -> None:
         posts.append(args)
@@ -771,7 +771,10 @@ class _StoppedLoop:
 
     post = call_soon
 
-    def parker(self) -> Any:
+    def park(self) -> Any:
+        raise AssertionError("nothing parks on this loop")
+
+    def wake(self, park: Any) -> None:
         raise AssertionError("nothing parks on this loop")
 
 
@@ -810,7 +813,7 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     sentinel = _Sentinel()
     alive = weakref.ref(sentinel)
     sub = Submission(0)
-    sub.keep.append(sentinel)
+    sub.hold((sentinel,))
     del sentinel
     # the run's stream waits for slow work elsewhere (so that the run is the
     # only one on its stream: a sleeping loop's wake-up is a pipe on it)
@@ -1016,7 +1019,10 @@ async def test_the_loop_adapter_is_the_running_loops(
         on_uvloop = type(loop.target).__module__.startswith("uvloop")
         assert on_uvloop == anyio_backend_options.get("use_uvloop", False)
     woken: list[str] = []
-    wake, park = loop.parker()
+    park = loop.park()
+
+    def wake() -> None:
+        loop.wake(park)
 
     def from_another_thread() -> None:
         loop.post(lambda: woken.append("posted"))
@@ -1029,6 +1035,75 @@ async def test_the_loop_adapter_is_the_running_loops(
     t.join()
     assert woken == ["posted"]
     wake()  # a second wake-up is harmless
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ended_by", ["the GPU", "a finish by hand"])
+async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
+    ended_by: str, anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
+    """Two tasks of this loop and one of a loop in another thread wait for
+    the same run (as a scope's exit and the run's own await may): its
+    completion wakes all three, this loop's directly and the other's through
+    a post.  The run is either completed by the GPU (seen done by this
+    loop's poller) or finished by hand, as a blocking run or a fault is."""
+    stream = gf.new_stream()
+    x = await gf.zeros(16, F32)
+    sub = Submission(0)
+    if ended_by == "the GPU":
+        K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
+        get_runtime().dispatcher.submit(stream.raw, sub)
+    woken: list[str] = []
+
+    def parked() -> int:
+        extra = sub.more_parked
+        return (sub.parked is not None) + (len(extra) if extra else 0)
+
+    async def wait(name: str) -> None:
+        await sub.wait()
+        woken.append(name)
+
+    def in_another_loop() -> None:
+        anyio.run(wait, "other loop", backend=anyio_backend_name,
+                  backend_options=anyio_backend_options)
+
+    other = threading.Thread(target=in_another_loop, daemon=True)  # (a bug: it hangs)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, "first")
+            tg.start_soon(wait, "second")
+            await anyio.wait_all_tasks_blocked()
+            other.start()
+            while parked() < 3:
+                await anyio.sleep(0.001)
+            assert not sub.done and not woken
+            if ended_by != "the GPU":
+                get_runtime().dispatcher.finish(sub)
+        while other.is_alive():
+            await anyio.sleep(0.001)
+    assert sorted(woken) == ["first", "other loop", "second"]
+    assert parked() == 0  # (nothing of the tasks is held past the run)
+
+
+@pytest.mark.anyio
+async def test_a_task_does_not_park_on_a_run_finished_as_it_parks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run may finish between an await's last look and its parking
+    (the dispatcher thread completes it meanwhile): the await then goes on
+    at once; it must not park, since nobody would wake it."""
+    loop = current_loop()
+    sub = Submission(0)  # never submitted: finished by hand, as the task parks
+    real_park = type(loop).park
+
+    def finishing_park(self: Any) -> Any:
+        get_runtime().dispatcher.finish(sub)
+        return real_park(self)
+
+    monkeypatch.setattr(type(loop), "park", finishing_park)
+    with anyio.fail_after(5):
+        await sub.wait()
+    assert sub.done and sub.parked is None
 
 
 @pytest.mark.anyio

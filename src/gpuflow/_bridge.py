@@ -48,15 +48,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
-
-import anyio
-import anyio.lowlevel
+from typing import Any
 
 from ._backends._base import Backend
 from ._errors import DeviceError, DeviceFaultError
-from ._loops import Loop, current_loop
+from ._loops import Loop
 from ._statistics import CompletionStatistics
+from ._submission import Communicating, Posts, Submission, post
 
 #: How often the dispatcher thread reads the words and watches for faults
 #: while anything is pending.
@@ -81,13 +79,6 @@ BUSY_TURN_S = 100e-6
 #: the thread (a wake-up of the loop each).  A loop that stopped turning has
 #: its runs completed by the thread that much later.
 LOOP_STALL_S = WATCHDOG_S
-#: An await whose run is done before it would park (an inline spin saw it
-#: done) yields to the loop when another task or callback is ready to run
-#: (asked at most every ``Loop.ready_check_s``), or when the loop's tasks
-#: have not been let run at one of gpuflow's awaits for this long: a lone
-#: task awaiting short kernels back to back skips the loop turns in
-#: between, and others still run.
-YIELD_EVERY_S = 1e-3
 #: After the last pending run, keep ticking this long so that a busy program
 #: does not pay a wake-up of the thread per run.
 _IDLE_GRACE_S = 1.0
@@ -96,197 +87,6 @@ _IDLE_GRACE_S = 1.0
 #: so a program never runs out of file descriptors because of gpuflow.
 MAX_FD_SIGNALS = 256
 _EPOLL = getattr(select, "epoll", None)  # Linux; elsewhere the thread wakes loops
-
-#: How a completion reaches a waiting task: the loop (or Trio token) to post
-#: to, its non-blocking post, and the idempotent wake-up to run there.
-Poster = Callable[[Callable[[], object]], object]
-Waiter = tuple[Any, Poster, Callable[[], object]]
-
-
-class Communicating(Protocol):
-    """A communicator, as the bridge sees it (:class:`gpuflow.Communicator`)."""
-
-    @property
-    def busy(self) -> bool:
-        """Collectives of it are in flight."""
-
-    def failure(self) -> BaseException | None:
-        """Why the runs that used it fail, once it was aborted."""
-
-    def poll(self) -> None:
-        """Ask the backend for its asynchronous error; abort on one."""
-
-    def abort(self, reason: str) -> None:
-        """Make its collectives in flight return (and fail)."""
-
-
-#: Makes "done" and "take the callbacks" one step against add_done_callback.
-_callbacks_lock = threading.Lock()
-
-
-class Submission:
-    """What one run enqueued and must keep alive until the GPU is done with it.
-
-    ``keep`` holds host buffers, staging memory, graphs and leases that
-    enqueued work still uses; it is released by the completion (or a fault),
-    never earlier, whatever happens to the task that started the run.  Once
-    submitted, ``lane`` is its stream's and ``number`` its mark there.
-    ``arms`` maps each other stream the run enqueued work on (a ``zip``
-    arm) to an event recorded right after that work.
-    """
-
-    __slots__ = (
-        "arms", "comms", "device", "done", "error", "keep", "lane", "number", "on_done",
-        "waiters",
-    )  # fmt: skip
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        #: the communicators whose collectives the run enqueued: a run that
-        #: one of them aborted before it was seen done failed
-        self.comms: list[Communicating] | None = None
-        self.keep: list[object] = []
-        self.done = False
-        self.error: BaseException | None = None
-        self.waiters: list[Waiter] = []
-        self.on_done: list[Callable[[BaseException | None], None]] | None = None
-        self.lane: _Lane | None = None
-        self.number = 0
-        self.arms: dict[Any, Any] | None = None
-
-    def reached(self) -> bool:
-        """Whether the run's work is known to be done (seen done, or its mark
-        reached: a read of the completion word).  Any thread."""
-        if self.done:
-            return True
-        lane = self.lane
-        return lane is not None and lane.read() >= self.number
-
-    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
-        """As a hazard point: make later work on
-        raw ``stream`` wait for this run's work on raw ``on``: nothing once it
-        is known done, its mark on its own stream, the join event of a
-        ``zip`` arm on another; False where it cannot say (not submitted yet:
-        still being enqueued; then the caller waits for everything enqueued
-        on ``on`` so far)."""
-        if self.done:
-            return True
-        lane = self.lane
-        if lane is None:
-            # still being enqueued: where its work on ``on`` ends is not known
-            # yet (an arm's join event so far may precede later work there)
-            return False
-        if lane.raw is on:
-            if lane.read() < self.number:
-                backend.wait_mark(stream, on, self.number)
-            return True
-        arms = self.arms
-        if arms is not None:
-            event = arms.get(on)
-            if event is not None:
-                backend.wait_event(stream, event)
-                return True
-        return False
-
-    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Call ``fn(error)`` once, on the thread that sees the work done (the
-        awaiting loop's, or the dispatcher's; at once, here, if it already
-        is).  Safe from any thread, also while the work completes.  ``fn``
-        must not block or raise."""
-        with _callbacks_lock:
-            if not self.done:
-                if self.on_done is None:
-                    self.on_done = []
-                self.on_done.append(fn)
-                return
-        fn(self.error)
-
-    def _finish(self, error: BaseException | None) -> list[Waiter]:
-        if error is None and self.comms is not None:
-            for comm in self.comms:
-                error = comm.failure()
-                if error is not None:
-                    break
-        self.error = error
-        if self.keep:
-            self.keep = []
-        with _callbacks_lock:  # a callback added meanwhile runs once, here or there
-            self.done = True
-            callbacks, self.on_done = self.on_done, None
-        for fn in callbacks or ():
-            try:
-                fn(error)
-            except BaseException as exc:  # never into the dispatcher thread
-                warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
-        waiters = self.waiters
-        if waiters:  # (a lone await's run has none: no list made)
-            self.waiters = []
-        return waiters
-
-    async def wait(self, loop: Loop | None = None) -> None:
-        """Wait (cancellably) until the work is done; raise its device error.
-
-        Parks the task with the running loop's own primitives (``loop``, or
-        the current one), so on cancellation the loop's own exception
-        propagates at once; the submission still retains its resources until
-        the GPU is done.  While it waits, the loop's poller watches the run's
-        stream.
-        """
-        lane = self.lane
-        if loop is None:
-            loop = current_loop()
-        budget: float | None = None  # the busy poll left to the loop's poller: all of it
-        loop.awaiting += 1
-        try:
-            if loop.awaiting == 1 and not self.done and lane is not None:
-                # (before a waiter is registered: finished here, nobody is woken)
-                d = lane.dispatcher
-                if d.spin(loop, lane, self.number) and not self.done:
-                    budget = await d.poll_alone(loop, self)
-            if self.done:
-                now = time.perf_counter()
-                if now - loop.yielded >= YIELD_EVERY_S:
-                    yield_now = True
-                elif now - loop.asked >= loop.ready_check_s:
-                    loop.asked = now
-                    yield_now = loop.others_ready()
-                else:
-                    yield_now = False
-                if yield_now:
-                    loop.yielded = now
-                    await anyio.lowlevel.checkpoint()
-            else:
-                wake, park = loop.parker()
-                self.waiters.append((loop.target, loop.post, wake))
-                # the run may have been finished between the check and the
-                # append; then nobody wakes us, and we must not wait
-                if self.done:
-                    await anyio.lowlevel.checkpoint()
-                else:
-                    if lane is not None:
-                        lane.dispatcher.watch(loop, lane, budget)
-                    loop.yielded = time.perf_counter()
-                    await park
-        finally:
-            loop.awaiting -= 1
-        if self.error is not None:
-            raise self.error
-
-
-def post(target: Any, poster: Poster, fns: list[Callable[[], object]]) -> None:
-    """Run ``fns`` in ``target``'s loop, without blocking; a finished loop is skipped."""
-
-    def run_all() -> None:
-        for fn in fns:
-            fn()
-
-    try:
-        poster(fns[0] if len(fns) == 1 else run_all)
-    except RuntimeError:
-        pass  # the loop is closed (trio.RunFinishedError is one too): nobody waits
-    except Exception as exc:
-        warnings.warn(f"gpuflow: could not wake the event loop {target!r}: {exc!r}", stacklevel=1)
-
 
 class _Lane:
     """One stream: its marks, and its runs the GPU has not been seen to finish.
@@ -343,7 +143,8 @@ class _Lane:
         return self.issued - self.read()
 
 
-Done = list[tuple[Submission, BaseException | None]]
+#: Runs whose marks were reached, in the order of their streams' marks.
+Done = list[Submission]
 
 
 class _FdSignal:
@@ -642,8 +443,10 @@ class Dispatcher:
     def finish(self, sub: Submission, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
         waking whoever waits for it (a scope's exit, from its loop)."""
-        for target, poster, fn in sub._finish(error):
-            post(target, poster, [fn])
+        if sub._finish(error):
+            posts: Posts = {}
+            sub._wake(None, posts)
+            self._post(posts)
 
     def spin(self, loop: Loop, lane: _Lane, number: int) -> bool:
         """A lone await (no other await of ``loop`` in progress, nothing else
@@ -776,7 +579,7 @@ class Dispatcher:
                 subs = lane.subs
                 n = 0
                 while subs and subs[0].number <= reached:
-                    done.append((subs.popleft(), None))
+                    done.append(subs.popleft())
                     n += 1
                 if n:
                     lane.completed = reached
@@ -794,30 +597,30 @@ class Dispatcher:
             return
         backend = self._backend
         last = None  # (_advance gives each lane's runs together: once a lane)
-        for sub, _ in done:
+        for sub in done:
             lane = sub.lane
             if lane is not None and lane is not last:
                 last = lane
                 backend.complete_transfers(lane.raw)
         self._deliver(done, here)
 
-    def _deliver(self, done: Done, here: Any = None) -> None:
-        """Finish ``done`` and wake their tasks: those of loop ``here`` (the
-        loop running this) directly, the others with one post per loop."""
-        direct: list[Callable[[], object]] = []
-        posts: dict[int, tuple[Any, Poster, list[Callable[[], object]]]] = {}
-        for sub, err in done:
-            for target, poster, fn in sub._finish(err):
-                if target is here:
-                    direct.append(fn)
-                    continue
-                entry = posts.get(id(target))
-                if entry is None:
-                    posts[id(target)] = (target, poster, [fn])
-                else:
-                    entry[2].append(fn)
-        for fn in direct:
-            fn()
+    def _deliver(
+        self, done: Done, here: Any = None, error: BaseException | None = None
+    ) -> None:
+        """Finish ``done`` (failed with ``error`` where given) and wake their
+        tasks: those of loop ``here`` (the loop running this) directly, the
+        others with one post per loop."""
+        woken: list[Submission] = []
+        posts: Posts = {}
+        for sub in done:  # (all finished before any task resumes)
+            if sub._finish(error):
+                woken.append(sub)
+        for sub in woken:
+            sub._wake(here, posts)
+        self._post(posts)
+
+    @staticmethod
+    def _post(posts: Posts) -> None:
         for target, poster, fns in posts.values():
             post(target, poster, fns)
 
@@ -830,7 +633,7 @@ class Dispatcher:
         done: Done = []
         with self._lock:
             for lane in [lane for lane in self._active if lane.device == device]:
-                done.extend((s, error) for s in lane.subs)
+                done.extend(lane.subs)
                 self._pending -= len(lane.subs)
                 lane.subs.clear()
                 del self._active[lane]
@@ -843,7 +646,7 @@ class Dispatcher:
                     dropped.append(fd)
         for fd in dropped:
             os.close(fd)
-        self._deliver(done)
+        self._deliver(done, None, error)
 
     def retire_stream(self, raw: Any) -> None:
         """``raw`` is about to be destroyed: its lane goes once its runs are

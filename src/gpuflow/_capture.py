@@ -23,13 +23,13 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError
 from ._hazards import Allocation, capture_log, hazard_lock
 from ._pending import is_pending
 from ._runtime import Runtime, current_device, get_runtime, new_stream
 from ._stream import Stream
+from ._submission import Submission
 
 if TYPE_CHECKING:
     from ._operation import DeviceOperation
@@ -96,7 +96,7 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
     return Recording(
-        raw, out, device, list(log.values()), [*sub.keep, policy, op],
+        raw, out, device, list(log.values()), [*(sub.keep or ()), policy, op],
         be.graph_node_count(raw), rt, rt.generation(device),
     )
 

@@ -54,7 +54,6 @@ import numpy as np
 
 from ._array import DeviceArray, _allocate, _dtype, _resolve_array, _shape
 from ._backends._base import COMM_DTYPES, REDUCTIONS, CollectiveCall
-from ._bridge import Submission, post
 from ._errors import CommunicatorError, UsageError, UsageTypeError
 from ._hazards import Point, hazard_lock, order_after
 from ._loops import current_loop
@@ -63,6 +62,7 @@ from ._policy import DEFAULT_POLICY
 from ._run import _refuse_blocking, ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
 from ._scope import _Tracked
+from ._submission import Submission, post
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext

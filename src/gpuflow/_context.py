@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._backends._base import Backend
-    from ._bridge import Submission
     from ._policy import SchedulingPolicy
     from ._runtime import Runtime
     from ._stream import Stream
+    from ._submission import Submission
 
 
 class ExecutionContext:
@@ -61,7 +61,7 @@ class ExecutionContext:
 
     def keep(self, *objs: Any) -> None:
         """Keep ``objs`` alive until the GPU has finished the work enqueued so far."""
-        self._submission.keep.extend(objs)
+        self._submission.hold(objs)
 
     def with_stream(self, stream: Stream) -> ExecutionContext:
         """The same run, enqueueing on ``stream``."""

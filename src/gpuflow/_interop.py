@@ -46,7 +46,6 @@ import numpy as np
 from . import _dlpack, _foreign
 from ._array import DeviceArray
 from ._backends._base import Backend, RawBuffer
-from ._bridge import Submission
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
 from ._finalizers import finalize_later
@@ -62,6 +61,7 @@ from ._hazards import (
 from ._operation import DeviceOperation, _fn_name
 from ._runtime import Runtime, current_device, get_runtime
 from ._stream import Stream
+from ._submission import Submission
 
 #: Owners whose release could not be ordered after gpuflow's uses: kept for
 #: the life of the process (a leak is better than memory freed under the GPU).
@@ -110,7 +110,7 @@ def _release(owner: object, uses: Uses) -> None:
         stream = usable_stream(uses.backend, stream)
         wait_for_uses(uses, stream)
         release = Submission(stream.device)
-        release.keep.append(owner)
+        release.hold((owner,))
         rt.dispatcher.submit(stream._raw, release)
     except Exception as exc:
         _leaked.append(owner)

@@ -3,7 +3,7 @@
 gpuflow speaks to a running loop in five ways only: schedule a call at the
 end of the loop's current turn, from the loop's own thread (``call_soon``);
 post a call from any thread without blocking (``post``); park the current
-task until such a call wakes it (``parker``); run a function once per loop
+task until the loop wakes it (``park``, ``wake``); run a function once per loop
 turn for as long as it asks to (``start_poller``: how a busy loop reads the
 GPU's completion words); and have the loop itself call back whenever a file
 descriptor is readable (``watch``: how the GPU wakes a sleeping loop with no
@@ -11,7 +11,7 @@ thread in between).  :func:`current_loop` picks the adapter once per run,
 and nothing else in gpuflow asks which loop it is on.
 
 * asyncio (and loops built on it, such as uvloop): ``loop.call_soon``,
-  ``loop.call_soon_threadsafe``, a future, a callback that schedules itself
+  ``loop.call_soon_threadsafe``, a future (the park itself), a callback that schedules itself
   again with ``call_soon``, and ``loop.add_reader``.
 * Trio: ``TrioToken.run_sync_soon`` for both kinds of call (it is safe from
   any thread and never blocks), ``wait_task_rescheduled`` / ``reschedule``
@@ -56,7 +56,7 @@ class Loop(Protocol):
     """The running event loop, as gpuflow uses it."""
 
     #: When a task of this loop last let the others run at one of gpuflow's
-    #: awaits (``time.perf_counter``): see ``_bridge.YIELD_EVERY_S``.
+    #: awaits (``time.perf_counter``): see ``_submission.YIELD_EVERY_S``.
     yielded: float
     #: When such an await last asked :meth:`others_ready`.
     asked: float
@@ -67,7 +67,7 @@ class Loop(Protocol):
     #: How long a task may run gpuflow's awaits back to back before it asks
     #: :meth:`others_ready` again (0 under asyncio, where asking and yielding
     #: cost little; Trio: :data:`READY_CHECK_S`; a loop that cannot tell:
-    #: :data:`BLIND_YIELD_S`; see ``_bridge.YIELD_EVERY_S``).
+    #: :data:`BLIND_YIELD_S`; see ``_submission.YIELD_EVERY_S``).
     ready_check_s: float
 
     #: AnyIO's ``checkpoint_if_cancelled`` for this loop (Trio's own under
@@ -94,12 +94,17 @@ class Loop(Protocol):
     def post(self, fn: Call) -> object:
         """Run ``fn`` in the loop soon; callable from any thread, never blocks."""
 
-    def parker(self) -> tuple[Call, Awaitable[None]]:
-        """``(wake, park)``: ``await park`` suspends the current task until
-        ``wake()`` runs in the loop (through :meth:`post`) or the task is
-        cancelled, which raises the loop's own cancellation.  ``wake`` is
-        idempotent and harmless after a cancellation; ``park`` is awaited
-        at most once, and may be dropped unawaited."""
+    def park(self) -> Awaitable[None]:
+        """A park of the current task: ``await park`` suspends it until
+        :meth:`wake` of the park runs in the loop, or until the task is
+        cancelled, which raises the loop's own cancellation.  Awaited at
+        most once; may be dropped unawaited.  (One object: a run in flight
+        holds it for its task.)"""
+
+    def wake(self, park: Any) -> None:
+        """Resume the task parked on ``park``.  In the loop's own thread only
+        (from another: :meth:`post` it); idempotent, and harmless after the
+        task was cancelled or when the park was never awaited."""
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
         """Run ``poll()`` in the loop once per turn while it returns True.
@@ -209,9 +214,10 @@ class _Asyncio:
             create = functools.partial(asyncio.Future, loop=loop)
         self._new_future: Callable[[], asyncio.Future[None]] = create
 
-    def parker(self) -> tuple[Call, Awaitable[None]]:
-        fut = self._new_future()
-        return functools.partial(_wake_future, fut), fut
+    def park(self) -> asyncio.Future[None]:
+        return self._new_future()
+
+    wake = staticmethod(_wake_future)
 
     def others_ready(self) -> bool:
         ready = self._ready
@@ -314,9 +320,12 @@ class _Trio:
         self.call_soon: Callable[[Call], object] = token.run_sync_soon
         self.post: Callable[[Call], object] = token.run_sync_soon
 
-    def parker(self) -> tuple[Call, Awaitable[None]]:
-        park = _TrioPark(self._trio.lowlevel)
-        return park.wake, park
+    def park(self) -> _TrioPark:
+        return _TrioPark(self._trio.lowlevel)
+
+    @staticmethod
+    def wake(park: _TrioPark) -> None:
+        park.wake()
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
         lowlevel = self._trio.lowlevel

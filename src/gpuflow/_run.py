@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from . import _finalizers, _points, _trace
-from ._bridge import Submission
 from ._capture import refuse_in_capture
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
@@ -30,6 +29,7 @@ from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy
 from ._runtime import Runtime, current_device
 from ._stream import Stream
+from ._submission import Submission
 
 if TYPE_CHECKING:
     from ._operation import DeviceOperation
@@ -278,6 +278,7 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
         except Exception:  # the original failure is the one to report
             pass
         raise
+    del ctx  # (what the enqueue used: freed now, not when the GPU is done)
     if traced is not None:
         traced.enqueued()
     if home is None:

@@ -19,12 +19,12 @@ import anyio
 import anyio.lowlevel
 
 from . import _points
-from ._bridge import Submission, post
 from ._errors import UsageError
 from ._loops import current_loop
 from ._run import current_scopes, ended_by
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
+from ._submission import Submission, post
 
 _PRUNE_AT = 64
 

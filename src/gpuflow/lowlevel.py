@@ -11,7 +11,6 @@ from ._backends import register_backend as register_backend
 from ._backends._base import Backend as Backend
 from ._backends._base import CollectiveCall as CollectiveCall
 from ._backends._base import PointerArg as PointerArg
-from ._bridge import Submission as Submission
 from ._context import ExecutionContext as ExecutionContext
 from ._interop import ImportedAllocation as ImportedAllocation
 from ._interop import StreamAdapter as StreamAdapter
@@ -20,6 +19,7 @@ from ._operation import Graph
 from ._runtime import current_device, get_runtime
 from ._statistics import CompletionStatistics as CompletionStatistics
 from ._stream import Stream
+from ._submission import Submission as Submission
 
 __all__ = [
     "Backend", "CollectiveCall", "PointerArg", "register_backend", "current_backend_object",

@@ -53,7 +53,7 @@ MUTATIONS = [
         '            traced.ended(exc)\n'
         '        if sub.comms is not None and not sub.done:\n',
         '            traced.ended(exc)\n'
-        '        sub.keep = []\n'
+        '        sub.keep = None\n'
         '        if sub.comms is not None and not sub.done:\n',
         ('tests/test_lifetimes.py',),
     ),
@@ -165,8 +165,8 @@ MUTATIONS = [
     Mutation(
         "M13",
         "a completed run keeps what it kept (a leak)",
-        "_bridge.py",
-        "        self.error = error\n        if self.keep:\n            self.keep = []\n",
+        "_submission.py",
+        "        self.error = error\n        self._keep = None\n",
         "        self.error = error\n",
         ("tests/test_lifetimes.py",),
     ),
@@ -329,7 +329,7 @@ MUTATIONS = [
         "an import's owner is released at once, not after gpuflow's uses",
         "_interop.py",
         "        release = Submission(stream.device)\n"
-        "        release.keep.append(owner)\n"
+        "        release.hold((owner,))\n"
         "        rt.dispatcher.submit(stream._raw, release)\n",
         "        pass\n",
         ("tests/test_interop.py",),
@@ -338,10 +338,12 @@ MUTATIONS = [
         "I5",
         "a __cuda_array_interface__ import ignores the producer's stream",
         "_interop.py",
-        "        if p != s:\n"
-        "            be = rt.backend\n"
-        "            be.wait_event(s._raw, be.record_event(p._raw))\n",
-        "        pass\n",
+        "        _arrive_after(rt, s, producer, device)\n"
+        "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
+        "shape, dtype)\n",
+        "        pass\n"
+        "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
+        "shape, dtype)\n",
         ("tests/test_interop.py",),
     ),
     Mutation(
@@ -440,7 +442,7 @@ MUTATIONS = [
     Mutation(
         "B8",
         "a hazard waits on a zip arm's join event recorded before the run was submitted",
-        '_bridge.py',
+        '_submission.py',
         '        if lane is None:\n'
         '            # still being enqueued',
         '        if False:\n'
@@ -519,7 +521,7 @@ MUTATIONS = [
     Mutation(
         "B10",
         "an await spins while other awaits of its loop are in progress",
-        '_bridge.py',
+        '_submission.py',
         '            if loop.awaiting == 1 and not self.done and lane is not None:\n',
         '            if not self.done and lane is not None:\n',
         ('tests/test_bridge.py',),
@@ -563,6 +565,30 @@ MUTATIONS = [
         '            if now >= busy.deadline or not self._alone(loop):\n',
         '            if now >= busy.deadline:\n',
         ('tests/test_bridge.py',),
+    ),
+    Mutation(
+        "B16",
+        "a run wakes only the first task parked on it",
+        '_submission.py',
+        '            waiter = more.pop() if more else None\n',
+        '            waiter = None\n',
+        ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
+    ),
+    Mutation(
+        "B17",
+        "a task parks on a run that finished as it parked (nobody wakes it)",
+        '_submission.py',
+        '                    parked = not self.done\n',
+        '                    parked = True\n',
+        ('tests/test_bridge.py::test_a_task_does_not_park_on_a_run_finished_as_it_parks',),
+    ),
+    Mutation(
+        "B18",
+        "a completion wakes a task of another loop directly, from the wrong thread",
+        '_submission.py',
+        '            if target is here:\n',
+        '            if True:\n',
+        ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
     ),
     Mutation(
         "C3",
