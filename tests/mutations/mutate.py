@@ -53,7 +53,7 @@ MUTATIONS = [
         '            traced.ended(exc)\n'
         '        if sub.comms is not None and not sub.done:\n',
         '            traced.ended(exc)\n'
-        '        sub.keep = None\n'
+        '        sub._keep = None\n'
         '        if sub.comms is not None and not sub.done:\n',
         ('tests/test_lifetimes.py',),
     ),
