@@ -443,10 +443,7 @@ class Dispatcher:
     def finish(self, sub: Submission, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
         waking whoever waits for it (a scope's exit, from its loop)."""
-        if sub._finish(error):
-            posts: Posts = {}
-            sub._wake(None, posts)
-            self._post(posts)
+        self._deliver([sub], None, error)
 
     def spin(self, loop: Loop, lane: _Lane, number: int) -> bool:
         """A lone await (no other await of ``loop`` in progress, nothing else
@@ -617,10 +614,6 @@ class Dispatcher:
                 woken.append(sub)
         for sub in woken:
             sub._wake(here, posts)
-        self._post(posts)
-
-    @staticmethod
-    def _post(posts: Posts) -> None:
         for target, poster, fns in posts.values():
             post(target, poster, fns)
 

@@ -96,7 +96,7 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
     return Recording(
-        raw, out, device, list(log.values()), [*(sub.keep or ()), policy, op],
+        raw, out, device, list(log.values()), [*sub.keep, policy, op],
         be.graph_node_count(raw), rt, rt.generation(device),
     )
 

@@ -323,9 +323,7 @@ class _Trio:
     def park(self) -> _TrioPark:
         return _TrioPark(self._trio.lowlevel)
 
-    @staticmethod
-    def wake(park: _TrioPark) -> None:
-        park.wake()
+    wake = staticmethod(_TrioPark.wake)
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
         lowlevel = self._trio.lowlevel
