@@ -5,6 +5,18 @@ GPU gets there, it writes the mark's number into the stream's *completion
 word*, which lives in host memory.  "Is run *n* done" is a read of that word:
 no driver call, no thread, no host function on the way.
 
+* **One mark for many runs.**  A run no loop awaits (``enqueue_on``)
+  submitted while its stream already has runs pending needs no mark of its
+  own yet: it takes the number of the stream's next mark, which covers
+  every run before it.  That mark is enqueued by whoever first needs it:
+  the next awaited run on the stream (each gets its own mark at once), a
+  hazard of another stream, ``Stream.synchronize``, a capture, a stream
+  being destroyed, or the dispatcher thread at its tick.  A loop of
+  ``enqueue_on`` then makes one driver call a run, its own work's, and a
+  mark now and then.  (Awaited runs are marked at once: an owed mark would
+  reach their loop's poller a turn later, and with many tasks that turn
+  costs more than the mark saves.)
+
 * **Poll while busy.**  While a loop has runs pending, its poller reads the
   words of the streams those runs are on once per loop turn, and completes
   every run a word covers, in order: it releases what the runs kept and
@@ -93,7 +105,10 @@ class _Lane:
 
     ``issued`` is the number of its last mark; ``read()`` the last one the
     GPU reached; the runs up to ``completed`` were completed.  ``subs``
-    holds the others, in mark order.  Mutated under the dispatcher's lock;
+    holds the others, in mark order.  Where ``unmarked``, runs submitted
+    since the last mark owe their stream a mark: their number is
+    ``issued + 1``, and the next mark, whoever enqueues it, covers them all
+    (:meth:`Dispatcher.mark_owed`).  Mutated under the dispatcher's lock;
     read without it for heuristics (the default scheduling policy).
     """
 
@@ -110,6 +125,7 @@ class _Lane:
         "retired",
         "since",
         "subs",
+        "unmarked",
         "wake_for",
     )  # fmt: skip
 
@@ -122,6 +138,7 @@ class _Lane:
         self.read = read
         self.subs: collections.deque[Submission] = collections.deque()
         self.issued = self.completed = read()
+        self.unmarked = False  # runs since the last mark owe it one
         #: when a completion of the stream was last seen (or the lane made)
         self.since = time.monotonic()
         self.wake_for = 0  # the mark a pipe's wake-up was armed for
@@ -135,12 +152,14 @@ class _Lane:
         self.retired = False  # its stream is being destroyed
 
     def idle(self) -> bool:
-        """The GPU has reached the stream's last mark (a word read, no lock)."""
-        return self.read() >= self.issued
+        """The GPU has reached the stream's last mark, and no run owes one
+        (a word read, no lock)."""
+        return not self.unmarked and self.read() >= self.issued
 
     def backlog(self) -> int:
-        """Marks of the stream the GPU has not reached (no lock)."""
-        return self.issued - self.read()
+        """Marks of the stream the GPU has not reached, the one owed
+        counted (no lock)."""
+        return self.issued + self.unmarked - self.read()
 
 
 #: Runs whose marks were reached, in the order of their streams' marks.
@@ -284,7 +303,8 @@ class _Poller:
             first = subs[0].number
             if lane.wake_for >= first or lane.fast_for >= first:
                 continue  # one is armed already
-            if first != lane.issued or not self._pipe(lane, first):
+            # (work queued behind it, its mark owed or not: a pipe would wait for it)
+            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):
                 d._fast_watch(lane, first)
                 d.watched_by_thread += 1
             else:
@@ -403,30 +423,41 @@ class Dispatcher:
             )
         return lane
 
-    def submit(self, raw_stream: Any, sub: Submission, foreign: bool = False) -> None:
+    def submit(
+        self, raw_stream: Any, sub: Submission, foreign: bool = False, defer: bool = False
+    ) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
-        done: marks it, and hands it to whoever reads the word first.  A
-        failure to mark fails the device where it is a device error, and is
-        raised (the run is then completed by the stream's next mark).  On a
-        destroyed stream, which takes no mark ever again, ``sub`` is refused
-        (raised, and not pending); so it is where ``foreign``, another
-        library's stream, is not marked (nothing of the run is there)."""
+        done: marks it, and hands it to whoever reads the word first.  With
+        ``defer``, where the stream has runs pending already, the mark is
+        owed instead (the module docstring): the caller's loop, or else the
+        dispatcher thread, enqueues it.  A failure to mark fails the device
+        where it is a device error, and is raised (the run is then completed
+        by the stream's next mark).  On a destroyed stream, which takes no
+        mark ever again, ``sub`` is refused (raised, and not pending); so it
+        is where ``foreign``, another library's stream, is not marked
+        (nothing of the run is there)."""
         with self._lock:
             lane = self._lanes.get(raw_stream)
             if lane is None:
                 lane = self._lane_locked(raw_stream, sub.device)
             error: BaseException | None = None
-            try:
-                lane.issued = number = self._backend.mark(raw_stream)
-            except BaseException as exc:
-                if not isinstance(exc, DeviceError) and (
-                    foreign or self._backend.stream_destroyed(raw_stream)
-                ):
-                    if not lane.subs:
-                        self._lanes.pop(raw_stream, None)
-                    raise
-                number = lane.issued + 1  # covered by the next mark
-                error = exc
+            if defer and lane.subs and not lane.retired:
+                number = lane.issued + 1  # the next mark's
+                lane.unmarked = True
+            else:
+                try:
+                    lane.issued = number = self._backend.mark(raw_stream)
+                    lane.unmarked = False  # (that mark covers the owed one)
+                except BaseException as exc:
+                    if not isinstance(exc, DeviceError) and (
+                        foreign or self._backend.stream_destroyed(raw_stream)
+                    ):
+                        if not lane.subs:
+                            self._lanes.pop(raw_stream, None)
+                        raise
+                    number = lane.issued + 1  # covered by the next mark
+                    lane.unmarked = True
+                    error = exc
             sub.lane = lane
             sub.number = number
             if not lane.subs:
@@ -439,6 +470,25 @@ class Dispatcher:
             if isinstance(error, DeviceError):
                 self.fail_device(sub.device, error)
             raise error
+
+    def mark_owed(self, lane: _Lane) -> None:
+        """Enqueue the mark ``lane``'s latest runs owe (nothing where none
+        does).  Any thread.  Never raises: a device error fails the device's
+        runs; any other failure is warned about, and the mark stays owed
+        (the dispatcher thread tries again at its next tick)."""
+        error: Exception | None = None
+        with self._lock:
+            if not lane.unmarked:
+                return
+            try:
+                lane.issued = self._backend.mark(lane.raw)
+                lane.unmarked = False
+            except Exception as exc:
+                error = exc
+        if isinstance(error, DeviceError):
+            self.fail_device(lane.device, error)
+        elif error is not None:
+            warnings.warn(f"gpuflow: enqueueing a completion mark failed: {error!r}", stacklevel=2)
 
     def finish(self, sub: Submission, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
@@ -629,6 +679,7 @@ class Dispatcher:
                 done.extend(lane.subs)
                 self._pending -= len(lane.subs)
                 lane.subs.clear()
+                lane.unmarked = False  # (no run is left to owe it)
                 del self._active[lane]
                 self._fast.pop(lane, None)
             dropped = []
@@ -643,8 +694,11 @@ class Dispatcher:
 
     def retire_stream(self, raw: Any) -> None:
         """``raw`` is about to be destroyed: its lane goes once its runs are
-        done (its marks are still written: its work completes).  Any thread
-        (a finalizer); never raises."""
+        done (its marks are still written: its work completes; one its runs
+        owe is enqueued first).  Any thread (a finalizer); never raises."""
+        lane = self._lanes.get(raw)
+        if lane is not None and lane.unmarked:
+            self.mark_owed(lane)
         with self._lock:
             lane = self._lanes.get(raw)
             if lane is not None:
@@ -669,6 +723,7 @@ class Dispatcher:
     def _run(self) -> None:
         last_check = time.monotonic()
         idle_since: float | None = None
+        marked = False  # this tick enqueued marks runs owed: read them soon
         while True:
             with self._lock:
                 if self._closed and not self._pending:
@@ -679,7 +734,7 @@ class Dispatcher:
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > _IDLE_GRACE_S:
                     self._armed = False
-                if self._fast:
+                if self._fast or marked:
                     timeout: float | None = FAST_WATCH_S
                 else:
                     timeout = WATCHDOG_S if self._armed or self._closed else None
@@ -693,6 +748,11 @@ class Dispatcher:
                 active = list(self._active)
             now = time.monotonic()
             try:
+                # runs no loop awaits owe their marks until now: one a stream
+                owed = [x for x in active if x.unmarked and self._mine(x, now)]
+                for lane in owed:
+                    self.mark_owed(lane)
+                marked = bool(owed)
                 moved = [
                     (x, n) for x in active if self._mine(x, now) and (n := x.read()) > x.completed
                 ]

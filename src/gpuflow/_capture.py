@@ -83,6 +83,9 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     sub = Submission(device)
     ctx = ExecutionContext(rt, cap_stream, policy, sub, capturing=True)
     log: dict[int, tuple[Allocation, bool]] = {}
+    lane = cap_stream._lane
+    if lane is not None and lane.unmarked:  # (a mark cannot be enqueued while it captures)
+        lane.dispatcher.mark_owed(lane)
     token = capture_log.set(log)
     be.begin_capture(cap_stream._raw)
     try:

@@ -101,7 +101,7 @@ class StreamPoolLeastLoaded:
         for i in range(start - n, start):
             s = streams[i]
             lane = s._lane
-            if not s._syncs and not s._leased and (lane is None or lane.read() >= lane.issued):
+            if not s._syncs and not s._leased and (lane is None or lane.idle()):
                 return s
         if n < self._max:
             grown = rt.grow(device, self._max)

@@ -67,6 +67,9 @@ class Stream:
         """
         if _finalizers.queue:
             _finalizers.run_finalized()
+        lane = self._lane
+        if lane is not None and lane.unmarked:  # (its runs are done on return)
+            lane.dispatcher.mark_owed(lane)
         self._runtime.backend.synchronize(self._raw)
 
     @property

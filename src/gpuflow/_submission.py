@@ -93,7 +93,9 @@ class Submission:
     ``keep`` holds host buffers, staging memory, graphs and leases that
     enqueued work still uses; it is released by the completion (or a fault),
     never earlier, whatever happens to the task that started the run.  Once
-    submitted, ``lane`` is its stream's and ``number`` its mark there.
+    submitted, ``lane`` is its stream's and ``number`` the mark there that
+    covers it (its own, or one it shares with the runs submitted on its
+    stream since the previous mark: the lane may owe that mark still).
     ``arms`` maps each other stream the run enqueued work on (a ``zip``
     arm) to an event recorded right after that work.
     """
@@ -144,6 +146,8 @@ class Submission:
             return False
         if lane.raw is on:
             if lane.read() < self.number:
+                if lane.unmarked and self.number > lane.issued:
+                    lane.dispatcher.mark_owed(lane)  # (else nothing may write it soon)
                 backend.wait_mark(stream, on, self.number)
             return True
         arms = self.arms

@@ -256,8 +256,7 @@ MUTATIONS = [
         "M15",
         'the default policy deals streams whatever is pending on them (round robin)',
         '_policy.py',
-        '            if not s._syncs and not s._leased and (lane is None or lane.read()'
-        ' >= lane.issued):\n'
+        '            if not s._syncs and not s._leased and (lane is None or lane.idle()):\n'
         '                return s\n',
         '            if True:\n'
         '                return s\n',
@@ -435,7 +434,7 @@ MUTATIONS = [
         "B7",
         'a wake-up is armed on the stream even behind work queued after the run',
         '_bridge.py',
-        '            if first != lane.issued or not self._pipe(lane, first):\n',
+        '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
         '            if not self._pipe(lane, first):\n',
         ('tests/test_bridge.py',),
     ),
@@ -589,6 +588,52 @@ MUTATIONS = [
         '            if target is here:\n',
         '            if True:\n',
         ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
+    ),
+    Mutation(
+        "B19",
+        "a run submitted on a busy stream takes its last mark's number, not its next (seen done "
+        "before its work)",
+        '_bridge.py',
+        '                number = lane.issued + 1  # the next mark\'s\n',
+        '                number = lane.issued\n',
+        ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
+         'dispatcher_thread',),
+    ),
+    Mutation(
+        "B20",
+        "the dispatcher thread never enqueues the marks runs no loop awaits owe",
+        '_bridge.py',
+        '                owed = [x for x in active if x.unmarked and self._mine(x, now)]\n',
+        '                owed: list[_Lane] = []\n',
+        ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
+         'dispatcher_thread',),
+    ),
+    Mutation(
+        "B21",
+        "a stream destroyed with a mark owed never gets it (its runs never complete)",
+        '_bridge.py',
+        '        if lane is not None and lane.unmarked:\n'
+        '            self.mark_owed(lane)\n'
+        '        with self._lock:\n',
+        '        with self._lock:\n',
+        ('tests/test_bridge.py::test_a_stream_dropped_with_a_mark_owed_enqueues_it_first',),
+    ),
+    Mutation(
+        "B22",
+        "a synchronize returns with its stream's runs still owing their mark",
+        '_stream.py',
+        '        if lane is not None and lane.unmarked:  # (its runs are done on return)\n',
+        '        if False:\n',
+        ('tests/test_bridge.py::test_a_synchronize_enqueues_the_mark_its_streams_runs_owe',),
+    ),
+    Mutation(
+        "B23",
+        "a loop going to sleep arms a pipe for a run whose stream owes a mark for work queued "
+        "behind it (the wake-up waits for that work)",
+        '_bridge.py',
+        '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
+        '            if first != lane.issued or not self._pipe(lane, first):\n',
+        ('tests/test_bridge.py::test_a_fast_await_is_not_held_by_slow_work_queued_behind_it',),
     ),
     Mutation(
         "C3",
