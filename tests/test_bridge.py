@@ -899,6 +899,46 @@ def test_runs_no_loop_awaits_enqueued_on_a_busy_stream_share_its_marks() -> None
     wait_until(lambda: not get_runtime().dispatcher.pending, "the runs never completed")
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "beside another await"])
+@pytest.mark.anyio
+async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> None:
+    """A scope's exit awaits the ``enqueue_on`` runs it tracked, whose mark
+    may be owed: the await enqueues it (a lone one before it spins, the
+    loop's poller at its turn), rather than leave the run pending until the
+    busy-poll budget runs out and the loop arms a wake-up."""
+    reinit(busy_poll_us=2_000_000)
+    stream = gf.new_stream()
+    lane = stream._lane
+    assert lane is not None
+    x = await gf.zeros(16, F32)
+    y = await gf.zeros(16, F32)
+    stats = gf.lowlevel.current_completion_statistics
+    before = stats()
+
+    async def another() -> None:
+        await K.slow_fill(y, 3.0, 0.3)  # (on a pool stream)
+
+    K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)  # marked at once: the stream was idle
+    lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
+    try:
+        sub = Submission(0)
+        K.slow_fill(x, 2.0, 0.001).enqueue_on(stream)
+        get_runtime().dispatcher.submit(stream.raw, sub, defer=True)
+        assert lane.unmarked
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                if not alone:
+                    tg.start_soon(another)
+                    await anyio.sleep(0.01)  # its await is in progress
+                await sub.wait()
+    finally:
+        lane.polled_until = 0.0
+    after = stats()
+    assert after.pipes_armed == before.pipes_armed, (before, after)
+    assert after.watched_by_thread == before.watched_by_thread, (before, after)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(16, 2.0, F32))
+
+
 def test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_dispatcher_thread() -> None:
     stream = gf.new_stream()
     lane = stream._lane

@@ -9,9 +9,11 @@ no driver call, no thread, no host function on the way.
   submitted while its stream already has runs pending needs no mark of its
   own yet: it takes the number of the stream's next mark, which covers
   every run before it.  That mark is enqueued by whoever first needs it:
-  the next awaited run on the stream (each gets its own mark at once), a
-  hazard of another stream, ``Stream.synchronize``, a capture, a stream
-  being destroyed, or the dispatcher thread at its tick.  A loop of
+  the next awaited run on the stream (each gets its own mark at once), an
+  await of the run itself (a scope's exit; the loop's poller, or the lone
+  await before it spins), a hazard of another stream,
+  ``Stream.synchronize``, a capture, a stream being destroyed, or the
+  dispatcher thread at its tick.  A loop of
   ``enqueue_on`` then makes one driver call a run, its own work's, and a
   mark now and then.  (Awaited runs are marked at once: an owed mark would
   reach their loop's poller a turn later, and with many tasks that turn
@@ -273,6 +275,8 @@ class _Poller:
                 reached = lane.read()
                 if reached > lane.completed:
                     moved.append((lane, reached))
+                if lane.unmarked:  # (enqueue_on runs queued among its runs: no one else would)
+                    d.mark_owed(lane)
             if moved:
                 done = d._advance(moved, now)
                 d.polled += len(done)
@@ -429,8 +433,8 @@ class Dispatcher:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
         done: marks it, and hands it to whoever reads the word first.  With
         ``defer``, where the stream has runs pending already, the mark is
-        owed instead (the module docstring): the caller's loop, or else the
-        dispatcher thread, enqueues it.  A failure to mark fails the device
+        owed instead (the module docstring): whoever first needs it, or else
+        the dispatcher thread, enqueues it.  A failure to mark fails the device
         where it is a device error, and is raised (the run is then completed
         by the stream's next mark).  On a destroyed stream, which takes no
         mark ever again, ``sub`` is refused (raised, and not pending); so it
@@ -471,24 +475,27 @@ class Dispatcher:
                 self.fail_device(sub.device, error)
             raise error
 
-    def mark_owed(self, lane: _Lane) -> None:
+    def mark_owed(self, lane: _Lane) -> bool:
         """Enqueue the mark ``lane``'s latest runs owe (nothing where none
-        does).  Any thread.  Never raises: a device error fails the device's
-        runs; any other failure is warned about, and the mark stays owed
-        (the dispatcher thread tries again at its next tick)."""
+        does); whether one was enqueued.  Any thread.  Never raises: a
+        device error fails the device's runs; any other failure is warned
+        about, and the mark stays owed (the dispatcher thread tries again at
+        its next tick)."""
         error: Exception | None = None
         with self._lock:
             if not lane.unmarked:
-                return
+                return False
             try:
                 lane.issued = self._backend.mark(lane.raw)
                 lane.unmarked = False
+                return True
             except Exception as exc:
                 error = exc
         if isinstance(error, DeviceError):
             self.fail_device(lane.device, error)
-        elif error is not None:
+        else:
             warnings.warn(f"gpuflow: enqueueing a completion mark failed: {error!r}", stacklevel=2)
+        return False
 
     def finish(self, sub: Submission, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
@@ -510,6 +517,8 @@ class Dispatcher:
         limit = min(INLINE_SPIN_S, self.busy_poll_s)
         if limit <= 0 or self._others_polled(loop):
             return False
+        if lane.unmarked:  # (an enqueue_on run's, awaited: a scope's exit)
+            self.mark_owed(lane)
         read = lane.read
         clock = time.perf_counter
         deadline = clock() + limit
@@ -750,9 +759,7 @@ class Dispatcher:
             try:
                 # runs no loop awaits owe their marks until now: one a stream
                 owed = [x for x in active if x.unmarked and self._mine(x, now)]
-                for lane in owed:
-                    self.mark_owed(lane)
-                marked = bool(owed)
+                marked = any([self.mark_owed(lane) for lane in owed])
                 moved = [
                     (x, n) for x in active if self._mine(x, now) and (n := x.read()) > x.completed
                 ]

@@ -636,6 +636,25 @@ MUTATIONS = [
         ('tests/test_bridge.py::test_a_fast_await_is_not_held_by_slow_work_queued_behind_it',),
     ),
     Mutation(
+        "B24",
+        "a lone await of a run that owes its mark never enqueues it (it waits for the budget to "
+        "end)",
+        '_bridge.py',
+        '        if lane.unmarked:  # (an enqueue_on run\'s, awaited: a scope\'s exit)\n',
+        '        if False:\n',
+        ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
+    ),
+    Mutation(
+        "B25",
+        "a loop's poller never enqueues the mark runs it waits for owe (they wait for the budget "
+        "to end, or for ever while the loop stays busy)",
+        '_bridge.py',
+        '                if lane.unmarked:  # (enqueue_on runs queued among its runs: no one else '
+        'would)\n',
+        '                if False:\n',
+        ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
+    ),
+    Mutation(
         "C3",
         "a run asks only the innermost cancel scope whether it may start (asyncio)",
         '_loops.py',
