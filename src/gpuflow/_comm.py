@@ -281,6 +281,9 @@ class Communicator:
         #: issued it: the next one, on any stream, is ordered after it (under
         #: the hazard lock)
         self._tails: dict[int, tuple[Stream, Point | None]] = {}
+        #: the dispatcher that asks it for errors while it is busy (it keeps
+        #: asking at its ticks from then on: told once, not at every run)
+        self._watched_by: object = None
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -403,14 +406,16 @@ class Communicator:
 
     def _started(self, stream: Stream, sub: Submission) -> None:
         """``sub`` enqueued collectives of this communicator, ending on ``stream``."""
-        busy = self.busy
         self._last[stream] = sub
-        if sub.comms is None:
+        comms = sub.comms
+        if comms is None:
             sub.comms = [self]
-        elif self not in sub.comms:
-            sub.comms.append(self)
-        if not busy:  # busy from now: the watchdog must ask it
-            self._rt.dispatcher.watch_communicator(self)
+        elif self not in comms:
+            comms.append(self)
+        dispatcher = self._rt.dispatcher
+        if self._watched_by is not dispatcher:  # its watchdog asks it whenever it is busy
+            self._watched_by = dispatcher
+            dispatcher.watch_communicator(self)
 
     # -- the collectives ------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:
@@ -570,7 +575,12 @@ def _given(v: Any) -> Any:
 def _same(v: Any, kept: Any) -> bool:
     if type(v) is not list:
         return v is kept
-    return len(v) == len(kept) and all(a is b for a, b in zip(v, kept, strict=True))
+    if len(v) != len(kept):
+        return False
+    for a, b in zip(v, kept, strict=True):  # (every run of a planned collective asks)
+        if a is not b:
+            return False
+    return True
 
 
 def _plain(v: Any) -> bool:

@@ -140,11 +140,13 @@ class NcclComms:
         b, types, ops = self._tables()
         held: list[threading.Lock] = []
         first = calls[0][0].dev
+        others = False  # a call for another device than the first's
         try:
             for comm, _, _ in calls:
                 if comm.lock not in held:
                     comm.lock.acquire()
                     held.append(comm.lock)
+                others = others or comm.dev is not first
             for comm, _, _ in calls:
                 if comm.revoked or not comm.comm.is_valid:
                     raise CommunicatorError(
@@ -155,12 +157,16 @@ class NcclComms:
                         rank=comm.rank,
                     )
             self._be._cur(first)
-            b.group_start()
-            try:
-                for comm, call, stream in calls:
-                    self._issue(b, types, ops, comm, call, int(stream.handle))
-            finally:
-                b.group_end()
+            if len(calls) == 1:  # one call needs no group (NCCL's start and end: 0.6 µs)
+                comm, call, stream = calls[0]
+                self._issue(b, types, ops, comm, call, int(stream.handle))
+            else:
+                b.group_start()
+                try:
+                    for comm, call, stream in calls:
+                        self._issue(b, types, ops, comm, call, int(stream.handle))
+                finally:
+                    b.group_end()
         except CommunicatorError:
             raise
         except Exception as exc:
@@ -171,7 +177,7 @@ class NcclComms:
             # above, the context left current is asked, not assumed.  (For
             # one device NCCL can only make that device's primary context
             # current, the one gpuflow's cache says is: a query saved.)
-            if any(comm.dev is not first for comm, _, _ in calls):
+            if others:
                 self._be._learn_cur()
             for lock in held:
                 lock.release()
