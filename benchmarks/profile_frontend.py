@@ -13,6 +13,14 @@ calls every run makes on the loop's thread; and the CPU time of the loop's
 thread and of the process over the run's wall time (a loop thread near 1.0
 is busy throughout, waiting neither for the GIL nor in the driver).
 
+``--pieces`` (on a GPU, or with ``--stand-in``) times the steps of three
+kinds of await, each step with a timer around it: an empty kernel, ``gf.wait_stream``
+of another library's stream, and (where NCCL's bindings are installed) a
+4-byte all-reduce of one rank.  Each kind prints its median await with no
+timers, then each step's calls an await and microseconds a call (the
+timers' own cost included, so a step reads a little high, and a step's time
+includes the steps it calls).
+
 ``--stand-in LIB`` runs the same rows on the ``cuda`` backend against a
 stand-in libcuda, which does each item at once and kernels not at all
 (``tests/stand_in/libcuda.c``; build it with ``cc -shared -fPIC -O2
@@ -30,6 +38,7 @@ import argparse
 import cProfile
 import ctypes
 import gc
+import importlib
 import os
 import pstats
 import statistics
@@ -37,7 +46,7 @@ import tempfile
 import threading
 import time
 import timeit
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.util import find_spec
 from typing import Any
 
@@ -316,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                         "5, 10 and 30 us apart), medians of 5 runs per loop")
     p.add_argument("--stand-in", metavar="LIB",
                    help="the cuda backend against this stand-in libcuda.so.1 (see above)")
+    p.add_argument("--pieces", action="store_true",
+                   help="instead, on a GPU (or with --stand-in): the steps of an await of an "
+                        "empty kernel, of gf.wait_stream and of an all-reduce, each timed")
     p.add_argument("--driver-share", action="store_true",
                    help="instead, on a GPU: the 64-task throughput with the backend's launch "
                         "and mark timed, each loop (what the driver's calls take of the "
@@ -341,11 +353,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--stand-in: the device is {name!r}, not the stand-in's: run it where "
                     "no CUDA driver is installed")
         mod = gf.compile('extern "C" __global__ void empty() {}')
+    elif args.pieces:
+        gf.init_device_contexts(backend="cuda")
+        mod = gf.compile('extern "C" __global__ void empty() {}')
     else:
         gf.init_device_contexts(backend=NullBackend())
         mod = gf.compile('extern "C" __global__ void empty() {}',
                          references={"empty": lambda: None})
     op = mod.empty(gf.LaunchConfig(1, 1))
+    if args.pieces:
+        return pieces(op)
     k = op
     chain = k
     for _ in range(131):
@@ -552,6 +569,136 @@ def driver_share() -> int:
         busy = ", ".join(f"{name} {share:.2f}" for name, share in cpu.items())
         print(f"64 tasks x 100 awaits, {lib:<7} {rate:>9,.0f} op/s; {parts}; "
               f"CPU time over wall time: {busy}")
+    return 0
+
+
+#: The steps of an await that ``--pieces`` times (``module:attribute``):
+#: a run's start and submission, the kernel's launch, the mark, the await's
+#: inline read and the run's completion; for ``gf.wait_stream``, resolving
+#: the other library's stream and reading its event; for a collective, its
+#: checks, its ordering and NCCL's call.
+PIECES = (
+    "gpuflow._run:_start",
+    "gpuflow._bridge:Dispatcher.submit",
+    "gpuflow._kernel:_Launch.execute",
+    "gpuflow._backends._cuda._backend:CudaBackend.mark",
+    "gpuflow._bridge:Dispatcher.spin",
+    "gpuflow._bridge:Dispatcher._advance",
+    "gpuflow._bridge:Dispatcher._complete",
+    "gpuflow._bridge:Dispatcher._deliver",
+    "gpuflow._interop:_WaitStream._stream_alone",
+    "gpuflow._backends._cuda._backend:CudaBackend.foreign_stream",
+    "gpuflow._backends._cuda._words:EventMarks.reached",
+    "gpuflow._comm:_Collective._prepare",
+    "gpuflow._comm:_issue",
+    "gpuflow._comm:Communicator._started",
+    "gpuflow._backends._cuda._backend:CudaBackend.comm_group",
+    "gpuflow._backends._cuda._nccl:NcclComms.group",
+)
+
+
+def _timed_pieces() -> tuple[dict[str, list[float]], Callable[[], None]]:
+    """Put a timer around every step of :data:`PIECES`: the tallies (seconds,
+    calls) by step, and the function that takes the timers off again."""
+    tallies: dict[str, list[float]] = {}
+    undo: list[tuple[Any, str, Any]] = []
+    clock = time.perf_counter
+    for piece in PIECES:
+        module, _, path = piece.partition(":")
+        owner: Any = importlib.import_module(module)
+        *outer, name = path.split(".")
+        for attr in outer:
+            owner = getattr(owner, attr)
+        own = name in vars(owner)  # (else inherited: the timer shadows it)
+        real = vars(owner)[name] if own else getattr(owner, name)
+        tally = tallies[path] = [0.0, 0.0]
+
+        def timed(*args: Any, _real: Any = real, _tally: list[float] = tally, **kw: Any) -> Any:
+            t0 = clock()
+            try:
+                return _real(*args, **kw)
+            finally:
+                _tally[0] += clock() - t0
+                _tally[1] += 1
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, real if own else None))
+
+    def restore() -> None:
+        for owner, name, real in undo:
+            if real is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, real)
+
+    return tallies, restore
+
+
+def _torch_like_stream() -> Any:
+    """A stream gpuflow did not make, named as PyTorch names one."""
+    from cuda.bindings import driver as cu
+
+    class TorchDeviceLike:
+        index = 0
+
+    class TorchLike:
+        cuda_stream = int(cu.cuStreamCreate(1)[1])
+        device_index = 0
+        device = TorchDeviceLike()
+
+    return TorchLike()
+
+
+def pieces(op: gf.DeviceOperation[Any], n: int = 1000) -> int:
+    """The steps of three kinds of await, timed (``--pieces``)."""
+    kinds: dict[str, Callable[[], Any]] = {"an empty kernel": lambda: op}
+    # (a stream of its own for the timed awaits: the reader of a stream's
+    # event is bound when gpuflow first meets the stream)
+    theirs = [_torch_like_stream()]
+    kinds["gf.wait_stream(another library's stream)"] = lambda: gf.wait_stream(theirs[0])
+    if find_spec("nccl") is None:
+        print("(a 4-byte all-reduce: needs NCCL's bindings, pip install 'gpuflow[nccl]')")
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
+    for lib in loops:
+        backend, options = ("asyncio", {"use_uvloop": True}) if lib == "uvloop" else (lib, {})
+
+        async def measure(lib: str) -> None:
+            comm = None
+            if find_spec("nccl") is not None:
+                comm = await gf.open_communicator([0]).__aenter__()
+                x, y = await gf.ones(1, np.float32), await gf.zeros(1, np.float32)
+                reduce = comm.all_reduce([x], "max", out=[y])
+                kinds["a 4-byte all-reduce"] = lambda: reduce
+            try:
+                for kind, make in kinds.items():
+                    for _ in range(200):
+                        await make()
+                    batches = []
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        for _ in range(n):
+                            await make()
+                        batches.append((time.perf_counter() - t0) / n * 1e6)
+                    tallies, restore = _timed_pieces()
+                    theirs[0] = _torch_like_stream()
+                    try:
+                        t0 = time.perf_counter()
+                        for _ in range(n):
+                            await make()
+                        timed = (time.perf_counter() - t0) / n * 1e6
+                    finally:
+                        restore()
+                    print(f"await of {kind} ({lib}): {statistics.median(batches):.1f} us; "
+                          f"with the timers on, {timed:.1f} us")
+                    for step, (spent, calls) in sorted(tallies.items(), key=lambda t: -t[1][0]):
+                        if calls:
+                            print(f"    {step:<36} {calls / n:5.2f} an await x "
+                                  f"{spent / calls * 1e6:6.2f} us")
+            finally:
+                if comm is not None:
+                    await comm.__aexit__(None, None, None)
+
+        anyio.run(measure, lib, backend=backend, backend_options=options)
     return 0
 
 
