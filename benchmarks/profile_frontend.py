@@ -480,10 +480,9 @@ def calls_per_run(lib: str, op: gf.DeviceOperation[Any]) -> float:
     return float(sum(v[1] for v in stats.stats.values())) / runs
 
 
-async def foreign_waits(n: int = 2000) -> float:
-    """``await gf.wait_stream(s)`` of a stream gpuflow did not make, as a
-    PyTorch stream is named (``cuda_stream``, ``device_index``, ``device``):
-    the median of five batches, µs per await."""
+def _torch_like_stream() -> Any:
+    """A stream gpuflow did not make, named as PyTorch names one
+    (``cuda_stream``, ``device_index``, ``device``)."""
     from cuda.bindings import driver as cu
 
     class TorchDeviceLike:
@@ -494,7 +493,14 @@ async def foreign_waits(n: int = 2000) -> float:
         device_index = 0
         device = TorchDeviceLike()
 
-    theirs = TorchLike()
+    return TorchLike()
+
+
+async def foreign_waits(n: int = 2000) -> float:
+    """``await gf.wait_stream(s)`` of a stream gpuflow did not make, as a
+    PyTorch stream is named (``cuda_stream``, ``device_index``, ``device``):
+    the median of five batches, µs per await."""
+    theirs = _torch_like_stream()
     batches = []
     for i in range(6):
         t0 = time.perf_counter()
@@ -632,21 +638,6 @@ def _timed_pieces() -> tuple[dict[str, list[float]], Callable[[], None]]:
                 setattr(owner, name, real)
 
     return tallies, restore
-
-
-def _torch_like_stream() -> Any:
-    """A stream gpuflow did not make, named as PyTorch names one."""
-    from cuda.bindings import driver as cu
-
-    class TorchDeviceLike:
-        index = 0
-
-    class TorchLike:
-        cuda_stream = int(cu.cuStreamCreate(1)[1])
-        device_index = 0
-        device = TorchDeviceLike()
-
-    return TorchLike()
 
 
 def pieces(op: gf.DeviceOperation[Any], n: int = 1000) -> int:
