@@ -529,6 +529,22 @@ def raw_launch_loop(op: gf.DeviceOperation[Any], pol: gf.SingleStream) -> None:
     print(f"raw cuLaunchKernel x132 + sync us/step {statistics.median(loops) / 132 * 1e6:.2f}")
 
 
+def _timer(real: Callable[..., Any], tally: list[float]) -> Callable[..., Any]:
+    """``real`` with a timer around it: each call adds its seconds and one
+    call to ``tally``."""
+    clock = time.perf_counter
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t0 = clock()
+        try:
+            return real(*args, **kw)
+        finally:
+            tally[0] += clock() - t0
+            tally[1] += 1
+
+    return timed
+
+
 def driver_share() -> int:
     """The bench's throughput row on the cuda backend, with the time spent in
     the backend's ``launch`` and ``mark`` (the two driver calls of each run)
@@ -537,20 +553,9 @@ def driver_share() -> int:
     backend = gf.lowlevel.current_backend_object()
     spent: dict[str, list[float]] = {}
 
-    clock = time.perf_counter
-
     def timing(name: str, real: Any) -> Any:
-        spent[name] = [0.0, 0]
-
-        def call(*args: Any) -> Any:
-            t0 = clock()
-            out = real(*args)
-            tally = spent[name]
-            tally[0] += clock() - t0
-            tally[1] += 1
-            return out
-
-        return call
+        spent[name] = [0.0, 0.0]
+        return _timer(real, spent[name])
 
     # (instance attributes: this process only) a launch of an op whose
     # arguments are final goes through the launcher the backend made for it
@@ -608,7 +613,6 @@ def _timed_pieces() -> tuple[dict[str, list[float]], Callable[[], None]]:
     calls) by step, and the function that takes the timers off again."""
     tallies: dict[str, list[float]] = {}
     undo: list[tuple[Any, str, Any]] = []
-    clock = time.perf_counter
     for piece in PIECES:
         module, _, path = piece.partition(":")
         owner: Any = importlib.import_module(module)
@@ -617,17 +621,8 @@ def _timed_pieces() -> tuple[dict[str, list[float]], Callable[[], None]]:
             owner = getattr(owner, attr)
         own = name in vars(owner)  # (else inherited: the timer shadows it)
         real = vars(owner)[name] if own else getattr(owner, name)
-        tally = tallies[path] = [0.0, 0.0]
-
-        def timed(*args: Any, _real: Any = real, _tally: list[float] = tally, **kw: Any) -> Any:
-            t0 = clock()
-            try:
-                return _real(*args, **kw)
-            finally:
-                _tally[0] += clock() - t0
-                _tally[1] += 1
-
-        setattr(owner, name, timed)
+        tallies[path] = [0.0, 0.0]
+        setattr(owner, name, _timer(real, tallies[path]))
         undo.append((owner, name, real if own else None))
 
     def restore() -> None:
