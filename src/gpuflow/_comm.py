@@ -281,9 +281,6 @@ class Communicator:
         #: issued it: the next one, on any stream, is ordered after it (under
         #: the hazard lock)
         self._tails: dict[int, tuple[Stream, Point | None]] = {}
-        #: the dispatcher that asks it for errors while it is busy (it keeps
-        #: asking at its ticks from then on: told once, not at every run)
-        self._watched_by: object = None
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -316,6 +313,8 @@ class Communicator:
             lambda: be.comm_init(self.devices, self.ranks, self.nranks, self._uid),
             abandoned=self._destroy,
         )
+        # from now on the watchdog asks it for errors at each tick it is busy
+        self._rt.dispatcher.watch_communicator(self)
         return self
 
     async def __aexit__(
@@ -412,10 +411,6 @@ class Communicator:
             sub.comms = [self]
         elif self not in comms:
             comms.append(self)
-        dispatcher = self._rt.dispatcher
-        if self._watched_by is not dispatcher:  # its watchdog asks it whenever it is busy
-            self._watched_by = dispatcher
-            dispatcher.watch_communicator(self)
 
     # -- the collectives ------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:

@@ -247,8 +247,8 @@ MUTATIONS = [
         "C7",
         "a communicator is never handed to the watchdog (nobody asks it for its errors)",
         '_comm.py',
-        '            dispatcher.watch_communicator(self)\n',
-        '            pass\n',
+        '        self._rt.dispatcher.watch_communicator(self)\n',
+        '        pass\n',
         ('tests/test_comm.py',),
     ),
     Mutation(
