@@ -102,7 +102,7 @@ class Submission:
 
     __slots__ = (
         "_keep", "arms", "comms", "device", "done", "error", "lane", "more_parked", "number",
-        "on_done", "parked",
+        "on_done", "parked", "parked_loop",
     )  # fmt: skip
 
     def __init__(self, device: int) -> None:
@@ -113,9 +113,11 @@ class Submission:
         self._keep: list[object] | None = None  # (made for the first object kept)
         self.done = False
         self.error: BaseException | None = None
-        #: the task parked on the run first (an await makes this one object),
-        #: and any others
-        self.parked: Waiter | None = None
+        #: the task parked on the run first, what its loop wakes and that
+        #: loop (two slots, not a pair: an await in flight makes no object
+        #: for it), and any others
+        self.parked: Any = None
+        self.parked_loop: Loop | None = None
         self.more_parked: list[Waiter] | None = None
         self.on_done: list[Callable[[BaseException | None], None]] | None = None
         self.lane: _Lane | None = None
@@ -209,10 +211,9 @@ class Submission:
     def _wake(self, here: Any, posts: Posts) -> None:
         """Wake the tasks parked on the finished run: those of loop ``here``
         (the loop running this) at once, and add the others to ``posts``."""
-        waiter, more = self.parked, self.more_parked
-        self.parked = self.more_parked = None
-        while waiter is not None:
-            loop, park = waiter
+        park, loop, more = self.parked, self.parked_loop, self.more_parked
+        self.parked = self.parked_loop = self.more_parked = None
+        while loop is not None:
             target = loop.target
             if target is here:
                 loop.wake(park)
@@ -223,7 +224,7 @@ class Submission:
                     posts[id(target)] = (target, loop.post, [fn])
                 else:
                     entry[2].append(fn)
-            waiter = more.pop() if more else None
+            loop, park = more.pop() if more else (None, None)
 
     async def wait(self, loop: Loop | None = None) -> None:
         """Wait (cancellably) until the work is done; raise its device error.
@@ -265,7 +266,7 @@ class Submission:
                     parked = not self.done
                     if parked:
                         if self.parked is None:
-                            self.parked = (loop, park)
+                            self.parked, self.parked_loop = park, loop
                         elif self.more_parked is None:
                             self.more_parked = [(loop, park)]
                         else:

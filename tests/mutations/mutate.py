@@ -577,8 +577,8 @@ MUTATIONS = [
         "B16",
         "a run wakes only the first task parked on it",
         '_submission.py',
-        '            waiter = more.pop() if more else None\n',
-        '            waiter = None\n',
+        '            loop, park = more.pop() if more else (None, None)\n',
+        '            loop = None\n',
         ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
     ),
     Mutation(
