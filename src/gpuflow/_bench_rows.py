@@ -4,6 +4,7 @@ ratio and the target; and the event loops each row is measured under."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import inspect
 import re
@@ -147,3 +148,39 @@ class Completions:
             f"pipes, {a.watched_by_thread - b.watched_by_thread} left to the thread"
         )
         self._before = a
+
+
+class Collections:
+    """The garbage collector's work during the measurements taken inside
+    ``with`` blocks, printed under a row: its collections by generation and
+    their share of the time measured.  With many awaits in flight a
+    collection goes through the objects of every pending run (and of the
+    loop's tasks), so this share is what grows with the tasks in flight."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.spent = 0.0  # seconds in collections, inside the blocks
+        self.measured = 0.0  # seconds inside the blocks
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.spent += time.perf_counter() - self._started
+
+    def __enter__(self) -> Collections:
+        self._entered = time.perf_counter()
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+        self.measured += time.perf_counter() - self._entered
+
+    def show(self, label: str) -> None:
+        share = 100 * self.spent / self.measured if self.measured else 0.0
+        young, middle, old = self.collections
+        print(f"    garbage collections, {label}: {young}/{middle}/{old} (generations 0/1/2), "
+              f"{share:.1f} % of its time")
