@@ -161,6 +161,10 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
     streams = [new_stream() for _ in range(8)]
     n, tasks, each = (100, 64, 5) if quick else (1000, 64, 40)
     count = [0]
+    # seconds from the forward's return (its kernels enqueued) to the end of
+    # the wait, by path: the forward's own Python is the same on every path
+    after: dict[str, list[float]] = {"ours": [], "thread": [], "polled": []}
+    clock = time.perf_counter
 
     def forward() -> Any:
         with torch.no_grad():
@@ -171,21 +175,27 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
         count[0] += 1
         with torch.cuda.stream(s):
             forward()
+        t = clock()
         await gf.wait_stream(s)
+        after["ours"].append(clock() - t)
 
     async def thread() -> None:
         forward()
+        t = clock()
         await anyio.to_thread.run_sync(torch.cuda.synchronize)
+        after["thread"].append(clock() - t)
 
     async def polled() -> None:  # the floor: an event asked once per loop turn, no gpuflow
         s = streams[count[0] % len(streams)]
         count[0] += 1
         with torch.cuda.stream(s):
             forward()
+            t = clock()
             done = new_event()
             done.record(s)
         while not done.query():
             await anyio.lowlevel.checkpoint()
+        after["polled"].append(clock() - t)
 
     async def rate(fn: Any) -> float:
         async def worker() -> None:
@@ -206,6 +216,8 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
             return float(anyio.run(fn, arg, backend=backend, backend_options=options))
 
         seen = Completions()
+        for spent in after.values():
+            spent.clear()
         one = interleaved(
             {"ours": ours, "thread": thread, "polled": polled}, n, 20, backend, options
         )
@@ -213,6 +225,12 @@ def bench_torch_requests(quick: bool, cuda: bool) -> None:
             f"to_thread(torch.cuda.synchronize) {lib}", median_us(one["thread"]), "<= 0.6x")
         row(f"  the same, event.query() each loop turn ({lib})", median_us(one["polled"]), "us",
             f"to_thread(torch.cuda.synchronize) {lib}", median_us(one["thread"]), "(no gpuflow)")
+        # where gpuflow's request loses to the event's: the wait after the
+        # forward (the forward's kernels finish about when its Python returns)
+        row(f"  gpuflow's wait after the forward ({lib})", median_us(after["ours"]), "us",
+            "the event's, no gpuflow", median_us(after["polled"]), "(where the gap is)")
+        row(f"  to_thread's wait after the forward ({lib})", median_us(after["thread"]), "us",
+            "the event's, no gpuflow", median_us(after["polled"]), "(reference)")
         seen.show()
         rates: dict[Any, list[float]] = {ours: [], thread: []}
         for _ in range(3):  # (in turns)
