@@ -19,7 +19,10 @@ of another library's stream, and (where NCCL's bindings are installed) a
 4-byte all-reduce of one rank.  Each kind prints its median await with no
 timers, then each step's calls an await and microseconds a call (the
 timers' own cost included, so a step reads a little high, and a step's time
-includes the steps it calls).
+includes the steps it calls).  On a GPU with PyTorch, a fourth kind is the
+bench's PyTorch request: ``gf.wait_stream`` of one of 8 torch streams right
+after an MLP forward on it (its median includes the forward; its steps are
+the wait's alone, which run after the forward's Python, as in a service).
 
 ``--stand-in LIB`` runs the same rows on the ``cuda`` backend against a
 stand-in libcuda, which does each item at once and kernels not at all
@@ -39,6 +42,7 @@ import cProfile
 import ctypes
 import gc
 import importlib
+import itertools
 import os
 import pstats
 import statistics
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                          references={"empty": lambda: None})
     op = mod.empty(gf.LaunchConfig(1, 1))
     if args.pieces:
-        return pieces(op)
+        return pieces(op, with_torch=not args.stand_in)
     k = op
     chain = k
     for _ in range(131):
@@ -635,13 +639,15 @@ def _timed_pieces() -> tuple[dict[str, list[float]], Callable[[], None]]:
     return tallies, restore
 
 
-def pieces(op: gf.DeviceOperation[Any], n: int = 1000) -> int:
-    """The steps of three kinds of await, timed (``--pieces``)."""
+def pieces(op: gf.DeviceOperation[Any], n: int = 1000, with_torch: bool = False) -> int:
+    """The steps of three kinds of await (four with PyTorch), timed (``--pieces``)."""
     kinds: dict[str, Callable[[], Any]] = {"an empty kernel": lambda: op}
     # (a stream of its own for the timed awaits: the reader of a stream's
     # event is bound when gpuflow first meets the stream)
     theirs = [_torch_like_stream()]
     kinds["gf.wait_stream(another library's stream)"] = lambda: gf.wait_stream(theirs[0])
+    if with_torch and find_spec("torch") is not None:
+        kinds["gf.wait_stream(a torch stream) after an MLP forward"] = _torch_request()
     if find_spec("nccl") is None:
         print("(a 4-byte all-reduce: needs NCCL's bindings, pip install 'gpuflow[nccl]')")
     loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
@@ -686,6 +692,29 @@ def pieces(op: gf.DeviceOperation[Any], n: int = 1000) -> int:
 
         anyio.run(measure, lib, backend=backend, backend_options=options)
     return 0
+
+
+def _torch_request() -> Callable[[], Any]:
+    """The bench's PyTorch request (``python -m gpuflow bench --only torch``):
+    a 4-layer bf16 MLP forward on the next of 8 torch streams, then the
+    wait for that stream, made after the forward."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    model = model.to("cuda", torch.bfloat16).eval()
+    x = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16)
+    new_stream: Any = torch.cuda.Stream
+    streams = [new_stream() for _ in range(8)]
+    turn = itertools.count()
+
+    def request() -> gf.DeviceOperation[None]:
+        s = streams[next(turn) % len(streams)]
+        with torch.cuda.stream(s), torch.no_grad():
+            model(x)
+        return gf.wait_stream(s)
+
+    return request
 
 
 def model_throughput() -> int:
