@@ -61,6 +61,7 @@ import gpuflow as gf
 
 # a null backend (below) and the default policy measure the front end alone
 from gpuflow._backends import _base
+from gpuflow._bench_poll import mlp_forward
 from gpuflow._bench_rows import Completions
 from gpuflow._policy import DEFAULT_POLICY
 
@@ -700,18 +701,15 @@ def _torch_request() -> Callable[[], Any]:
     wait for that stream, made after the forward."""
     import torch
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
-    model = model.to("cuda", torch.bfloat16).eval()
-    x = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16)
+    forward = mlp_forward()
     new_stream: Any = torch.cuda.Stream
     streams = [new_stream() for _ in range(8)]
     turn = itertools.count()
 
     def request() -> gf.DeviceOperation[None]:
         s = streams[next(turn) % len(streams)]
-        with torch.cuda.stream(s), torch.no_grad():
-            model(x)
+        with torch.cuda.stream(s):
+            forward()
         return gf.wait_stream(s)
 
     return request

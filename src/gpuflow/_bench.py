@@ -214,10 +214,10 @@ def bench_throughput(mod: gf.Module, quick: bool, cuda: bool) -> None:
     for lib, backend, options in event_loops():
         target = ">= 70,000 (asyncio)" if lib == "asyncio" else ""
         seen = Completions()
-        collected = {64: Collections(), 1000: Collections()}
+        collected = {tasks: Collections(), 1000: Collections()}
         rates, base = [], []
         for _ in range(3):  # (in turns with the baseline's runs)
-            with collected[64]:
+            with collected[tasks]:
                 rates.append(anyio.run(timed, ours, backend=backend, backend_options=options))
             if cuda:
                 base.append(anyio.run(timed, naive, backend=backend, backend_options=options))

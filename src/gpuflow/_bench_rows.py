@@ -161,7 +161,8 @@ class Collections:
         self.collections = [0, 0, 0]
         self.spent = 0.0  # seconds in collections, inside the blocks
         self.measured = 0.0  # seconds inside the blocks
-        self._started = 0.0
+        self._started = 0.0  # the collection under way began
+        self._entered = 0.0  # the block under way began
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
