@@ -981,6 +981,66 @@ def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
     gf.wait_stream(0).sync()  # (the new one is usable)
 
 
+class _CountingDriver:
+    """The driver bindings, counting the calls that resolve a stream's context."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+        self.asked = 0
+
+    def cuStreamGetCtx(self, handle: Any) -> Any:
+        self.asked += 1
+        return self._driver.cuStreamGetCtx(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+
+@pytest.mark.cuda_only
+@pytest.mark.anyio
+async def test_a_stream_object_that_names_its_device_is_resolved_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream object that says its device (torch's, CuPy's; a new object
+    each time, as ``torch.cuda.current_stream()`` gives) is resolved by the
+    driver once for its device's context: an await of it alone then makes
+    no call to ask.  A bare handle is asked about each time, and after a
+    reset of the device the stream is resolved again."""
+    be: Any = backend()
+    driver = _CountingDriver(be._cu)
+    monkeypatch.setattr(be, "_cu", driver)
+    fake = FakeLib()
+    x = await gf.zeros(N, F32)
+    await gf.wait_stream(TorchLikeStream(fake.own, 0))
+    for value in (5.0, 6.0, 7.0):
+        fake.late_fill_untracked(x.ptr, value)  # (the library's launch asks, itself)
+        asked = driver.asked
+        await gf.wait_stream(TorchLikeStream(fake.own, 0))
+        await gf.wait_stream(CupyLikeStream(fake.own, 0))
+        assert driver.asked == asked
+        assert np.array_equal(await gf.to_host(x), np.full(N, value, F32))  # (it waited)
+    await gf.wait_stream(fake.own)  # (no device said)
+    assert driver.asked == asked + 1
+    gf.reset_device(0)
+    again = FakeLib()  # (its handle may be the old one's)
+    await gf.wait_stream(TorchLikeStream(again.own, 0))
+    assert driver.asked == asked + 2
+
+
+@pytest.mark.sim_only
+@pytest.mark.anyio
+async def test_a_destroyed_stream_named_with_its_device_is_refused() -> None:
+    # sim: a destroyed stream's handle is refused, also from an object that
+    # names its device and was awaited before (on CUDA using one is undefined)
+    be = backend()
+    theirs = be.create_stream(0)
+    named = TorchLikeStream(be.stream_handle(theirs), 0)
+    await gf.wait_stream(named)
+    be.destroy_stream(theirs)
+    with pytest.raises(gf.UsageError, match="not a live stream"):
+        await gf.wait_stream(named)
+
+
 @pytest.mark.anyio
 async def test_gpuflow_keeps_no_weak_reference_to_a_stream_object() -> None:
     """PyTorch up to 2.11 leaves the weak references to a freed

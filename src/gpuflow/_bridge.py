@@ -666,11 +666,16 @@ class Dispatcher:
         """Finish ``done`` (failed with ``error`` where given) and wake their
         tasks: those of loop ``here`` (the loop running this) directly, the
         others with one post per loop."""
-        woken: list[Submission] = []
-        posts: Posts = {}
+        woken: list[Submission] | None = None  # (most runs seen done inline have none)
         for sub in done:  # (all finished before any task resumes)
             if sub._finish(error):
-                woken.append(sub)
+                if woken is None:
+                    woken = [sub]
+                else:
+                    woken.append(sub)
+        if woken is None:
+            return
+        posts: Posts = {}
         for sub in woken:
             sub._wake(here, posts)
         for target, poster, fns in posts.values():

@@ -91,19 +91,23 @@ def own_stream(rt: Runtime, handle: int) -> Stream | None:
     return None if handle in (0, 1, 2) else rt.stream_by_handle(handle)
 
 
-def foreign_stream(rt: Runtime, handle: int, device: int) -> Stream:
-    """Another library's stream ``handle`` (``device``: that of a default stream),
-    to record an event on or make wait, now.  Never destroyed by gpuflow."""
-    raw, dev = rt.backend.foreign_stream(handle, device)
+def foreign_stream(rt: Runtime, handle: int, device: int, named: bool = False) -> Stream:
+    """Another library's stream ``handle`` (``device``: that of a default stream,
+    or the one the library's stream object says, ``named``), to record an
+    event on or make wait, now.  Never destroyed by gpuflow."""
+    raw, dev = rt.backend.foreign_stream(handle, device, named)
     return rt.foreign_stream(raw, dev)
 
 
-def stream_for(rt: Runtime, handle: int, device: int) -> tuple[Stream, bool]:
-    """The stream with ``handle``: ``(gpuflow's own, True)`` or ``(a foreign one, False)``."""
+def stream_for(
+    rt: Runtime, handle: int, device: int, named: bool = False
+) -> tuple[Stream, bool]:
+    """The stream with ``handle``: ``(gpuflow's own, True)`` or ``(a foreign
+    one, False)``; ``named`` as for :func:`foreign_stream`."""
     own = own_stream(rt, handle)
     if own is not None:
         return own, True
-    return foreign_stream(rt, handle, device), False
+    return foreign_stream(rt, handle, device, named), False
 
 
 def describe(handle: int) -> str:

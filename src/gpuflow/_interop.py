@@ -327,8 +327,11 @@ class _WaitStream(DeviceOperation[None]):
 
     def _stream_alone(self) -> Stream | None:
         rt = get_runtime()
-        device = current_device() if self._device is None else self._device
-        s, own = _foreign.stream_for(rt, self._handle, device)
+        device = self._device
+        named = device is not None  # (said by the library's stream object)
+        if device is None:
+            device = current_device()
+        s, own = _foreign.stream_for(rt, self._handle, device, named)
         return None if own else s
 
     def execute(self, ctx: ExecutionContext) -> None:
@@ -344,9 +347,12 @@ class _WaitStream(DeviceOperation[None]):
         if be.stream_handle(here._raw) == self._handle and (
             self._device is None or here.device == self._device
         ):
-            return  # the run is on that stream (awaited alone: _stream_alone)
-        device = ctx.device if self._device is None else self._device
-        s, own = _foreign.stream_for(ctx._runtime, self._handle, device)
+            return  # the run is on that stream: its work so far comes first
+        device = self._device
+        named = device is not None
+        if device is None:
+            device = ctx.device
+        s, own = _foreign.stream_for(ctx._runtime, self._handle, device, named)
         if own:
             ctx.wait_for(s)
         elif s is not here:

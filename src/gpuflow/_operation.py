@@ -161,13 +161,15 @@ class DeviceOperation(Generic[T]):
         return await _run.run_async(self, policy)  # type: ignore[no-any-return]
 
     # -- for the run path ----------------------------------------------------------------
-    #: an ``await`` of it alone asks :meth:`_stream_alone` where to run
+    #: an ``await`` of it alone asks :meth:`_stream_alone` where it completes
     _awaited_alone = False
 
     def _stream_alone(self) -> Stream | None:
-        """Where an ``await`` of this operation alone runs, whatever the
-        lease or the policy (None: where they say); checked as every run's
-        stream, before anything is enqueued."""
+        """Where an ``await`` of this operation alone completes, whatever the
+        lease or the policy (None: it runs where they say, as any run).
+        Such a run does not execute: nothing is enqueued but its completion
+        mark on that stream (checked as every run's stream first), and the
+        operation is kept until the mark is reached."""
         return None
 
     # -- graphs and pictures ---------------------------------------------------------

@@ -114,11 +114,10 @@ def _start(
     stream of the innermost stream lease of the device, else the one
     ``policy`` (the default policy where None) gives; the run's zip arms
     fork with that policy."""
-    scopes = current_scopes.get()
     if stream is None:
         device = current_device()
         if policy is None:
-            for scope in reversed(scopes):
+            for scope in reversed(current_scopes.get()):
                 s = scope.stream
                 # a lease of another device does not apply (a device group's child)
                 if s is not None and s.device == device:
@@ -130,6 +129,13 @@ def _start(
             stream = _chosen(policy, device)
     elif not isinstance(stream, Stream):
         raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
+    rt, sub = _begin(op, stream)
+    return rt, sub, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, sub)
+
+
+def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Submission]:
+    """The checks of a run of ``op`` on ``stream`` and its submission, which
+    the scopes the task runs in track from now on."""
     if capture_log.get() is not None:
         refuse_in_capture(_Running(op))
     rt = stream._runtime
@@ -137,10 +143,9 @@ def _start(
     if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
     sub = Submission(stream._device)
-    if scopes:
-        for scope in scopes:
-            scope.track(sub)
-    return rt, sub, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, sub)
+    for scope in current_scopes.get():
+        scope.track(sub)
+    return rt, sub
 
 
 def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
@@ -259,32 +264,41 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         await loop.checkpoint_if_cancelled()
+    out: Any = None
     # an operation that waits for another library's stream and does nothing
-    # else completes on that stream itself: no stream of ours waits for it
+    # else completes on that stream itself: no stream of ours waits for it,
+    # and nothing is enqueued but the run's mark there
     home = op._stream_alone() if op._awaited_alone else None
-    rt, sub, ctx = _start(op, home, policy)
-    stream = ctx.stream
-    traced = _traced(op, "await", stream, sub) if _trace.active else None
-    try:
-        out = op.execute(ctx)
-    except BaseException as exc:
+    if home is not None:
+        rt, sub = _begin(op, home)
+        sub.hold((op,))  # (what it names is used until the mark is reached)
+        traced = _traced(op, "await", home, sub) if _trace.active else None
         if traced is not None:
-            traced.ended(exc)
+            traced.enqueued()
         try:
-            if home is None:
-                rt.dispatcher.submit(stream._raw, sub)
-            else:
-                _submit_foreign(rt, stream, sub)
-        except Exception:  # the original failure is the one to report
-            pass
-        raise
-    del ctx  # (what the enqueue used: freed now, not when the GPU is done)
-    if traced is not None:
-        traced.enqueued()
-    if home is None:
-        rt.dispatcher.submit(stream._raw, sub)
+            _submit_foreign(rt, home, sub)
+        except BaseException as exc:
+            if traced is not None:
+                traced.ended(exc)
+            raise
     else:
-        _submit_foreign(rt, stream, sub)
+        rt, sub, ctx = _start(op, None, policy)
+        stream = ctx.stream
+        traced = _traced(op, "await", stream, sub) if _trace.active else None
+        try:
+            out = op.execute(ctx)
+        except BaseException as exc:
+            if traced is not None:
+                traced.ended(exc)
+            try:
+                rt.dispatcher.submit(stream._raw, sub)
+            except Exception:  # the original failure is the one to report
+                pass
+            raise
+        del ctx  # (what the enqueue used: freed now, not when the GPU is done)
+        if traced is not None:
+            traced.enqueued()
+        rt.dispatcher.submit(stream._raw, sub)
     try:
         if watcher is not None:
             await watcher(_points.IN_FLIGHT, op)

@@ -423,7 +423,7 @@ class Backend(abc.ABC):
         captured; cross-stream event records and waits are its edges, not nodes."""
 
     # -- interop: other libraries' streams and memory --------------------------
-    def foreign_stream(self, handle: int, device: int) -> tuple[Any, int]:
+    def foreign_stream(self, handle: int, device: int, named: bool = False) -> tuple[Any, int]:
         """A raw stream for ``handle``, a stream another library owns, and its device.
 
         ``handle`` is a ``CUstream`` address, or 0, 1 (the legacy default
@@ -436,7 +436,10 @@ class Backend(abc.ABC):
         destroys it.  A call on it may run inside another library's code
         (a DLPack deleter, on any thread): it leaves the calling thread as
         it found it (its current CUDA context).  A handle the backend cannot
-        use is a :class:`gpuflow.UsageError`.
+        use is a :class:`gpuflow.UsageError`.  ``named``: the library's
+        stream object says it is on ``device`` (PyTorch's and CuPy's do); a
+        handle resolved there before may then be taken as that same stream
+        without asking the driver again.
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's streams")
 

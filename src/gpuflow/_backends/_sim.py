@@ -430,7 +430,10 @@ class SimBackend(Backend):
     def stream_handle(self, stream: Any) -> int:
         return int(stream.handle)
 
-    def foreign_stream(self, handle: int, device: int) -> tuple[SimStream, int]:
+    def foreign_stream(
+        self, handle: int, device: int, named: bool = False
+    ) -> tuple[SimStream, int]:
+        # (a handle is asked about every time: a dict, no driver call)
         if handle in (0, 1, 2):
             # the default streams (legacy and per-thread are one here): made
             # on first use, one a device, never destroyed

@@ -137,7 +137,18 @@ class CudaBackend(CudaContexts):
         return int(stream.handle)
 
     # -- other libraries' streams and memory ----------------------------------------
-    def foreign_stream(self, handle: int, device: int) -> tuple[CudaStream, int]:
+    def foreign_stream(
+        self, handle: int, device: int, named: bool = False
+    ) -> tuple[CudaStream, int]:
+        if named:
+            # the library says the stream is on ``device``, and the driver said
+            # so of ``handle`` before, in the context ``device`` still has
+            # (a handle reused by another stream of it names the same thing)
+            stream = self._foreign_streams.get((handle, device))
+            if stream is not None and stream.token is stream.dev.token:
+                if stream.dev.fault is not None:
+                    raise stream.dev.fault
+                return stream, device
         if handle in _DEFAULT_STREAM_HANDLES:
             dev = self._dev(device)
         else:
@@ -751,12 +762,15 @@ class CudaBackend(CudaContexts):
             and stream.token is dev.token
             and not stream.destroyed
             and stream.capture is None
-            and not stream.foreign
             and self._tls.token is dev.token
         ):
             # every run's mark: what the checks below let through, without
-            # their calls
-            return self._marks.mark(dev, stream)
+            # their calls (another library's stream named by its handle
+            # needs no context of ours: a default stream's is asked below)
+            if not stream.foreign:
+                return self._marks.mark(dev, stream)
+            if stream.handle not in _DEFAULT_STREAM_HANDLES:
+                return self._foreign_mark(dev, stream)
         dev = self._live(stream)
         if stream.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")
