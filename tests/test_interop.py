@@ -1041,6 +1041,26 @@ async def test_a_destroyed_stream_named_with_its_device_is_refused() -> None:
         await gf.wait_stream(named)
 
 
+def test_a_dropped_stream_of_gpuflow_is_no_longer_known_by_its_handle() -> None:
+    """gpuflow's own streams are known by their handles while they live (a
+    wait_stream of one joins hazard tracking); a dropped one is forgotten,
+    and what is kept of streams made and dropped stays bounded."""
+    from gpuflow import _foreign
+    from gpuflow._runtime import get_runtime
+
+    rt = get_runtime()
+    s = gf.new_stream()
+    h = handle(s)
+    assert _foreign.own_stream(rt, h) is s
+    del s
+    gc.collect()
+    assert _foreign.own_stream(rt, h) is None
+    for _ in range(600):
+        gf.new_stream()  # (dropped at once)
+    gc.collect()
+    assert len(rt._by_handle) <= 2 * 256
+
+
 @pytest.mark.anyio
 async def test_gpuflow_keeps_no_weak_reference_to_a_stream_object() -> None:
     """PyTorch up to 2.11 leaves the weak references to a freed

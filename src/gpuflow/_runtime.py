@@ -35,6 +35,8 @@ MAX_POOL_STREAMS = 32
 #: Other libraries' streams a runtime keeps a :class:`Stream` of at most
 #: (past it, they are made again on their next use).
 MAX_FOREIGN_STREAMS = 1024
+#: streams known by handle before the first sweep of dead ones
+_SWEEP_HANDLES_AT = 256
 #: How long an event loop with runs pending polls the GPU's completion words
 #: before it arms a wake-up and sleeps (see ``init_device_contexts``).
 DEFAULT_BUSY_POLL_US = 200.0
@@ -93,9 +95,13 @@ class Runtime:
         self._streams: dict[int, list[Stream]] = {}
         #: stream-lease bookkeeping per (device, generation), owned by _scope
         self.lease_pools: dict[tuple[int, int], Any] = {}
-        #: every live stream of this runtime, by its handle (__cuda_stream__)
+        #: every live stream of this runtime, by its handle (__cuda_stream__):
+        #: a weak reference each, not a WeakValueDictionary, whose lookup of
+        #: a handle it lacks (every other library's stream, at each wait for
+        #: it) raises and catches a KeyError; dead ones go as it grows
         self._handles_lock = threading.Lock()  # (reset_device holds _lock when it adopts)
-        self._by_handle: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
+        self._by_handle: dict[int, weakref.ref[Stream]] = {}
+        self._by_handle_sweep_at = _SWEEP_HANDLES_AT
         #: the Stream of each backend stream of another library used so far
         #: (a Stream is equal only to itself: one backend stream has one)
         self._foreign: dict[Any, Stream] = {}
@@ -144,7 +150,12 @@ class Runtime:
         except Exception:  # a backend without handles: no other library can name it
             return s
         with self._handles_lock:
-            self._by_handle[handle] = s
+            by_handle = self._by_handle
+            if len(by_handle) >= self._by_handle_sweep_at:
+                for h in [h for h, ref in by_handle.items() if ref() is None]:
+                    del by_handle[h]
+                self._by_handle_sweep_at = max(_SWEEP_HANDLES_AT, 2 * len(by_handle))
+            by_handle[handle] = weakref.ref(s)
         return s
 
     def foreign_stream(self, raw: Any, device: int) -> Stream:
@@ -163,7 +174,8 @@ class Runtime:
 
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
-        return self._by_handle.get(handle)
+        ref = self._by_handle.get(handle)
+        return None if ref is None else ref()
 
     def current(self, stream: Stream) -> bool:
         """Whether ``stream`` belongs to this runtime, live, and to its
