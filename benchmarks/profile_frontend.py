@@ -589,12 +589,15 @@ def driver_share() -> int:
 
 
 #: The steps of an await that ``--pieces`` times (``module:attribute``):
-#: a run's start and submission, the kernel's launch, the mark, the await's
-#: inline read and the run's completion; for ``gf.wait_stream``, resolving
-#: the other library's stream and reading its event; for a collective, its
-#: checks, its ordering and NCCL's call.
+#: a run's start (its checks and submission: ``_begin``, all of it for a
+#: lone ``gf.wait_stream``, which has no stream to choose and enqueues
+#: nothing but the mark) and submission, the kernel's launch, the mark, the
+#: await's inline read and the run's completion; for ``gf.wait_stream``,
+#: resolving the other library's stream and reading its event; for a
+#: collective, its checks, its ordering and NCCL's call.
 PIECES = (
     "gpuflow._run:_start",
+    "gpuflow._run:_begin",
     "gpuflow._bridge:Dispatcher.submit",
     "gpuflow._kernel:_Launch.execute",
     "gpuflow._backends._cuda._backend:CudaBackend.mark",
