@@ -5,7 +5,10 @@ lets the operation enqueue, and then either blocks on the stream (``sync``),
 hands the submission to the dispatcher and returns (``enqueue_on``), or
 hands it over and awaits the GPU's wake-up (``await``).  Whatever happens
 after something was enqueued, the submission keeps what that work uses until
-the GPU is done with it.
+the GPU is done with it.  An await of an operation that only waits for
+another library's stream (``gf.wait_stream(s)`` alone) has nothing to
+enqueue: its submission is marked on that stream itself, with no context
+and no ``execute``.
 
 Structured scopes (stream leases, device groups) see every run started
 inside them through a context variable, so that they can wait for it.
