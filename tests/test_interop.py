@@ -894,6 +894,34 @@ async def test_a_cancelled_wait_stream_is_cancelled_at_once() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done() -> None:
+    """The run of a lone ``await gf.wait_stream(obj)`` keeps the library's
+    stream object (whose handle names the stream its completion is marked
+    on, and a wake-up may be enqueued on later) until that work is done,
+    whatever happens to the await."""
+    fake = FakeLib()
+    x = await gf.zeros(N, F32)
+    fake.late_fill_untracked(x.ptr, 5.0, seconds=0.3)
+    refs: list[weakref.ref[TorchLikeStream]] = []
+
+    async def wait_for_the_library() -> None:  # (the object lives in its frame only)
+        obj = TorchLikeStream(fake.own, 0)
+        refs.append(weakref.ref(obj))
+        await gf.wait_stream(obj)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_for_the_library)
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()  # (the task and its frames are gone after this block)
+    gc.collect()
+    alive = refs[0]
+    assert not fake.idle()
+    assert alive() is not None  # kept by the run in flight
+    await gf.wait_stream(fake.own)
+    wait_until(lambda: gc.collect() >= 0 and alive() is None, "the stream object is let go")
+
+
+@pytest.mark.anyio
 async def test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow() -> None:
     """``await gf.wait_stream(s)`` alone completes on ``s`` itself: no stream
     of gpuflow's waits for the foreign work, so a run the same policy puts on

@@ -695,6 +695,14 @@ MUTATIONS = [
         ('tests/test_interop.py::test_wait_stream_of_a_stream_being_captured_is_refused',),
     ),
     Mutation(
+        "W3",
+        "a lone await of another library's stream keeps nothing of it while its run is in flight",
+        '_run.py',
+        '        sub.hold((op,))  # (what it names is used until the mark is reached)\n',
+        '        pass\n',
+        ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
+    ),
+    Mutation(
         "D1",
         "the dispatcher thread, woken from its sleep by new work, keeps its old idle grace",
         '_bridge.py',
