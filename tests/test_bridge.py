@@ -551,6 +551,48 @@ async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
     assert 1 <= len(rearmed) <= 1 + took / 0.05, (len(rearmed), runs, took)
 
 
+def reads_lagging_in_the_thread(read: Any) -> Any:
+    """A word's reader whose every read by the dispatcher thread gives what
+    its previous read found: as if the GPU reached each mark between two
+    reads the thread makes.  The loop's reads are the word's own."""
+    last = [read()]
+
+    def lagging() -> int:
+        now = read()
+        if threading.current_thread().name != "gpuflow-dispatcher":
+            return now
+        seen, last[0] = last[0], now
+        return seen
+
+    return lagging
+
+
+@pytest.mark.anyio
+async def test_a_mark_reached_while_the_thread_looks_is_left_to_the_pipe_that_wakes_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatcher thread decides whether a stream's runs are its to
+    complete, and how far, from one read of its word: a mark the GPU
+    reaches while the thread looks (here at every look) is left, for a
+    tick, to the loop that the mark's pipe wakes, busy as that loop is, and
+    no wake-up is posted from the thread."""
+    reinit(busy_poll_us=0)  # (a pipe for every await)
+    one = gf.SingleStream()
+    x = await gf.zeros(64, F32).run(one)
+    lane = get_runtime().dispatcher._lanes[one.stream.raw]
+    lane.read = reads_lagging_in_the_thread(lane.read)
+    posts = record_posts(monkeypatch)
+    pipes = count_pipes(monkeypatch)
+    # (the loop's turns last 15 ms: it sees each pipe up to then, inside
+    # the thread's tick of 20 ms, which a tick after the mark may fall in)
+    async with other_task_working(0.015):
+        for i in range(12):
+            await K.slow_fill(x, float(i), 0.001).run(one)
+    np.testing.assert_array_equal(await gf.to_host(x).run(one), np.full(64, 11.0, F32))
+    assert len(pipes) == 13
+    assert posts == []
+
+
 @pytest.mark.anyio
 async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
     monkeypatch: pytest.MonkeyPatch,

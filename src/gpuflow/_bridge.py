@@ -763,10 +763,12 @@ class Dispatcher:
             now = time.monotonic()
             try:
                 # runs no loop awaits owe their marks until now: one a stream
-                owed = [x for x in active if x.unmarked and self._mine(x, now)]
+                owed = [x for x in active if x.unmarked and self._mine(x, now) is not None]
                 marked = any([self.mark_owed(lane) for lane in owed])
                 moved = [
-                    (x, n) for x in active if self._mine(x, now) and (n := x.read()) > x.completed
+                    (x, n)
+                    for x in active
+                    if (n := self._mine(x, now)) is not None and n > x.completed
                 ]
                 done = self._advance(moved, now)
                 self.by_thread += len(done)
@@ -787,21 +789,26 @@ class Dispatcher:
                 time.sleep(WATCHDOG_S)
 
     @staticmethod
-    def _mine(lane: _Lane, now: float) -> bool:
-        """Whether the dispatcher thread completes ``lane``'s reached marks
-        now: not while a loop polls it every turn, nor, for a tick, those a
-        loop's pipe will wake it for (a loop that stopped gets them later)."""
+    def _mine(lane: _Lane, now: float) -> int | None:
+        """How far the dispatcher thread completes ``lane``'s runs now (the
+        mark its word was read to have reached), or None: not while a loop
+        polls it every turn, nor, for a tick, those a loop's pipe will wake
+        it for (a loop that stopped gets them later).  One read decides and
+        bounds: a mark the GPU reaches after it is the next tick's to see,
+        and then the pipe's tick applies (with two, a mark reached between
+        them was taken from the loop its pipe was about to wake)."""
         if lane.polled_until >= now:
-            return False
+            return None
+        reached = lane.read()
         subs = lane.subs
         if subs and lane.wake_for >= subs[0].number and lane.fast_for < subs[0].number:
-            if lane.read() < lane.wake_for:
+            if reached < lane.wake_for:
                 lane.reached_at = 0.0
-                return True  # (an earlier run of the lane may be reached)
+                return reached  # (an earlier run of the lane may be reached)
             if not lane.reached_at:
                 lane.reached_at = now
-            return now - lane.reached_at >= WATCHDOG_S
-        return True
+            return reached if now - lane.reached_at >= WATCHDOG_S else None
+        return reached
 
     def _poll_comms(self) -> None:
         with self._lock:

@@ -182,8 +182,8 @@ MUTATIONS = [
         "B2",
         'the dispatcher thread never completes what a loop that stopped left behind',
         '_bridge.py',
-        '            return now - lane.reached_at >= WATCHDOG_S\n',
-        '            return False\n',
+        '            return reached if now - lane.reached_at >= WATCHDOG_S else None\n',
+        '            return None\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
@@ -611,10 +611,20 @@ MUTATIONS = [
         "B20",
         "the dispatcher thread never enqueues the marks runs no loop awaits owe",
         '_bridge.py',
-        '                owed = [x for x in active if x.unmarked and self._mine(x, now)]\n',
+        '                owed = [x for x in active if x.unmarked and self._mine(x, now) '
+        'is not None]\n',
         '                owed: list[_Lane] = []\n',
         ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
          'dispatcher_thread',),
+    ),
+    Mutation(
+        "B23",
+        "the dispatcher thread decides from one read of a word and completes from another",
+        '_bridge.py',
+        '                return reached  # (an earlier run of the lane may be reached)\n',
+        '                return lane.read()\n',
+        ('tests/test_bridge.py::test_a_mark_reached_while_the_thread_looks_is_left_to_the_'
+         'pipe_that_wakes_the_loop',),
     ),
     Mutation(
         "B21",
