@@ -618,7 +618,7 @@ MUTATIONS = [
          'dispatcher_thread',),
     ),
     Mutation(
-        "B23",
+        "B26",
         "the dispatcher thread decides from one read of a word and completes from another",
         '_bridge.py',
         '                return reached  # (an earlier run of the lane may be reached)\n',
