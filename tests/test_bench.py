@@ -193,7 +193,7 @@ def test_the_demo_says_what_its_numbers_mean(
     for _name, rate, us, ratio in modes:
         # tokens/s over the first mode's (a throughput ratio), not a ratio of times
         assert ratio == pytest.approx(modes[0][2] / us, rel=1e-3, abs=0.006)
-        assert rate == pytest.approx(1e6 / us, rel=1e-3)
+        assert rate == pytest.approx(1e6 / us, rel=1e-3, abs=0.051)  # (printed to 0.1)
     assert "same numbers in every mode: yes" in out
     assert "same numbers on every device: yes" in out
     sim_note = "note: sim timings mean nothing."
