@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -551,7 +551,7 @@ async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
     assert 1 <= len(rearmed) <= 1 + took / 0.05, (len(rearmed), runs, took)
 
 
-def reads_lagging_in_the_thread(read: Any) -> Any:
+def reads_lagging_in_the_thread(read: Callable[[], int]) -> Callable[[], int]:
     """A word's reader whose every read by the dispatcher thread gives what
     its previous read found: as if the GPU reached each mark between two
     reads the thread makes.  The loop's reads are the word's own."""
