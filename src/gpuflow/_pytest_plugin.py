@@ -35,7 +35,7 @@ import pytest
 
 from ._backends import cuda_probe, load_backend
 from ._backends._base import Backend
-from ._quiescence import Baseline, pending_runs, problems
+from ._quiescence import Baseline, busy, problems
 from ._runtime import init_device_contexts
 
 #: What ``--gpuflow-backend`` takes.
@@ -92,9 +92,10 @@ def _backend(config: pytest.Config, devices: int | None) -> str | Backend:
 
 
 def _settle() -> None:
-    """Wait up to DRAIN_S for every run to finish (no loop runs here)."""
+    """Wait up to DRAIN_S for every run, and what else gpuflow's streams
+    have to do, to finish (no loop runs here)."""
     deadline = time.monotonic() + DRAIN_S
-    while pending_runs() and time.monotonic() < deadline:
+    while busy() and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

@@ -28,6 +28,24 @@ def pending_runs() -> int:
     return get_runtime().dispatcher.pending
 
 
+def busy() -> bool:
+    """A run is pending, or work enqueued on one of gpuflow's own streams
+    outside any run (through :mod:`gpuflow.lowlevel`) is not done yet: the
+    ``sim`` backend sees a use after free only once the access runs, so the
+    waits below wait for that work too."""
+    if pending_runs():
+        return True
+    rt = get_runtime()
+    backend = rt.backend
+    for stream in rt.own_streams():
+        try:
+            if rt.current(stream) and not backend.query(stream.raw):
+                return True
+        except Exception:  # (a fault, or destroyed meanwhile: nothing to wait for)
+            continue
+    return False
+
+
 def use_after_free_count() -> int:
     """How many device accesses to freed memory the ``sim`` backend has caught
     (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
@@ -73,8 +91,9 @@ def _raise(found: list[str]) -> None:
 
 
 def assert_quiescent(timeout: float = 5.0) -> None:
-    """Wait up to ``timeout`` s for every run to finish; then assert that no run
-    is pending, no stream lease is held and no use after free was seen.
+    """Wait up to ``timeout`` s for every run, and any other work enqueued on
+    gpuflow's streams, to finish; then assert that no run is pending, no
+    stream lease is held and no use after free was seen.
 
     The wait blocks the calling thread (it sleeps a millisecond at a time):
     called from a thread running an event loop, it stops the loop for as
@@ -83,7 +102,7 @@ def assert_quiescent(timeout: float = 5.0) -> None:
     :func:`assert_quiescent_async` instead.
     """
     deadline = time.monotonic() + timeout
-    while pending_runs() and time.monotonic() < deadline:
+    while busy() and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     _raise(problems(timeout))
 
@@ -94,6 +113,6 @@ async def assert_quiescent_async(timeout: float = 5.0) -> None:
     the runs awaited, go on meanwhile.  A cancellation point."""
     deadline = time.monotonic() + timeout
     await anyio.lowlevel.checkpoint()
-    while pending_runs() and time.monotonic() < deadline:
+    while busy() and time.monotonic() < deadline:
         await anyio.sleep(_POLL_S)
     _raise(problems(timeout))

@@ -172,6 +172,12 @@ class Runtime:
             s._lane = self.dispatcher.lane(raw, device)
         return s
 
+    def own_streams(self) -> list[Stream]:
+        """gpuflow's own live streams (every one made where the backend has handles)."""
+        with self._handles_lock:
+            refs = list(self._by_handle.values())
+        return [s for s in (ref() for ref in refs) if s is not None]
+
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
         ref = self._by_handle.get(handle)
