@@ -325,13 +325,16 @@ class _WaitStream(DeviceOperation[None]):
     # is done).
     _awaited_alone = True
 
+    def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
+        """The stream waited for, and whether it is gpuflow's own: on the
+        device the library's stream object said (``named``), else on
+        ``here`` (the current device where None)."""
+        if self._device is not None:
+            return _foreign.stream_for(rt, self._handle, self._device, True)
+        return _foreign.stream_for(rt, self._handle, current_device() if here is None else here)
+
     def _stream_alone(self) -> Stream | None:
-        rt = get_runtime()
-        device = self._device
-        named = device is not None  # (said by the library's stream object)
-        if device is None:
-            device = current_device()
-        s, own = _foreign.stream_for(rt, self._handle, device, named)
+        s, own = self._resolve(get_runtime(), None)
         return None if own else s
 
     def execute(self, ctx: ExecutionContext) -> None:
@@ -348,11 +351,7 @@ class _WaitStream(DeviceOperation[None]):
             self._device is None or here.device == self._device
         ):
             return  # the run is on that stream: its work so far comes first
-        device = self._device
-        named = device is not None
-        if device is None:
-            device = ctx.device
-        s, own = _foreign.stream_for(ctx._runtime, self._handle, device, named)
+        s, own = self._resolve(ctx._runtime, ctx.device)
         if own:
             ctx.wait_for(s)
         elif s is not here:
