@@ -8,6 +8,7 @@ awaitable one lets the loop run.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow import testing
+from gpuflow import _finalizers, testing
 
 pytestmark = pytest.mark.anyio
 
@@ -75,3 +76,30 @@ async def test_the_awaitable_form_says_what_is_not_at_rest() -> None:
     await lease.__aexit__(None, None, None)
     await testing.assert_quiescent_async()
     assert testing.pending_runs() == 0
+
+
+def test_the_check_waits_for_a_finalizers_work_another_thread_is_doing() -> None:
+    # What a finalizer left (an import's release, which submits a run) may be
+    # under way in another thread, the reaper's drain, when the check starts:
+    # the queue is empty by then, and no run is pending yet.  The check waits
+    # for that drain, then for the run it submitted.
+    x = gf.zeros(256, F32).sync()
+    s = gf.new_stream()
+    taken, go = threading.Event(), threading.Event()
+
+    def release() -> None:
+        taken.set()
+        go.wait(5.0)
+        K.slow_fill(x, 1.0, 0.1).enqueue_on(s)
+
+    _finalizers.finalize_later(release)
+    drainer = threading.Thread(target=_finalizers.run_finalized)
+    drainer.start()
+    assert taken.wait(5.0)
+    assert not _finalizers.queue  # (taken by a drain that is not done)
+    threading.Timer(0.05, go.set).start()
+    testing.assert_quiescent(timeout=5.0)
+    assert go.is_set(), "the check passed while another thread did a finalizer's work"
+    assert testing.pending_runs() == 0
+    drainer.join(5.0)
+    assert np.all(gf.to_host(x).sync() == 1.0)

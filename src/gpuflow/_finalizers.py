@@ -74,13 +74,25 @@ _draining = threading.local()
 DRAIN_WAIT_S = 1.0
 
 
+def unfinished() -> bool:
+    """Whether work finalizers left is not done yet: queued, or being done
+    by a thread's drain right now (the reaper's, say).  No lock."""
+    return bool(queue) or _drain_lock.locked()
+
+
 def run_finalized() -> None:
-    """Do what finalizers left, in the order they left it.  Any thread that
+    """Do what finalizers left, in the order they left it: on return, all
+    they left before the call is done, by this thread or by another thread
+    whose drain was under way (that drain is waited for: it may have taken
+    the last of the queue, and a caller asking whether runs are pending, or
+    how much memory is in use, must see what it does).  Any thread that
     holds none of gpuflow's locks; it waits up to :data:`DRAIN_WAIT_S` for
     another thread's drain, then leaves the work to that one.  A failure is
     a warning, as it would have been in the finalizer."""
-    if not queue or getattr(_draining, "on", False):
-        return  # nothing left, or a safe point inside this thread's own drain
+    if getattr(_draining, "on", False):
+        return  # a safe point inside this thread's own drain
+    if not queue and not _drain_lock.locked():
+        return  # nothing left, and no drain under way
     if not _drain_lock.acquire(timeout=DRAIN_WAIT_S):
         return
     _draining.on = True

@@ -65,7 +65,7 @@ class Stream:
         own streams), so the memory of one dropped on this stream is freed
         when it returns.
         """
-        if _finalizers.queue:
+        if _finalizers.unfinished():
             _finalizers.run_finalized()
         lane = self._lane
         if lane is not None and lane.unmarked:  # (its runs are done on return)

@@ -713,6 +713,14 @@ MUTATIONS = [
         ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
     ),
     Mutation(
+        "Q1",
+        "asking what finalizers left returns at once while another thread's drain is doing it",
+        '_finalizers.py',
+        '    if not queue and not _drain_lock.locked():\n',
+        '    if not queue:\n',
+        ('tests/test_quiescence.py::test_the_check_waits_for_a_finalizers_work_another_thread_is_doing',),
+    ),
+    Mutation(
         "D1",
         "the dispatcher thread, woken from its sleep by new work, keeps its old idle grace",
         '_bridge.py',
