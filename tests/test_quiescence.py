@@ -103,3 +103,29 @@ def test_the_check_waits_for_a_finalizers_work_another_thread_is_doing() -> None
     assert testing.pending_runs() == 0
     drainer.join(5.0)
     assert np.all(gf.to_host(x).sync() == 1.0)
+
+
+def test_the_check_reports_the_runs_its_last_look_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run handed over after the wait's last look (a release a finishing
+    # run dropped, say) came after the wait: the report must not call it
+    # "still pending after" a wait that never waited for it.
+    from gpuflow import _quiescence
+
+    x = gf.zeros(256, F32).sync()
+    s = gf.new_stream()
+    real = _quiescence.look
+    late: list[bool] = []
+
+    def look() -> int | None:
+        seen = real()
+        if seen == 0 and not late:
+            late.append(True)
+            _finalizers.finalize_later(lambda: K.slow_fill(x, 1.0, 0.2).enqueue_on(s))
+        return seen
+
+    monkeypatch.setattr(_quiescence, "look", look)
+    testing.assert_quiescent(timeout=5.0)
+    assert late and testing.pending_runs() == 1  # (the late run, handed over by that look)
+    testing.assert_quiescent(timeout=5.0)  # (waited for, this time)
+    assert testing.pending_runs() == 0
+    assert np.all(gf.to_host(x).sync() == 1.0)

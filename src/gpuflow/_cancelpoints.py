@@ -28,7 +28,7 @@ import anyio.lowlevel
 
 from . import _points
 from ._errors import UsageError, UsageTypeError
-from ._quiescence import Baseline, pending_runs, problems, use_after_free_count
+from ._quiescence import Baseline, look, problems, use_after_free_count
 
 #: Modules whose frames are not the user's: where a point is reported is the
 #: first frame outside them (the line of the pipeline that awaited).
@@ -231,9 +231,9 @@ async def _run(
     # not left to a collection at some point of a later run
     gc.collect()
     deadline = anyio.current_time() + timeout
-    while pending_runs() and anyio.current_time() < deadline:
+    while (pending := look()) != 0 and anyio.current_time() < deadline:
         await anyio.sleep(0.001)
-    found = problems(timeout, base)
+    found = problems(timeout, base, pending or 0)
     if failure is not None:
         raised = f"the pipeline raised {failure!r}"
         if attempt.cancel_at:

@@ -35,7 +35,7 @@ import pytest
 
 from ._backends import cuda_probe, load_backend
 from ._backends._base import Backend
-from ._quiescence import Baseline, busy, problems
+from ._quiescence import Baseline, look, problems
 from ._runtime import init_device_contexts
 
 #: What ``--gpuflow-backend`` takes.
@@ -91,12 +91,13 @@ def _backend(config: pytest.Config, devices: int | None) -> str | Backend:
     return be
 
 
-def _settle() -> None:
+def _settle() -> int:
     """Wait up to DRAIN_S for every run, and what else gpuflow's streams
-    have to do, to finish (no loop runs here)."""
+    have to do, to finish (no loop runs here); the runs still pending."""
     deadline = time.monotonic() + DRAIN_S
-    while busy() and time.monotonic() < deadline:
+    while (pending := look()) != 0 and time.monotonic() < deadline:
         time.sleep(0.001)
+    return pending or 0
 
 
 @pytest.fixture
@@ -130,8 +131,7 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     base = item.stash.get(_baseline_key, None)
     if base is not None and _FIXTURE in getattr(item, "fixturenames", ()):
         gc.collect()  # arrays only a reference cycle held go now, in stream order
-        _settle()
-        found = problems(DRAIN_S, base)
+        found = problems(DRAIN_S, base, _settle())
         if found:
             pytest.fail(
                 "gpuflow is not quiescent after the test: " + "; ".join(found), pytrace=False

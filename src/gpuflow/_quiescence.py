@@ -28,22 +28,29 @@ def pending_runs() -> int:
     return get_runtime().dispatcher.pending
 
 
-def busy() -> bool:
-    """A run is pending, or work enqueued on one of gpuflow's own streams
-    outside any run (through :mod:`gpuflow.lowlevel`) is not done yet: the
-    ``sim`` backend sees a use after free only once the access runs, so the
-    waits below wait for that work too."""
-    if pending_runs():
-        return True
+def look() -> int | None:
+    """One look at whether gpuflow is at rest: the runs pending (what
+    finalizers left handed over first), or None where none is but work
+    enqueued on one of gpuflow's own streams outside any run (through
+    :mod:`gpuflow.lowlevel`) is not done yet (the ``sim`` backend sees a use
+    after free only once the access runs, so the waits below wait for that
+    work too).
+
+    The waits report the runs their last look saw: one that appears after
+    it (a release a finishing run dropped, handed over by the next look)
+    came after the wait, and is not counted as one it waited for in vain."""
+    pending = pending_runs()
+    if pending:
+        return pending
     rt = get_runtime()
     backend = rt.backend
     for stream in rt.own_streams():
         try:
             if rt.current(stream) and not backend.query(stream.raw):
-                return True
+                return None
         except Exception:  # (a fault, or destroyed meanwhile: nothing to wait for)
             continue
-    return False
+    return 0
 
 
 def use_after_free_count() -> int:
@@ -69,11 +76,15 @@ class Baseline:
         return cls(leases_held(), use_after_free_count())
 
 
-def problems(timeout: float, since: Baseline | None = None) -> list[str]:
-    """What is not at rest, once the wait for pending runs is over."""
+def problems(
+    timeout: float, since: Baseline | None = None, pending: int | None = None
+) -> list[str]:
+    """What is not at rest, once the wait for pending runs is over
+    (``pending``: the runs its last :func:`look` saw; by default, a look now)."""
     base = since or Baseline()
     found = []
-    pending = pending_runs()
+    if pending is None:
+        pending = pending_runs()
     if pending:
         found.append(f"{pending} run(s) still pending after {timeout} s")
     held = leases_held() - base.leases
@@ -102,9 +113,9 @@ def assert_quiescent(timeout: float = 5.0) -> None:
     :func:`assert_quiescent_async` instead.
     """
     deadline = time.monotonic() + timeout
-    while busy() and time.monotonic() < deadline:
+    while (pending := look()) != 0 and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-    _raise(problems(timeout))
+    _raise(problems(timeout, pending=pending or 0))
 
 
 async def assert_quiescent_async(timeout: float = 5.0) -> None:
@@ -113,6 +124,6 @@ async def assert_quiescent_async(timeout: float = 5.0) -> None:
     the runs awaited, go on meanwhile.  A cancellation point."""
     deadline = time.monotonic() + timeout
     await anyio.lowlevel.checkpoint()
-    while busy() and time.monotonic() < deadline:
+    while (pending := look()) != 0 and time.monotonic() < deadline:
         await anyio.sleep(_POLL_S)
-    _raise(problems(timeout))
+    _raise(problems(timeout, pending=pending or 0))

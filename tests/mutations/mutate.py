@@ -721,6 +721,14 @@ MUTATIONS = [
         ('tests/test_quiescence.py::test_the_check_waits_for_a_finalizers_work_another_thread_is_doing',),
     ),
     Mutation(
+        "Q2",
+        "the quiescence checks look again when they report, and count a run handed over after their wait",
+        '_quiescence.py',
+        '    if pending is None:\n        pending = pending_runs()\n',
+        '    pending = pending_runs()\n',
+        ('tests/test_quiescence.py::test_the_check_reports_the_runs_its_last_look_saw',),
+    ),
+    Mutation(
         "D1",
         "the dispatcher thread, woken from its sleep by new work, keeps its old idle grace",
         '_bridge.py',
