@@ -722,7 +722,7 @@ MUTATIONS = [
     ),
     Mutation(
         "Q2",
-        "the quiescence checks look again when they report, and count a run handed over after their wait",
+        "the quiescence checks look again to report: a run handed over after their wait counts",
         '_quiescence.py',
         '    if pending is None:\n        pending = pending_runs()\n',
         '    pending = pending_runs()\n',
