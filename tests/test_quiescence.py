@@ -124,7 +124,7 @@ def test_the_check_reports_the_runs_its_last_look_saw(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(_quiescence, "look", look)
     testing.assert_quiescent(timeout=5.0)
-    assert late and testing.pending_runs() == 1  # (the late run, handed over by that look)
+    assert late and testing.pending_runs() == 1  # (the late run, handed over since)
     testing.assert_quiescent(timeout=5.0)  # (waited for, this time)
     assert testing.pending_runs() == 0
     assert np.all(gf.to_host(x).sync() == 1.0)
