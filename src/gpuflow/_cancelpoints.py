@@ -28,7 +28,7 @@ import anyio.lowlevel
 
 from . import _points
 from ._errors import UsageError, UsageTypeError
-from ._quiescence import Baseline, look, problems, use_after_free_count
+from ._quiescence import Baseline, problems, settle_async, use_after_free_count
 
 #: Modules whose frames are not the user's: where a point is reported is the
 #: first frame outside them (the line of the pipeline that awaited).
@@ -230,10 +230,7 @@ async def _run(
     # a cancelled run's arrays, held by cycles through its traceback, are
     # not left to a collection at some point of a later run
     gc.collect()
-    deadline = anyio.current_time() + timeout
-    while (pending := look()) != 0 and anyio.current_time() < deadline:
-        await anyio.sleep(0.001)
-    found = problems(timeout, base, pending or 0)
+    found = problems(timeout, base, await settle_async(timeout))
     if failure is not None:
         raised = f"the pipeline raised {failure!r}"
         if attempt.cancel_at:

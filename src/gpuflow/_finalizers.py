@@ -74,12 +74,6 @@ _draining = threading.local()
 DRAIN_WAIT_S = 1.0
 
 
-def unfinished() -> bool:
-    """Whether work finalizers left is not done yet: queued, or being done
-    by a thread's drain right now (the reaper's, say).  No lock."""
-    return bool(queue) or _drain_lock.locked()
-
-
 def run_finalized() -> None:
     """Do what finalizers left, in the order they left it: on return, all
     they left before the call is done, by this thread or by another thread
@@ -89,10 +83,10 @@ def run_finalized() -> None:
     holds none of gpuflow's locks; it waits up to :data:`DRAIN_WAIT_S` for
     another thread's drain, then leaves the work to that one.  A failure is
     a warning, as it would have been in the finalizer."""
+    if not queue and not _drain_lock.locked():
+        return  # nothing left, and no drain under way (no call: a hot path asks)
     if getattr(_draining, "on", False):
         return  # a safe point inside this thread's own drain
-    if not queue and not _drain_lock.locked():
-        return  # nothing left, and no drain under way
     if not _drain_lock.acquire(timeout=DRAIN_WAIT_S):
         return
     _draining.on = True

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from ._backends import cuda_probe, load_backend
 from ._backends._base import Backend
-from ._quiescence import Baseline, look, problems
+from ._quiescence import Baseline, problems, settle
 from ._runtime import init_device_contexts
 
 #: What ``--gpuflow-backend`` takes.
@@ -91,15 +90,6 @@ def _backend(config: pytest.Config, devices: int | None) -> str | Backend:
     return be
 
 
-def _settle() -> int:
-    """Wait up to DRAIN_S for every run, and what else gpuflow's streams
-    have to do, to finish (no loop runs here); the runs still pending."""
-    deadline = time.monotonic() + DRAIN_S
-    while (pending := look()) != 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return pending or 0
-
-
 @pytest.fixture
 def gpuflow_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
     """gpuflow, initialised on ``--gpuflow-backend`` for this test; yields the
@@ -117,7 +107,7 @@ def gpuflow_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
     # the test's verdict is in (pytest_runtest_call); leave the GPU idle
     # for the next test, whatever this one left behind
     gc.collect()
-    _settle()
+    settle(DRAIN_S)
 
 
 @pytest.hookimpl(trylast=True)
@@ -131,7 +121,7 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     base = item.stash.get(_baseline_key, None)
     if base is not None and _FIXTURE in getattr(item, "fixturenames", ()):
         gc.collect()  # arrays only a reference cycle held go now, in stream order
-        found = problems(DRAIN_S, base, _settle())
+        found = problems(DRAIN_S, base, settle(DRAIN_S))
         if found:
             pytest.fail(
                 "gpuflow is not quiescent after the test: " + "; ".join(found), pytrace=False

@@ -53,6 +53,24 @@ def look() -> int | None:
     return 0
 
 
+def settle(timeout: float) -> int:
+    """Wait up to ``timeout`` s, blocking the calling thread, for gpuflow to
+    be at rest (:func:`look`); the runs the last look saw pending."""
+    deadline = time.monotonic() + timeout
+    while (pending := look()) != 0 and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    return pending or 0
+
+
+async def settle_async(timeout: float) -> int:
+    """:func:`settle` sleeping in the event loop (a cancellation point)."""
+    deadline = time.monotonic() + timeout
+    await anyio.lowlevel.checkpoint()
+    while (pending := look()) != 0 and time.monotonic() < deadline:
+        await anyio.sleep(_POLL_S)
+    return pending or 0
+
+
 def use_after_free_count() -> int:
     """How many device accesses to freed memory the ``sim`` backend has caught
     (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
@@ -112,18 +130,11 @@ def assert_quiescent(timeout: float = 5.0) -> None:
     gpuflow's dispatcher thread, later.  In async code, await
     :func:`assert_quiescent_async` instead.
     """
-    deadline = time.monotonic() + timeout
-    while (pending := look()) != 0 and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-    _raise(problems(timeout, pending=pending or 0))
+    _raise(problems(timeout, pending=settle(timeout)))
 
 
 async def assert_quiescent_async(timeout: float = 5.0) -> None:
     """:func:`assert_quiescent` for async code: the wait sleeps in the event
     loop (``anyio.sleep``), so other tasks, and the loop's own completion of
     the runs awaited, go on meanwhile.  A cancellation point."""
-    deadline = time.monotonic() + timeout
-    await anyio.lowlevel.checkpoint()
-    while (pending := look()) != 0 and time.monotonic() < deadline:
-        await anyio.sleep(_POLL_S)
-    _raise(problems(timeout, pending=pending or 0))
+    _raise(problems(timeout, pending=await settle_async(timeout)))

@@ -65,8 +65,7 @@ class Stream:
         own streams), so the memory of one dropped on this stream is freed
         when it returns.
         """
-        if _finalizers.unfinished():
-            _finalizers.run_finalized()
+        _finalizers.run_finalized()  # (at once where nothing is left)
         lane = self._lane
         if lane is not None and lane.unmarked:  # (its runs are done on return)
             lane.dispatcher.mark_owed(lane)
