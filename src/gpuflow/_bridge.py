@@ -5,19 +5,15 @@ GPU gets there, it writes the mark's number into the stream's *completion
 word*, which lives in host memory.  "Is run *n* done" is a read of that word:
 no driver call, no thread, no host function on the way.
 
-* **One mark for many runs.**  A run no loop awaits (``enqueue_on``)
-  submitted while its stream already has runs pending needs no mark of its
-  own yet: it takes the number of the stream's next mark, which covers
-  every run before it.  That mark is enqueued by whoever first needs it:
-  the next awaited run on the stream (each gets its own mark at once), an
-  await of the run itself (a scope's exit; the loop's poller, or the lone
-  await before it spins), a hazard of another stream,
-  ``Stream.synchronize``, a capture, a stream being destroyed, or the
-  dispatcher thread at its tick.  A loop of
-  ``enqueue_on`` then makes one driver call a run, its own work's, and a
-  mark now and then.  (Awaited runs are marked at once: an owed mark would
-  reach their loop's poller a turn later, and with many tasks that turn
-  costs more than the mark saves.)
+* **A mark right after each run.**  Every run is marked as it is
+  submitted, awaited or not, so that work on another stream that depends
+  on it waits for that run and not for what its stream was given later (a
+  mark shared with the runs enqueued after it would come after their
+  work, and a short consumer would wait for a long kernel it does not
+  use).  A mark that could not be enqueued is owed: the stream's next mark
+  covers the run, and whoever first needs it enqueues it (an await of
+  the run, a hazard of another stream, ``Stream.synchronize``, a capture,
+  a stream being destroyed, or the dispatcher thread at its tick).
 
 * **Poll while busy.**  While a loop has runs pending, its poller reads the
   words of the streams those runs are on once per loop turn, and completes
@@ -107,10 +103,10 @@ class _Lane:
 
     ``issued`` is the number of its last mark; ``read()`` the last one the
     GPU reached; the runs up to ``completed`` were completed.  ``subs``
-    holds the others, in mark order.  Where ``unmarked``, runs submitted
-    since the last mark owe their stream a mark: their number is
-    ``issued + 1``, and the next mark, whoever enqueues it, covers them all
-    (:meth:`Dispatcher.mark_owed`).  Mutated under the dispatcher's lock;
+    holds the others, in mark order.  Where ``unmarked``, a run submitted
+    since the last mark owes its stream a mark (its own could not be
+    enqueued): its number is ``issued + 1``, and the next mark, whoever
+    enqueues it, covers it (:meth:`Dispatcher.mark_owed`).  Mutated under the dispatcher's lock;
     read without it for heuristics (the default scheduling policy).
     """
 
@@ -275,7 +271,7 @@ class _Poller:
                 reached = lane.read()
                 if reached > lane.completed:
                     moved.append((lane, reached))
-                if lane.unmarked:  # (enqueue_on runs queued among its runs: no one else would)
+                if lane.unmarked:  # (a mark that failed, among its runs': no one else would)
                     d.mark_owed(lane)
             if moved:
                 done = d._advance(moved, now)
@@ -427,41 +423,33 @@ class Dispatcher:
             )
         return lane
 
-    def submit(
-        self, raw_stream: Any, sub: Submission, foreign: bool = False, defer: bool = False
-    ) -> None:
+    def submit(self, raw_stream: Any, sub: Submission, foreign: bool = False) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
-        done: marks it, and hands it to whoever reads the word first.  With
-        ``defer``, where the stream has runs pending already, the mark is
-        owed instead (the module docstring): whoever first needs it, or else
-        the dispatcher thread, enqueues it.  A failure to mark fails the device
-        where it is a device error, and is raised (the run is then completed
-        by the stream's next mark).  On a destroyed stream, which takes no
-        mark ever again, ``sub`` is refused (raised, and not pending); so it
-        is where ``foreign``, another library's stream, is not marked
-        (nothing of the run is there)."""
+        done: marks it, right after that work, and hands it to whoever reads
+        the word first.  A failure to mark fails the device where it is a
+        device error, and is raised (the run then owes its mark: the next
+        one enqueued on the stream covers it).  On a destroyed stream, which
+        takes no mark ever again, ``sub`` is refused (raised, and not
+        pending); so it is where ``foreign``, another library's stream, is
+        not marked (nothing of the run is there)."""
         with self._lock:
             lane = self._lanes.get(raw_stream)
             if lane is None:
                 lane = self._lane_locked(raw_stream, sub.device)
             error: BaseException | None = None
-            if defer and lane.subs and not lane.retired:
-                number = lane.issued + 1  # the next mark's
+            try:
+                lane.issued = number = self._backend.mark(raw_stream)
+                lane.unmarked = False  # (that mark covers one owed)
+            except BaseException as exc:
+                if not isinstance(exc, DeviceError) and (
+                    foreign or self._backend.stream_destroyed(raw_stream)
+                ):
+                    if not lane.subs:
+                        self._lanes.pop(raw_stream, None)
+                    raise
+                number = lane.issued + 1  # covered by the next mark
                 lane.unmarked = True
-            else:
-                try:
-                    lane.issued = number = self._backend.mark(raw_stream)
-                    lane.unmarked = False  # (that mark covers the owed one)
-                except BaseException as exc:
-                    if not isinstance(exc, DeviceError) and (
-                        foreign or self._backend.stream_destroyed(raw_stream)
-                    ):
-                        if not lane.subs:
-                            self._lanes.pop(raw_stream, None)
-                        raise
-                    number = lane.issued + 1  # covered by the next mark
-                    lane.unmarked = True
-                    error = exc
+                error = exc
             sub.lane = lane
             sub.number = number
             if not lane.subs:
@@ -517,7 +505,7 @@ class Dispatcher:
         limit = min(INLINE_SPIN_S, self.busy_poll_s)
         if limit <= 0 or self._others_polled(loop):
             return False
-        if lane.unmarked:  # (an enqueue_on run's, awaited: a scope's exit)
+        if lane.unmarked:  # (a run's mark failed: the next one covers it)
             self.mark_owed(lane)
         read = lane.read
         clock = time.perf_counter
@@ -762,7 +750,7 @@ class Dispatcher:
                 active = list(self._active)
             now = time.monotonic()
             try:
-                # runs no loop awaits owe their marks until now: one a stream
+                # marks that failed are owed until now: one a stream
                 owed = [x for x in active if x.unmarked and self._mine(x, now) is not None]
                 marked = any([self.mark_owed(lane) for lane in owed])
                 moved = [

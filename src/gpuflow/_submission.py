@@ -94,8 +94,8 @@ class Submission:
     enqueued work still uses; it is released by the completion (or a fault),
     never earlier, whatever happens to the task that started the run.  Once
     submitted, ``lane`` is its stream's and ``number`` the mark there that
-    covers it (its own, or one it shares with the runs submitted on its
-    stream since the previous mark: the lane may owe that mark still).
+    covers it (its own; where that could not be enqueued, the stream's next
+    one, which the lane owes until then).
     ``arms`` maps each other stream the run enqueued work on (a ``zip``
     arm) to an event recorded right after that work.
     """

@@ -769,6 +769,22 @@ MUTATIONS = [
         ('tests/test_comm.py::test_a_collective_run_again_refuses_arrays_of_a_reset_device',),
     ),
     Mutation(
+        "B27",
+        "a run submitted while its stream has runs pending shares the stream's next mark",
+        '_bridge.py',
+        '            try:\n'
+        '                lane.issued = number = self._backend.mark(raw_stream)\n'
+        '                lane.unmarked = False  # (that mark covers one owed)\n',
+        '            try:\n'
+        '                if lane.subs and not foreign:\n'
+        '                    number = lane.issued + 1\n'
+        '                    lane.unmarked = True\n'
+        '                else:\n'
+        '                    lane.issued = number = self._backend.mark(raw_stream)\n'
+        '                    lane.unmarked = False\n',
+        ('tests/test_bridge.py::test_a_use_on_another_stream_waits_for_its_run_not_for_later_work',),
+    ),
+    Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
         '_runtime.py',
