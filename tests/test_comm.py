@@ -142,14 +142,48 @@ async def test_a_collective_run_again_takes_its_arrays_as_they_are_then() -> Non
         # the list given as out now holds another array: the next run writes that one
         first = outs[0]
         outs[0] = await put(np.zeros(6, F32), devs[0])
-        got = await op
-        assert got[0] is outs[0] and got[0] is not first
-        np.testing.assert_array_equal(await get(outs[0]), want)
+        for _ in range(2):  # (checked anew, then run again from what was found)
+            got = await op
+            assert got[0] is outs[0] and got[0] is not first
+            np.testing.assert_array_equal(await get(outs[0]), want)
         # a list given as input, changed the same way
         xs[0] = await put(np.full(6, 100, F32), devs[0])
         await op
         rest = sum((h + 2 for h in host[1:]), np.zeros(6, F32))  # (the last k)
         np.testing.assert_array_equal(await get(outs[-1]), np.full(6, 100, F32) + rest)
+
+
+async def test_a_collective_run_again_enqueues_on_that_runs_stream() -> None:
+    """A collective run again from what its earlier runs found enqueues on
+    the stream of the run, not on theirs, where unrelated work may queue;
+    and, on that stream too, on the arrays its lists hold then."""
+    import time
+
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.ones(6, F32), 0)
+        y = await put(np.zeros(6, F32), 0)
+        z = await put(np.zeros(6, F32), 0)
+        outs = [y]
+        op = comm.all_reduce([x], out=outs)
+        first, second = gf.new_stream(0), gf.new_stream(0)
+        for _ in range(2):  # checked, then run from what was found, on ``first``
+            assert op.enqueue_on(first)[0] is y
+            await gf.wait_stream(first)
+        for out in (z, y):
+            outs[0] = out
+            for _ in range(2):  # checked anew, then run from what was found then
+                assert op.enqueue_on(first)[0] is out
+                await gf.wait_stream(first)
+        with gf.use_device(0):
+            junk = await gf.zeros(64, F32)
+        K.slow_fill(junk, 1.0, 1.0, 64).enqueue_on(first)  # unrelated long work there
+        t0 = time.perf_counter()
+        op.enqueue_on(second)
+        await gf.wait_stream(second)
+        took = time.perf_counter() - t0
+        assert took < 0.5, f"the all-reduce waited {took:.2f} s for another stream's work"
+        np.testing.assert_array_equal(await get(y), np.ones(6, F32))
+        await gf.wait_stream(first)
 
 
 @pytest.mark.sim_only  # (on CUDA a reset under a live NCCL communicator is undefined)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import operator
 import threading
 import time
 import traceback
@@ -570,12 +571,8 @@ def _given(v: Any) -> Any:
 def _same(v: Any, kept: Any) -> bool:
     if type(v) is not list:
         return v is kept
-    if len(v) != len(kept):
-        return False
-    for a, b in zip(v, kept, strict=True):  # (every run of a planned collective asks)
-        if a is not b:
-            return False
-    return True
+    # (every run of a planned collective asks: item by item, in C)
+    return len(v) == len(kept) and all(map(operator.is_, v, kept))
 
 
 def _plain(v: Any) -> bool:
@@ -586,7 +583,7 @@ def _plain(v: Any) -> bool:
 
 
 class _Collective(DeviceOperation[Any]):
-    __slots__ = ("_comm", "_like", "_op", "_out", "_peer", "_plan", "_what", "_x")
+    __slots__ = ("_comm", "_like", "_memo", "_op", "_out", "_peer", "_plan", "_what", "_x")
 
     def __init__(
         self,
@@ -607,6 +604,9 @@ class _Collective(DeviceOperation[Any]):
         self._peer = peer
         self._like = like
         self._plan: _Plan | None = None
+        #: a run's calls from the plan where they all went on one stream, the
+        #: run's: a loop's next run from that plan on that stream makes them
+        self._memo: tuple[_Plan, Stream, _Prepared] | None = None
 
     @property
     def _p2p(self) -> bool:
@@ -786,14 +786,25 @@ class _Collective(DeviceOperation[Any]):
     def _planned(self, ctx: ExecutionContext, plan: _Plan) -> _Prepared:
         """The run's calls from what an earlier run checked: only the arrays'
         usability (a device reset since) and the streams are the run's own."""
+        memo = self._memo
+        if memo is not None and memo[0] is plan and memo[1] is ctx.stream:
+            # its arrays, on that stream's device, were usable then and are
+            # while a run may start on the stream (a reset of the device
+            # refuses the runs of every stream it had)
+            return memo[2]
+        here = ctx.device
         comm = self._comm
         what = self._what
         calls: list[tuple[Communicator, int, CollectiveCall, Stream]] = []
         reads: list[tuple[DeviceArray, Stream]] = []
         writes: list[tuple[DeviceArray, Stream]] = []
-        here = ctx.device
+        local = True
         for i, dev, x, o, read, call in plan.parts:
-            stream = ctx.stream if dev == here else DEFAULT_POLICY.next_stream(dev)
+            if dev == here:
+                stream = ctx.stream
+            else:  # a stream the policy gives, maybe another at the next run
+                stream = DEFAULT_POLICY.next_stream(dev)
+                local = False
             if x is not None:
                 x._check_usable(ctx, what)
                 if read:
@@ -803,7 +814,10 @@ class _Collective(DeviceOperation[Any]):
                     o._check_usable(ctx, what)
                 writes.append((o, stream))
             calls.append((comm, i, call, stream))
-        return _Prepared(calls, reads, writes, plan.output)
+        prepared = _Prepared(calls, reads, writes, plan.output)
+        if local:
+            self._memo = (plan, ctx.stream, prepared)
+        return prepared
 
 
 class _Group(DeviceOperation[tuple[Any, ...]]):
@@ -828,9 +842,9 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
-    be = ctx.backend
+    be = ctx._runtime.backend
+    run = ctx._submission
     with hazard_lock:
-        run = ctx._submission
         for p in prepared:
             for arr, s in p.reads:
                 arr._alloc.before_read(s, run)
@@ -841,20 +855,26 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
         # run in one order on one rank and the other order on another): after
         # the previous one itself, not whatever its stream ran later
         for comm, i, _call, s in calls:
-            tail = comm._tails.get(i)
-            if tail is not None:
+            tails = comm._tails
+            tail = tails.get(i)
+            if tail is not None and tail[0] is not s:
                 order_after(be, s, tail[0], tail[1])
-            comm._tails[i] = (s, run)
+            tails[i] = (s, run)
         be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
     here = ctx.stream
+    if len(calls) == 1:  # (one device's rank: nothing to join)
+        comm, _i, _call, s = calls[0]
+        if s is not here:
+            ctx.wait_for(s)
+        comm._started(here, run)
+        return
     joined: list[Stream] = []
     comms: list[Communicator] = []
     for comm, _i, _call, s in calls:
-        if s != here and s not in joined:
+        if s is not here and s not in joined:
             joined.append(s)
             ctx.wait_for(s)
         if comm not in comms:
             comms.append(comm)
-    sub = ctx._submission
     for comm in comms:
-        comm._started(here, sub)
+        comm._started(here, run)

@@ -222,6 +222,12 @@ class Allocation:
             log[id(self)] = (self, True)
             return
         with hazard_lock:
+            if self.writer is stream and not self.readers and self.foreign is _NO_FOREIGN:
+                # written last on this stream, and used nowhere since: the
+                # stream's order is the whole order (a loop writing the same
+                # output run after run), and only the point moves
+                self.wrote = run
+                return
             wait_for_uses(self, stream)
             self.writer = stream
             self.wrote = run

@@ -742,12 +742,25 @@ MUTATIONS = [
         "C5",
         "a collective run again keeps the arrays of its first run, though its lists changed",
         '_comm.py',
-        '    if len(v) != len(kept):\n'
-        '        return False\n'
-        '    for a, b in zip(v, kept, strict=True):',
-        '    return True\n'
-        '    for a, b in zip(v, kept, strict=True):',
+        '    return len(v) == len(kept) and all(map(operator.is_, v, kept))\n',
+        '    return True\n',
         ('tests/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
+    ),
+    Mutation(
+        "C8",
+        "a collective run from its plan makes the calls an earlier plan's run made",
+        '_comm.py',
+        '        if memo is not None and memo[0] is plan and memo[1] is ctx.stream:\n',
+        '        if memo is not None and memo[1] is ctx.stream:\n',
+        ('tests/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
+    ),
+    Mutation(
+        "C9",
+        "a collective run from its plan enqueues on the stream of its earlier run",
+        '_comm.py',
+        '        if memo is not None and memo[0] is plan and memo[1] is ctx.stream:\n',
+        '        if memo is not None and memo[0] is plan:\n',
+        ('tests/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
     ),
     Mutation(
         "C6",
@@ -783,6 +796,14 @@ MUTATIONS = [
         '                    lane.issued = number = self._backend.mark(raw_stream)\n'
         '                    lane.unmarked = False\n',
         ('tests/test_bridge.py::test_a_use_on_another_stream_waits_for_its_run_not_for_later_work',),
+    ),
+    Mutation(
+        "M19",
+        "a write on the stream of the last write does not wait for the reads since",
+        '_hazards.py',
+        'self.writer is stream and not self.readers and',
+        'self.writer is stream and',
+        ('tests/test_hazards.py',),
     ),
     Mutation(
         "F1",
