@@ -593,12 +593,14 @@ async def test_a_mark_reached_while_the_thread_looks_is_left_to_the_pipe_that_wa
     assert posts == []
 
 
+@pytest.mark.parametrize("behind", ["marked", "owing its mark"])
 @pytest.mark.anyio
 async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, behind: str
 ) -> None:
-    # on one stream: a short run, then (its mark already enqueued) a long one;
-    # the loop polls for 50 ms, long after the long run was queued
+    # on one stream: a short run, then (its mark already enqueued) a long one,
+    # with its own mark or (where that failed) owing the stream's next; the
+    # loop polls for 50 ms, long after the long run was queued
     reinit(busy_poll_us=50_000)
     one = gf.SingleStream()
     x = await gf.zeros(64, F32)
@@ -624,7 +626,19 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, "short", gf.with_context(short))
             await enqueued.wait()  # submitted by now, and still running
-            K.slow_fill(y, 2.0, 0.6).enqueue_on(one.stream)
+            if behind == "marked":
+                K.slow_fill(y, 2.0, 0.6).enqueue_on(one.stream)
+            else:
+                with monkeypatch.context() as m:
+
+                    def refuse(raw: Any) -> int:
+                        raise RuntimeError("the mark was refused")
+
+                    m.setattr(backend, "mark", refuse)
+                    with pytest.raises(RuntimeError, match="the mark was refused"):
+                        K.slow_fill(y, 2.0, 0.6).enqueue_on(one.stream)
+                lane = one.stream._lane
+                assert lane is not None and lane.unmarked
     assert idle_after == {"short": False}
     # woken at its own end: the dispatcher thread watched its word, since a
     # host function armed once the long run was queued would wait for it

@@ -599,17 +599,17 @@ MUTATIONS = [
     ),
     Mutation(
         "B19",
-        "a run submitted on a busy stream takes its last mark's number, not its next (seen done "
+        "a run whose mark failed takes its stream's last mark's number, not its next (seen done "
         "before its work)",
         '_bridge.py',
-        '                number = lane.issued + 1  # the next mark\'s\n',
+        '                number = lane.issued + 1  # covered by the next mark\n',
         '                number = lane.issued\n',
         ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
          'dispatcher_thread',),
     ),
     Mutation(
         "B20",
-        "the dispatcher thread never enqueues the marks runs no loop awaits owe",
+        "the dispatcher thread never enqueues the marks that runs whose mark failed owe",
         '_bridge.py',
         '                owed = [x for x in active if x.unmarked and self._mine(x, now) '
         'is not None]\n',
@@ -658,7 +658,7 @@ MUTATIONS = [
         "a lone await of a run that owes its mark never enqueues it (it waits for the budget to "
         "end)",
         '_bridge.py',
-        '        if lane.unmarked:  # (an enqueue_on run\'s, awaited: a scope\'s exit)\n',
+        '        if lane.unmarked:  # (a run\'s mark failed: the next one covers it)\n',
         '        if False:\n',
         ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
     ),
@@ -667,7 +667,7 @@ MUTATIONS = [
         "a loop's poller never enqueues the mark runs it waits for owe (they wait for the budget "
         "to end, or for ever while the loop stays busy)",
         '_bridge.py',
-        '                if lane.unmarked:  # (enqueue_on runs queued among its runs: no one else '
+        '                if lane.unmarked:  # (a mark that failed, among its runs\': no one else '
         'would)\n',
         '                if False:\n',
         ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
