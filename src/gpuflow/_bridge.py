@@ -106,8 +106,9 @@ class _Lane:
     holds the others, in mark order.  Where ``unmarked``, a run submitted
     since the last mark owes its stream a mark (its own could not be
     enqueued): its number is ``issued + 1``, and the next mark, whoever
-    enqueues it, covers it (:meth:`Dispatcher.mark_owed`).  Mutated under the dispatcher's lock;
-    read without it for heuristics (the default scheduling policy).
+    enqueues it, covers it (:meth:`Dispatcher.mark_owed`).  Mutated under
+    the dispatcher's lock; read without it for heuristics (the default
+    scheduling policy).
     """
 
     __slots__ = (
