@@ -223,6 +223,9 @@ def _check_device_input(x: object, what: str) -> None:
 
 
 def _resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
+    if type(x) is DeviceArray:  # (the common case, first: no isinstance walk)
+        x._check_usable(ctx, what)
+        return x
     if isinstance(x, DeviceOperation):
         x = x.execute(ctx)
     if not isinstance(x, DeviceArray):
@@ -407,7 +410,7 @@ def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np
 
 
 class _Copy(DeviceOperation[DeviceArray]):
-    __slots__ = ("_device", "_out", "_src")
+    __slots__ = ("_device", "_known", "_out", "_src")
 
     def __init__(
         self,
@@ -418,30 +421,33 @@ class _Copy(DeviceOperation[DeviceArray]):
         self._src = src
         self._out = out
         self._device = device
+        #: the bytes copied, once a run found ``src`` and ``out``, both given
+        #: as arrays, fit (their shapes, dtypes and devices never change);
+        #: -1 until then, and for operations, whose outputs are checked each run
+        self._known = -1
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         src = _resolve_array(self._src, ctx, "copy() source")
-        if self._out is not None:
-            dst = _resolve_array(self._out, ctx, "copy() out")
-            if dst.shape != src.shape or dst.dtype != src.dtype:
-                raise UsageError(
-                    f"copy(): out is {dst.shape} {dst.dtype}, the source {src.shape} {src.dtype}"
-                )
-            if self._device is not None and dst.device != self._device:
-                raise UsageError(f"copy(): out is on device {dst.device}, not {self._device}")
-            if dst.readonly:
-                raise UsageError(f"copy(): out {dst!r} is read-only memory of another library")
-        else:
+        out = self._out
+        nbytes = self._known
+        if out is None:
             dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
             stream = ctx.stream if dev == ctx.device else _stream_on(dev)
             dst = _allocate(ctx, src.shape, src.dtype, stream)
-        nbytes = src.nbytes
+        else:
+            dst = _resolve_array(out, ctx, "copy() out")
+            if nbytes < 0:
+                nbytes = self._check_out(src, dst)
+        if nbytes < 0:
+            nbytes = src.nbytes
         if not nbytes:
             return dst
         # the copy runs on the destination's device (on a stream the default
         # policy gives, so that it queues behind no unrelated work there);
         # the run's stream joins it
-        stream = ctx.stream if dst.device == ctx.device else _stream_on(dst.device)
+        stream = ctx.stream
+        if dst._alloc.buffer.device != stream._device:
+            stream = _stream_on(dst.device)
         with hazard_lock:
             src._alloc.before_read(stream, ctx._submission)
             dst._alloc.before_write(stream, ctx._submission)
@@ -451,6 +457,21 @@ class _Copy(DeviceOperation[DeviceArray]):
         if stream is not ctx.stream:
             ctx.wait_for(stream)
         return dst
+
+    def _check_out(self, src: DeviceArray, dst: DeviceArray) -> int:
+        """Refuse an ``out`` that does not fit ``src``; the bytes to copy."""
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise UsageError(
+                f"copy(): out is {dst.shape} {dst.dtype}, the source {src.shape} {src.dtype}"
+            )
+        if self._device is not None and dst.device != self._device:
+            raise UsageError(f"copy(): out is on device {dst.device}, not {self._device}")
+        if dst.readonly:
+            raise UsageError(f"copy(): out {dst!r} is read-only memory of another library")
+        nbytes = src.nbytes
+        if src is self._src and dst is self._out:
+            self._known = nbytes
+        return nbytes
 
     def _label(self) -> str:
         where = "" if self._device is None else f" -> device {self._device}"
