@@ -160,7 +160,7 @@ class NullBackend(_base.Backend):
     ) -> None:
         pass
 
-    def mark(self, stream: Any) -> int:
+    def mark(self, stream: Any, polled: bool = True) -> int:
         with self.lock:
             stream.word += 1
             return int(stream.word)
@@ -215,7 +215,7 @@ class ModelBackend(NullBackend):
     def create_stream(self, device: int) -> ModelStream:
         return ModelStream(device)
 
-    def mark(self, stream: Any) -> int:
+    def mark(self, stream: Any, polled: bool = True) -> int:
         now = time.perf_counter()
         with self.lock:
             ready = stream.ready

@@ -631,7 +631,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
             else:
                 with monkeypatch.context() as m:
 
-                    def refuse(raw: Any) -> int:
+                    def refuse(raw: Any, polled: bool = True) -> int:
                         raise RuntimeError("the mark was refused")
 
                     m.setattr(backend, "mark", refuse)
@@ -949,6 +949,46 @@ def test_a_use_on_another_stream_waits_for_its_run_not_for_later_work() -> None:
     stream.synchronize()
 
 
+@pytest.mark.anyio
+async def test_silent_marks_and_marks_a_loop_reads_share_a_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs no task awaits (``enqueue_on``) get silent marks, awaited runs
+    marks a loop reads, in one numbering on one stream: a use on another
+    stream waits for the run it uses, whichever kind its mark is, and never
+    for a long kernel enqueued after it; the awaits see their runs done."""
+    backend: Any = get_runtime().backend
+    kinds: list[bool] = []
+    mark = backend.mark
+
+    def spy(raw: Any, polled: bool = True) -> int:
+        kinds.append(polled)
+        return int(mark(raw, polled))
+
+    monkeypatch.setattr(backend, "mark", spy)
+    one = gf.SingleStream()
+    stream = one.stream
+    x, y, z, junk = [await gf.zeros(16, F32) for _ in range(4)]
+    sevens = await gf.full(16, 7.0, F32)
+    kinds.clear()
+    with anyio.fail_after(10):
+        K.slow_fill(junk, 1.0, 0.05).enqueue_on(stream)  # silent
+        gf.copy(sevens, out=x).enqueue_on(stream)  # silent
+        await gf.copy(x, out=y).run(one)  # read by the loop, x's copy reached before it
+        gf.copy(y, out=z).enqueue_on(stream)  # silent, after a mark of the word
+        K.slow_fill(junk, 2.0, 1.0).enqueue_on(stream)  # long: no use below is its
+        t0 = time.perf_counter()
+        for arr in (x, y, z):
+            got = await gf.to_host(arr).run(gf.SingleStream())
+            np.testing.assert_array_equal(got, np.full(16, 7.0, F32))
+        took = time.perf_counter() - t0
+        assert took < 0.5, f"the reads waited {took:.2f} s for a kernel they do not use"
+        assert kinds[:5] == [False, False, True, False, False], kinds
+        await anyio.to_thread.run_sync(stream.synchronize)
+    monkeypatch.undo()
+    await gf.testing.assert_quiescent_async(timeout=5.0)
+
+
 def _submit_owing(raw: Any, sub: Submission) -> None:
     """Submit ``sub`` on the raw stream ``raw`` with its mark refused once (a
     failure that is no device's fault): raised, and the run, pending, owes
@@ -957,7 +997,7 @@ def _submit_owing(raw: Any, sub: Submission) -> None:
     dispatcher = get_runtime().dispatcher
     backend: Any = dispatcher._backend
 
-    def refuse(raw: Any) -> int:
+    def refuse(raw: Any, polled: bool = True) -> int:
         raise RuntimeError("the mark was refused")
 
     backend.mark = refuse

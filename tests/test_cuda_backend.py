@@ -408,6 +408,54 @@ def test_marks_are_reached_in_order_and_other_streams_wait_for_them(
         be.destroy_stream(s)
 
 
+@pytest.mark.parametrize("marks", MARKS)
+def test_silent_marks_are_reached_and_waited_for_beside_marks_of_the_word(
+    marks: str, cuda_for: Callable[[str], Cuda]
+) -> None:
+    """A silent mark (a run no loop reads) is an event, not a write of the
+    word, in the stream's one numbering: the reader sees it reached, another
+    stream waits for it and not for what follows it, a wait for one already
+    reached is no wait, and a stream destroyed after one has its word
+    written up to it (with event marks, every mark is one already)."""
+    cuda = cuda_for(marks)
+    be, k = cuda.be, cuda.k
+    s1, s3 = be.create_stream(0), be.create_stream(0)
+    read1 = be.completion_reader(s1)
+    spin = [(50 * MS, False), (50 * MS, True), (600 * MS, False)]
+    numbers = []
+    for ns, polled in spin:
+        be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(ns)], s1)
+        numbers.append(be.mark(s1, polled))
+    first, _word, last = numbers
+    assert numbers == [first, first + 1, first + 2]  # one numbering for both kinds
+    n = 256
+    buf = from_host(be, np.zeros(n, np.float32), s3)
+    be.wait_mark(s3, s1, first)  # the first silent mark only
+    be.launch(k["add1"], blocks(n), (256, 1, 1), 0, [ptr(buf, np.float32, n), np.int32(n)], s3)
+    got = to_host(be, buf, np.float32, n, s3)
+    assert np.all(got == 1.0) and read1() < last  # not after the long kernel
+    deadline = time.monotonic() + 5
+    while read1() < first and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert first <= read1() < last  # the silent mark seen reached, the last one not
+    be.wait_mark(s3, s1, last)
+    be.synchronize(s3)
+    assert read1() == last
+    be.wait_mark(s3, s1, first)  # reached, its event recycled: nothing to wait for
+    be.synchronize(s3)
+    be.free(buf, s3)
+    be.launch(k["spin"], (1, 1, 1), (1, 1, 1), 0, [np.int64(20 * MS)], s1)
+    final = be.mark(s1, False)
+    word = s1.word
+    be.destroy_stream(s1)
+    be.destroy_stream(s3)
+    if word is not None:
+        deadline = time.monotonic() + 5
+        while word.read() < final and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert word.read() == final  # (so another stream may take the word)
+
+
 def test_out_of_memory_is_raised_and_not_sticky(cuda: Cuda) -> None:
     be = cuda.be
     s = be.create_stream(0)

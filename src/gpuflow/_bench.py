@@ -329,12 +329,18 @@ def bench_host_function_hold(cuda: bool) -> None:
         backend.enqueue_close(stream.raw, w)
         pipes.append(r)
 
-    def marked() -> None:  # what every run enqueues
+    def awaited() -> None:  # what an awaited run enqueues after its work
+        backend.mark(stream.raw)
+
+    def silent() -> None:  # what a run no task awaits enqueues (enqueue_on)
         op.enqueue_on(stream)
 
     pipes: list[int] = []
     kinds: list[tuple[str, Callable[[], None]]] = [
-        ("completion mark (every run)", marked), ("pipe wake-up (a sleeping loop)", close_a_pipe)]
+        ("completion mark (an awaited run's)", awaited),
+        ("silent mark (enqueue_on's)", silent),
+        ("pipe wake-up (a sleeping loop)", close_a_pipe),
+    ]
     for what, enqueue in kinds:
         held = []
         for _ in range(15):

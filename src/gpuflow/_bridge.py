@@ -6,7 +6,9 @@ word*, which lives in host memory.  "Is run *n* done" is a read of that word:
 no driver call, no thread, no host function on the way.
 
 * **A mark right after each run.**  Every run is marked as it is
-  submitted, awaited or not, so that work on another stream that depends
+  submitted, awaited or not (a run no task awaits with a *silent* mark,
+  which the backend may make cheaper for the GPU and read by asking the
+  driver: :meth:`Backend.mark`), so that work on another stream that depends
   on it waits for that run and not for what its stream was given later (a
   mark shared with the runs enqueued after it would come after their
   work, and a short consumer would wait for a long kernel it does not
@@ -424,10 +426,14 @@ class Dispatcher:
             )
         return lane
 
-    def submit(self, raw_stream: Any, sub: Submission, foreign: bool = False) -> None:
+    def submit(
+        self, raw_stream: Any, sub: Submission, foreign: bool = False, polled: bool = True
+    ) -> None:
         """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
         done: marks it, right after that work, and hands it to whoever reads
-        the word first.  A failure to mark fails the device where it is a
+        the word first.  A run no task awaits (``polled`` False) gets a
+        silent mark (:meth:`Backend.mark`): the dispatcher thread, or a
+        scope that waits for it, reads it.  A failure to mark fails the device where it is a
         device error, and is raised (the run then owes its mark: the next
         one enqueued on the stream covers it).  On a destroyed stream, which
         takes no mark ever again, ``sub`` is refused (raised, and not
@@ -439,7 +445,7 @@ class Dispatcher:
                 lane = self._lane_locked(raw_stream, sub.device)
             error: BaseException | None = None
             try:
-                lane.issued = number = self._backend.mark(raw_stream)
+                lane.issued = number = self._backend.mark(raw_stream, polled)
                 lane.unmarked = False  # (that mark covers one owed)
             except BaseException as exc:
                 if not isinstance(exc, DeviceError) and (

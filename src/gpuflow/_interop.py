@@ -111,7 +111,7 @@ def _release(owner: object, uses: Uses) -> None:
         wait_for_uses(uses, stream)
         release = Submission(stream.device)
         release.hold((owner,))
-        rt.dispatcher.submit(stream._raw, release)
+        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)
     except Exception as exc:
         _leaked.append(owner)
         warnings.warn(

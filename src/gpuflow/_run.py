@@ -234,7 +234,7 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
             traced.ended(exc)
         raise
     finally:
-        rt.dispatcher.submit(stream._raw, sub)
+        rt.dispatcher.submit(stream._raw, sub, polled=False)  # (no task awaits it)
     if traced is not None:
         traced.ended(None)
     if is_pending(out):

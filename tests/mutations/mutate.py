@@ -337,7 +337,7 @@ MUTATIONS = [
         "_interop.py",
         "        release = Submission(stream.device)\n"
         "        release.hold((owner,))\n"
-        "        rt.dispatcher.submit(stream._raw, release)\n",
+        "        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)\n",
         "        pass\n",
         ("tests/test_interop.py",),
     ),
@@ -786,16 +786,56 @@ MUTATIONS = [
         "a run submitted while its stream has runs pending shares the stream's next mark",
         '_bridge.py',
         '            try:\n'
-        '                lane.issued = number = self._backend.mark(raw_stream)\n'
+        '                lane.issued = number = self._backend.mark(raw_stream, polled)\n'
         '                lane.unmarked = False  # (that mark covers one owed)\n',
         '            try:\n'
         '                if lane.subs and not foreign:\n'
         '                    number = lane.issued + 1\n'
         '                    lane.unmarked = True\n'
         '                else:\n'
-        '                    lane.issued = number = self._backend.mark(raw_stream)\n'
+        '                    lane.issued = number = self._backend.mark(raw_stream, polled)\n'
         '                    lane.unmarked = False\n',
         ('tests/test_bridge.py::test_a_use_on_another_stream_waits_for_its_run_not_for_later_work',),
+    ),
+    Mutation(
+        "E1",
+        "a use on another stream waits for a silent mark on the stream's word, which the GPU "
+        "never writes with its number",
+        '_backends/_cuda/_words.py',
+        '        if other.mark_events:\n'
+        '            rc = self._events.wait(dev, stream, other, number, exact=True)\n',
+        '        if False:\n'
+        '            rc = self._events.wait(dev, stream, other, number, exact=True)\n',
+        ('tests/test_cuda_stand_in.py',),
+    ),
+    Mutation(
+        "E2",
+        "a stream whose last mark was silent is destroyed with its word below that mark: the "
+        "word is never reached, or serves another stream too early",
+        '_backends/_cuda/_words.py',
+        '        if stream.worded >= stream.issued:\n',
+        '        if True:\n',
+        ('tests/test_cuda_stand_in.py',),
+    ),
+    Mutation(
+        "E3",
+        "a silent mark's event is recycled before its number is recorded as reached (a wait in "
+        "between waits on the word for it)",
+        '_backends/_cuda/_words.py',
+        '                stream.reached = number  # (before its event goes: see ``wait``)\n'
+        '                while q and q[0][0] <= number:\n'
+        '                    dev.events.append(q.popleft()[1])\n',
+        '                while q and q[0][0] <= number:\n'
+        '                    dev.events.append(q.popleft()[1])\n',
+        ('tests/test_cuda_stand_in.py',),
+    ),
+    Mutation(
+        "E4",
+        "a run no task awaits takes a mark the loops read (a word written between kernels)",
+        '_run.py',
+        'rt.dispatcher.submit(stream._raw, sub, polled=False)',
+        'rt.dispatcher.submit(stream._raw, sub)',
+        ('tests/test_bridge.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
     ),
     Mutation(
         "M19",

@@ -105,10 +105,28 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int ver, u64 flags) {
 }
 /* what gpuflow reaches through ctypes by name, and does nothing */
 CUresult cuCtxSynchronize(void) { return 0; }
-CUresult cuEventRecord(void *e, void *s) { return 0; }
-CUresult cuEventQuery(void *e) { return 0; }
-CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { return 0; }
+/* while standin_hold_events is set, the events recorded stay not ready (up
+ * to 64 of them: the "GPU" is behind), until it is cleared; the waits on
+ * events are counted */
+int standin_hold_events = 0;
+int standin_event_waits = 0;
+static void *held[64];
+static int n_held = 0;
+CUresult cuEventRecord(void *e, void *s) {
+    if (standin_hold_events && n_held < 64) held[n_held++] = e;
+    return 0;
+}
+CUresult cuEventQuery(void *e) {
+    if (!standin_hold_events) { n_held = 0; return 0; }
+    for (int i = 0; i < n_held; i++) if (held[i] == e) return 600; /* NOT_READY */
+    return 0;
+}
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { standin_event_waits++; return 0; }
 CUresult cuStreamQuery(void *s) { return 0; }
 CUresult cuStreamSynchronize(void *s) { return 0; }
-CUresult cuStreamWaitValue64_v2(void *s, u64 a, u64 v, unsigned f) { return 0; }
+/* every item enqueued so far is done: a wait for a value the word does not
+ * hold yet waits for work never enqueued before it, which on a GPU hangs */
+CUresult cuStreamWaitValue64_v2(void *s, u64 a, u64 v, unsigned f) {
+    return *(volatile u64 *)(uintptr_t)a >= v ? 0 : 999; /* CUDA_ERROR_UNKNOWN */
+}
 CUresult cuGraphLaunch(void *e, void *s) { return 0; }

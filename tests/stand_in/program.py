@@ -101,6 +101,35 @@ for loop in ("asyncio", "trio"):
     after = stats()
     assert after.spun + after.polled > before.spun + before.polled, (before, after)
 
+# silent marks (runs no task awaits) beside marks of the word, on one stream:
+# a use on another stream waits on the silent mark's event (the stand-in
+# refuses a wait on the word for a number it does not hold: on a GPU, a hang)
+hold = ctypes.c_int.in_dll(standin, "standin_hold_events")
+event_waits = ctypes.c_int.in_dll(standin, "standin_event_waits")
+u, v = gf.new_stream(), gf.new_stream()
+a = gf.from_host(np.arange(8, dtype=np.float32)).sync()
+b, c = gf.zeros(8, np.float32).sync(), gf.zeros(8, np.float32).sync()
+hold.value = 1  # the "GPU" is behind from here
+gf.copy(a, out=b).enqueue_on(u)
+lane = u._lane
+assert lane is not None and lane.read() < lane.issued  # its event, asked: not reached
+waits = event_waits.value
+gf.copy(b, out=c).enqueue_on(v)  # after the copy into b: on its event
+assert event_waits.value == waits + 1
+anyio.run(lambda: empty.run(gf.SingleStream()))  # (a word mark elsewhere meanwhile)
+hold.value = 0
+assert lane.read() == lane.issued  # the event, reached
+np.testing.assert_array_equal(gf.to_host(c).sync(), np.arange(8, dtype=np.float32))
+# a stream whose last mark was silent has its word written up to it when
+# destroyed (so that the word can serve another stream)
+raw = backend.create_stream(0)
+backend.mark(raw, False)
+assert raw.word.read() < raw.issued
+backend.destroy_stream(raw)
+assert raw.word.read() == raw.issued
+s.synchronize()
+testing.assert_quiescent(timeout=5.0)
+
 # a captured graph, replayed
 graph = empty.then(lambda _: empty).capture(gf.new_stream())
 graph.launch().sync()

@@ -327,21 +327,27 @@ class Backend(abc.ABC):
 
     # -- the native half of the completion bridge -----------------------------
     @abc.abstractmethod
-    def mark(self, stream: Any) -> int:
+    def mark(self, stream: Any, polled: bool = True) -> int:
         """Enqueue ``stream``'s next completion mark; return its number.
 
         A stream's marks are numbered 1, 2, 3, ... in the order they are
         enqueued (the caller serializes the marks of one stream).  When the
         GPU reaches a mark, everything enqueued on the stream before it is
-        done, and the stream's completion word becomes the mark's number.  A
+        done, and the stream's completion word becomes the mark's number.
+        A mark not ``polled`` (no event loop will read it: a run no task
+        awaits) is *silent*: the GPU need not write the word for it, and the
+        backend may mark it more cheaply (the cuda backend records an event:
+        no memory operation between kernels); the reader and ``wait_mark``
+        still see it reached, and a later mark reached covers it.  A
         faulted device reaches no mark.  Inside a capture: UsageError."""
 
     @abc.abstractmethod
     def completion_reader(self, stream: Any) -> Callable[[], int]:
         """A function returning the number of the last mark of ``stream`` the
         GPU has reached (0 before any).  Cheap: a read of memory the GPU
-        writes, where the device can; callable from any thread, never blocks,
-        never raises.  A stream keeps its numbering for its whole life."""
+        writes, where the device can (a silent mark not yet seen reached is
+        asked of the driver); callable from any thread, never blocks, never
+        raises.  A stream keeps its numbering for its whole life."""
 
     @abc.abstractmethod
     def wait_mark(self, stream: Any, other: Any, number: int) -> None:

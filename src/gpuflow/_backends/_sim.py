@@ -712,7 +712,10 @@ class SimBackend(Backend):
         self._enqueue(stream, f"kernel {kernel.name!r}", run)
 
     # -- completion marks and host signals ---------------------------------------
-    def mark(self, stream: Any) -> int:
+    def mark(self, stream: Any, polled: bool = True) -> int:
+        # a silent mark (not ``polled``) is the same here: what the cuda
+        # backend does differently (an event, not a write of the word) is
+        # cheaper on a GPU, and its reader and waits answer as for any mark
         self._not_destroyed(stream)  # as the cuda backend refuses it
         with self.cond:
             if stream.capture is not None:

@@ -5,7 +5,8 @@ primary contexts of :class:`._contexts.CudaContexts`.
 
 Completion bridge, native half: each stream owns a completion word in
 mapped host memory (:mod:`._words`); a mark is a ``cuStreamWriteValue64`` of
-its number, a wait for it ``cuStreamWaitValue64``, and a sleeping loop's
+its number (a mark no loop reads, an event: :mod:`._words`), a wait for it
+``cuStreamWaitValue64``, and a sleeping loop's
 wake-up a host function that is libc's ``close`` (:mod:`._native`), with no
 Python and no GIL in the driver's thread.  Where the driver refuses stream
 memory operations, marks are events (``CudaBackend(marks="event")``).
@@ -63,7 +64,7 @@ from ._kernels import (
 from ._nccl import NcclComms
 from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending
 from ._timing import Timer
-from ._words import WORDS
+from ._words import WORDS, WordMarks
 
 #: CUDA's default-stream handles: the NULL stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 _DEFAULT_STREAM_HANDLES = (0, 1, 2)
@@ -119,11 +120,16 @@ class CudaBackend(CudaContexts):
                 if stream.destroyed:
                     return
                 stream.destroyed = True
-                if stream.word is not None:
+                live = stream.token is dev.token and dev.fault is None
+                if live:
+                    self._cur(dev)
+                marks = self._marks
+                if stream.word is not None and (
+                    not live or not isinstance(marks, WordMarks) or marks.seal(dev, stream)
+                ):
                     WORDS.give_back(stream.word, stream.issued)
-                if stream.token is not dev.token or dev.fault is not None:
+                if not live:
                     return  # gone with the context, or a faulted one: leak
-                self._cur(dev)
                 (err,) = self._cu.cuStreamDestroy(stream.handle)
             if int(err):
                 warn_unless_fault(int(err), "cuStreamDestroy", dev, f"destroying {stream!r}")
@@ -755,7 +761,7 @@ class CudaBackend(CudaContexts):
         )
 
     # -- the native half of the completion bridge -------------------------------------
-    def mark(self, stream: Any) -> int:
+    def mark(self, stream: Any, polled: bool = True) -> int:
         dev = stream.dev
         if (
             dev.fault is None
@@ -768,7 +774,7 @@ class CudaBackend(CudaContexts):
             # their calls (another library's stream named by its handle
             # needs no context of ours: a default stream's is asked below)
             if not stream.foreign:
-                return self._marks.mark(dev, stream)
+                return self._marks.mark(dev, stream, polled)
             if stream.handle not in _DEFAULT_STREAM_HANDLES:
                 return self._foreign_mark(dev, stream)
         dev = self._live(stream)
@@ -778,7 +784,7 @@ class CudaBackend(CudaContexts):
             return self._ours_on_foreign(dev, stream, lambda: self._foreign_mark(dev, stream))
         if self._tls.token is not dev.token:
             self._cur(dev)
-        return self._marks.mark(dev, stream)
+        return self._marks.mark(dev, stream, polled)
 
     def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
         if self._capturing(dev, stream):

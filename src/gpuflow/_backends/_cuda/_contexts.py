@@ -146,7 +146,7 @@ class CudaContexts(Backend):
         if rc == CUDA_SUCCESS:
             rc = self._n.stream_synchronize(dev.side)
         if rc == CUDA_SUCCESS:
-            return WordMarks(write, wait, bind if write is not write_ctypes else None)
+            return WordMarks(write, wait, events, bind if write is not write_ctypes else None)
         if rc != _CUDA_ERROR_NOT_SUPPORTED or marks == "word":
             raise error_for(rc, "cuStreamWriteValue64", dev)
         return events

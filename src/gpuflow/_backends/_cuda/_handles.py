@@ -89,7 +89,8 @@ class Capture:
 class CudaStream:
     """A non-blocking stream and its completion word (:mod:`._words`).
 
-    ``issued`` is the number of its last mark; with event marks,
+    ``issued`` is the number of its last mark and ``worded`` that of its
+    last mark written into its word; with event marks (and silent ones),
     ``mark_events`` holds the events of the marks not yet seen reached and
     ``reached`` the last one that was.  A *foreign* stream is another
     library's (``foreign_stream``): it has no word, its marks are events,
@@ -98,7 +99,7 @@ class CudaStream:
 
     __slots__ = (
         "capture", "destroyed", "dev", "foreign", "handle", "issued", "mark_events", "mark_lock",
-        "obj", "pre_capture", "reached", "token", "word",
+        "obj", "pre_capture", "reached", "token", "word", "worded",
     )  # fmt: skip
 
     def __init__(self, dev: Dev, handle: Any, word: Word | None) -> None:
@@ -106,7 +107,7 @@ class CudaStream:
         self.obj = handle  # the cuda.bindings CUstream, for the launch path
         self.handle = int(handle)
         self.word = word
-        self.issued = self.reached = word.read() if word is not None else 0
+        self.issued = self.reached = self.worded = word.read() if word is not None else 0
         self.mark_events: collections.deque[tuple[int, int]] = collections.deque()
         self.mark_lock = threading.Lock()
         self.token = dev.token
