@@ -162,7 +162,7 @@ class WordMarks:
         self._events = events  # what keeps and asks the events of silent marks
         #: the bindings' ``cuStreamWriteValue64`` itself, where ``write64``
         #: calls it: a mark calls it with nothing between (it is every run's)
-        self.bound = bound
+        self._bound = bound
 
     def mark(self, dev: Dev, stream: CudaStream, polled: bool = True) -> int:
         if not polled:
@@ -172,7 +172,7 @@ class WordMarks:
     def write(self, dev: Dev, stream: CudaStream, number: int) -> int:
         """Enqueue the write of ``number`` into the stream's word."""
         assert stream.word is not None  # (every stream of ours has one with word marks)
-        bound = self.bound
+        bound = self._bound
         if bound is not None:
             (rc,) = bound(stream.obj, stream.word.addr, number, 0)
         else:
