@@ -111,27 +111,39 @@ def bench_cpu(mod: gf.Module, quick: bool, cuda: bool) -> None:
 
 
 def bench_poll_turn(mod: gf.Module, quick: bool, cuda: bool) -> None:
-    """One poller turn with runs pending on four streams and none completed."""
+    """One poller turn with runs pending on four streams and none completed:
+    awaited runs (their marks, words the poller reads), then runs no task
+    awaits (silent marks, which a scope waiting for them has asked of the
+    driver)."""
     n = 2000 if quick else 20000
     print("a loop turn of the poller that completes nothing (4 streams pending)")
+    spin = mod.spin(gf.LaunchConfig(1, 1), int(0.5e9))
 
-    async def measure() -> tuple[float, float]:
-        streams = [gf.new_stream() for _ in range(4)]
-        for s in streams:
-            mod.spin(gf.LaunchConfig(1, 1), int(0.5e9)).enqueue_on(s)
-        # a poller of its own, polled directly: the loop's would stop after its budget
-        poller = _Poller(get_runtime().dispatcher, current_loop())
-        for s in streams:
-            assert s._lane is not None
-            poller.lanes[s._lane] = None
-        poller.busy.deadline = time.monotonic() + 60  # (it polls as long as it is called)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            poller.poll()
-        turn = (time.perf_counter() - t0) / n
-        for lane in poller.lanes:  # nobody polls them now: the dispatcher thread may
-            lane.polled_until = 0.0
-        poller.lanes.clear()
+    async def measure(awaited: bool) -> tuple[float, float]:
+        policies = [gf.SingleStream() for _ in range(4)]
+        streams = [p.stream for p in policies]
+        async with anyio.create_task_group() as tg:
+            for p, s in zip(policies, streams, strict=True):
+                if awaited:
+                    tg.start_soon(spin.run, p)
+                else:
+                    spin.enqueue_on(s)
+            while not all(s._lane is not None and s._lane.subs for s in streams):
+                await anyio.sleep(0.001)  # (the awaits submitted)
+            # a poller of its own, polled directly: the loop's would stop after its budget
+            poller = _Poller(get_runtime().dispatcher, current_loop())
+            for s in streams:
+                assert s._lane is not None
+                poller.lanes[s._lane] = None
+            poller.busy.deadline = time.monotonic() + 60  # (it polls as long as it is called)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                poller.poll()
+            turn = (time.perf_counter() - t0) / n
+            for lane in poller.lanes:  # nobody polls them now: the dispatcher thread may
+                lane.polled_until = 0.0
+            poller.lanes.clear()
+            tg.cancel_scope.cancel()  # (the runs stay pending: the thread completes them)
         t0 = time.perf_counter()
         for _ in range(n):
             await anyio.lowlevel.checkpoint()
@@ -140,9 +152,10 @@ def bench_poll_turn(mod: gf.Module, quick: bool, cuda: bool) -> None:
             await anyio.to_thread.run_sync(s.synchronize)
         return turn * 1e6, empty * 1e6
 
-    turn, empty = anyio.run(measure)
-    row("poller turn, nothing completed (asyncio)", turn, "us", "an empty loop turn", empty,
-        "(small)")
+    for awaited, what in ((True, "awaited runs"), (False, "runs no task awaits")):
+        turn, empty = anyio.run(measure, awaited)
+        row(f"poller turn, nothing completed, {what} (asyncio)", turn, "us",
+            "an empty loop turn", empty, "(small)")
 
 
 def mlp_forward() -> Callable[[], Any]:
