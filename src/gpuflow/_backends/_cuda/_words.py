@@ -245,7 +245,9 @@ class EventMarks:
 
     def mark(self, dev: Dev, stream: CudaStream, polled: bool = True) -> int:
         number = stream.issued + 1
-        stream.mark_events.append((number, self._record(dev, stream.handle)))
+        event = self._record(dev, stream.handle)
+        with stream.mark_lock:  # (a wait on another thread may be looking through them)
+            stream.mark_events.append((number, event))
         stream.issued = number
         return number
 
