@@ -186,6 +186,39 @@ async def test_a_collective_run_again_enqueues_on_that_runs_stream() -> None:
         await gf.wait_stream(first)
 
 
+async def test_a_collective_awaited_over_a_pools_streams_is_checked_once_a_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Awaits of one collective, which the default policy spreads over the
+    device's streams, each run from what the first run on that stream
+    found: its arrays are checked once a stream, not at every run, and
+    every run enqueues on its own stream with the right result."""
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.arange(6, dtype=F32), 0)
+        y = await put(np.zeros(6, F32), 0)
+        blank = await put(np.full(6, -1, F32), 0)
+        op = comm.all_reduce([x], "max", out=[y])
+        checked: list[gf.Stream] = []
+        real = gf.DeviceArray._check_usable
+
+        def counted(self: gf.DeviceArray, ctx: Any, what: str) -> None:
+            if what == "all_reduce":  # (not the copy's)
+                checked.append(ctx.stream)
+            real(self, ctx, what)
+
+        monkeypatch.setattr(gf.DeviceArray, "_check_usable", counted)
+        runs = 24
+        for k in range(runs):
+            await gf.copy(blank, out=y)
+            got = await op
+            assert got[0] is y
+            np.testing.assert_array_equal(await get(y), np.arange(6, dtype=F32), f"run {k}")
+        streams = set(checked)
+        assert len(streams) > 1, "the policy put every run on one stream"
+        # (input and out checked once on each stream the runs went to)
+        assert len(checked) <= 2 * len(streams) < 2 * (runs - 1), checked
+
+
 @pytest.mark.sim_only  # (on CUDA a reset under a live NCCL communicator is undefined)
 async def test_a_collective_run_again_refuses_arrays_of_a_reset_device() -> None:
     """The checks a collective's later runs keep: an array of a device reset

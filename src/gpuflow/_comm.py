@@ -582,6 +582,11 @@ def _plain(v: Any) -> bool:
     return v is None or type(v) is DeviceArray
 
 
+#: the streams a collective remembers its calls for (a device's pool
+#: rotates over 4 by default; a run on a stream past these starts anew)
+_MEMO_STREAMS = 8
+
+
 class _Collective(DeviceOperation[Any]):
     __slots__ = ("_comm", "_like", "_memo", "_op", "_out", "_peer", "_plan", "_what", "_x")
 
@@ -604,9 +609,11 @@ class _Collective(DeviceOperation[Any]):
         self._peer = peer
         self._like = like
         self._plan: _Plan | None = None
-        #: a run's calls from the plan where they all went on one stream, the
-        #: run's: a loop's next run from that plan on that stream makes them
-        self._memo: tuple[_Plan, Stream, _Prepared] | None = None
+        #: runs' calls from the plan, by the run's stream, where they all
+        #: went on that stream: a later run from that plan on that stream
+        #: makes them (awaits the default policy spreads over the pool's
+        #: streams each find theirs)
+        self._memo: tuple[_Plan, dict[Stream, _Prepared]] | None = None
 
     @property
     def _p2p(self) -> bool:
@@ -787,11 +794,13 @@ class _Collective(DeviceOperation[Any]):
         """The run's calls from what an earlier run checked: only the arrays'
         usability (a device reset since) and the streams are the run's own."""
         memo = self._memo
-        if memo is not None and memo[0] is plan and memo[1] is ctx.stream:
-            # its arrays, on that stream's device, were usable then and are
-            # while a run may start on the stream (a reset of the device
-            # refuses the runs of every stream it had)
-            return memo[2]
+        if memo is not None and memo[0] is plan:
+            known = memo[1].get(ctx.stream)
+            if known is not None:
+                # its arrays, on that stream's device, were usable then and
+                # are while a run may start on the stream (a reset of the
+                # device refuses the runs of every stream it had)
+                return known
         here = ctx.device
         comm = self._comm
         what = self._what
@@ -816,7 +825,9 @@ class _Collective(DeviceOperation[Any]):
             calls.append((comm, i, call, stream))
         prepared = _Prepared(calls, reads, writes, plan.output)
         if local:
-            self._memo = (plan, ctx.stream, prepared)
+            if memo is None or memo[0] is not plan or len(memo[1]) >= _MEMO_STREAMS:
+                self._memo = memo = (plan, {})
+            memo[1][ctx.stream] = prepared
         return prepared
 
 
