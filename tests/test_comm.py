@@ -192,7 +192,8 @@ async def test_a_collective_awaited_over_a_pools_streams_is_checked_once_a_strea
     """Awaits of one collective, which the default policy spreads over the
     device's streams, each run from what the first run on that stream
     found: its arrays are checked once a stream, not at every run, and
-    every run enqueues on its own stream with the right result."""
+    every run has the right result (that each enqueues on its own stream:
+    the test above)."""
     async with gf.open_communicator([0]) as comm:
         x = await put(np.arange(6, dtype=F32), 0)
         y = await put(np.zeros(6, F32), 0)

@@ -582,8 +582,9 @@ def _plain(v: Any) -> bool:
     return v is None or type(v) is DeviceArray
 
 
-#: the streams a collective remembers its calls for (a device's pool
-#: rotates over 4 by default; a run on a stream past these starts anew)
+#: the streams a collective remembers its calls for, and keeps alive (a
+#: device's pool rotates over 4 by default; a run on a stream past these
+#: starts the memory anew)
 _MEMO_STREAMS = 8
 
 
