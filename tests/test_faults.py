@@ -370,8 +370,9 @@ async def test_sim_host_signals_fire_on_a_driver_thread() -> None:
             events.append(("delivered", threading.current_thread()))
             return super().popleft()
 
+    completion = be._completion
     with be.cond:
-        be._driver_queue = Recording(be._driver_queue)
+        completion.driver_queue = Recording(completion.driver_queue)
     loop_thread = threading.current_thread()
     x = await gf.zeros(16, F32)
     await gf.zip(K.slow_fill(x, 1.0, 0.01), gf.ones(4, F32))
@@ -385,7 +386,7 @@ async def test_sim_host_signals_fire_on_a_driver_thread() -> None:
     assert len(set(delivered)) == 1
     (driver,) = set(delivered)
     assert driver is not loop_thread and driver not in workers
-    assert driver is be._driver
+    assert driver is completion.driver
 
 
 @pytest.mark.sim_only

@@ -198,7 +198,7 @@ MUTATIONS = [
     Mutation(
         "B4",
         "a word is read as reached too early (the stream's last mark enqueued, not reached)",
-        '_backends/_sim.py',
+        '_backends/_simmarks.py',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "word")\n',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "issued")\n',
         ('tests/test_bridge.py', 'tests/test_lifetimes.py', 'tests/test_hazards.py'),

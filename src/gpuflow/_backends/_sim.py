@@ -9,9 +9,9 @@ CI, with the real concurrency of the real thing:
   stream, not the host;
 * completion marks set the stream's completion word when the stream reaches
   them (in stream order, by the stream itself, as the GPU writes the word),
-  and a stream can wait for another's mark;
-* host signals are delivered by a separate "driver" thread, never by the
-  thread that enqueued them, so the bridge's thread hand-off always runs;
+  and a stream can wait for another's mark; host signals are delivered by a
+  separate "driver" thread, never by the thread that enqueued them, so the
+  bridge's thread hand-off always runs (both in :mod:`._simmarks`);
 * a stream's worker sleeps on a condition of its own: an item enqueued on one
   stream wakes that stream only, so that many streams scale as many CUDA
   streams do (one condition for all woke every stream at every item);
@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-import functools
 import itertools
-import os
 import threading
 import time
 import warnings
@@ -77,6 +75,7 @@ from ._codes import (
     NAMES,
 )
 from ._simcomm import SimComms, new_unique_id
+from ._simmarks import SimCompletion
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
@@ -283,7 +282,6 @@ class SimBackend(Backend):
         # for), one per stream for its queue, one for the driver thread
         self._lock = threading.Lock()
         self.cond = threading.Condition(self._lock)
-        self._driver_cv = threading.Condition(self._lock)
         self._devices = [_SimDevice(i, memory_bytes) for i in range(n)]
         self._streams: list[SimStream] = []
         self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
@@ -291,38 +289,24 @@ class SimBackend(Backend):
         # the buffers not yet freed, by start address (sorted), for foreign_buffer
         self._starts: list[int] = []
         self._live: weakref.WeakValueDictionary[int, SimBuffer] = weakref.WeakValueDictionary()
-        # what host signals do, run in order by the driver thread (under cond)
-        self._driver_queue: collections.deque[Callable[[], None]] = collections.deque()
-        self._closed = False
         self.use_after_free = 0
         self._stream_serials = itertools.count()
         # the open activity records; empty (and free to check) when none is
         self._records: tuple[list[Activity], ...] = ()
         self._comms = SimComms(self)
-        self._driver = threading.Thread(target=self._drive, name="gpuflow-sim-driver", daemon=True)
-        self._driver.start()
-
-    # -- the driver thread: host signals are called here, never on a stream --
-    def _drive(self) -> None:
-        with self._driver_cv:
-            while True:
-                while not self._driver_queue and not self._closed:
-                    self._driver_cv.wait()
-                if self._closed:
-                    return
-                deliver = self._driver_queue.popleft()
-                deliver()
+        # marks, and the driver thread that calls host signals, never a stream
+        self._completion = SimCompletion(self)
 
     def _wake_all(self) -> None:
         """Under the lock: something every waiter must see (a fault, a reset, closing)."""
         self.cond.notify_all()
         for s in self._streams:
             s.cv.notify_all()
-        self._driver_cv.notify_all()
+        self._completion.wake()
 
     def close(self) -> None:
         with self.cond:
-            self._closed = True
+            self._completion.close()
             for s in self._streams:
                 s.closed = True
             self._wake_all()
@@ -711,62 +695,18 @@ class SimBackend(Backend):
 
         self._enqueue(stream, f"kernel {kernel.name!r}", run)
 
-    # -- completion marks and host signals ---------------------------------------
+    # -- completion marks and host signals (._simmarks) -------------------------
     def mark(self, stream: Any, polled: bool = True) -> int:
-        # a silent mark (not ``polled``) is the same here: what the cuda
-        # backend does differently (an event, not a write of the word) is
-        # cheaper on a GPU, and its reader and waits answer as for any mark
-        self._not_destroyed(stream)  # as the cuda backend refuses it
-        with self.cond:
-            if stream.capture is not None:
-                raise UsageError("a completion mark cannot be captured into a graph")
-            number: int = stream.issued + 1
-
-            def reach() -> None:
-                with self.cond:
-                    stream.word = number
-                    self.cond.notify_all()  # mark waits
-
-            self._enqueue_locked(stream, "completion mark", reach, False)
-            stream.issued = number
-            return number
+        return self._completion.mark(stream)
 
     def completion_reader(self, stream: Any) -> Callable[[], int]:
-        reader: Callable[[], int] = functools.partial(getattr, stream, "word")
-        return reader
+        return self._completion.reader(stream)
 
     def wait_mark(self, stream: Any, other: Any, number: int) -> None:
-        self._not_destroyed(stream)
-        if other.word >= number and stream.capture is None:
-            return  # reached: nothing to wait for
-        peer = other.device
-
-        def wait() -> None:
-            with self.cond:
-                while other.word < number and peer.fault is None and stream.device.fault is None:
-                    self.cond.wait()
-                if peer.fault is not None and other.word < number:
-                    raise peer.fault
-
-        self._enqueue(stream, "mark wait", wait)
-
-    def _host_signal(self, deliver: Callable[[], None]) -> Item:
-        """The stream item of a host signal: it hands ``deliver`` to the
-        driver thread, which runs it (under the lock), never the stream."""
-
-        def signal() -> None:
-            with self._driver_cv:
-                self._driver_queue.append(deliver)
-                self._driver_cv.notify()
-
-        return signal
+        self._completion.wait(stream, other, number)
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
-        self._not_destroyed(stream)
-        # a captured close would run again at every replay
-        return self._enqueue(
-            stream, "host signal", self._host_signal(lambda: os.close(fd)), capturable=False
-        )
+        return self._completion.enqueue_close(stream, fd)
 
     # -- communicators -------------------------------------------------------------
     def comm_unique_id(self) -> bytes:
