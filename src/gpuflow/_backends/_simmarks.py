@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 class SimCompletion:
     """What :class:`SimBackend` does for completion marks and host signals
-    (kept apart from it).  Every method is safe from any thread."""
+    (kept apart from it).  :meth:`mark`, :meth:`reader`, :meth:`wait` and
+    :meth:`enqueue_close` are safe from any thread; :meth:`wake` and
+    :meth:`close` are called with the backend's lock held."""
 
     def __init__(self, backend: SimBackend) -> None:
         self._backend = backend
