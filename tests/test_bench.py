@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from child import run_child
 
 import gpuflow as gf
 from gpuflow import _bench_rows
@@ -44,9 +45,7 @@ def test_bench_runs_from_an_installed_copy_of_the_package(
 
     cmd = ["-m", "gpuflow", "bench", "--backend", device_backend, "--quick", "--only", "throughput",
            "--trace", "run.json"]
-    proc = subprocess.run(
-        [sys.executable, *cmd], cwd=work, env=env, capture_output=True, text=True, timeout=100
-    )
+    proc = run_child([sys.executable, *cmd], cwd=work, env=env, timeout=100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"gpuflow bench on backend {device_backend!r}" in proc.stdout
     report = json.loads((work / "bench.json").read_text())

@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from child import run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -60,10 +61,7 @@ def test_the_example_runs(name: str, device_backend: str) -> None:
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, str(path), "--backend", device_backend],
-        capture_output=True, text=True, timeout=100, env=env,
-    )  # fmt: skip
+    proc = run_child([sys.executable, str(path), "--backend", device_backend], timeout=100, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert out.splitlines()[0] == f"backend: {device_backend}" or out.startswith(
@@ -148,10 +146,10 @@ def _pytest_example(path: Path, backend: str, cwd: Path) -> subprocess.Completed
     plugin = [] if installed else ["-p", "gpuflow._pytest_plugin"]
     src = str(ROOT / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
+    return run_child(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,
          "--gpuflow-backend", backend, str(path)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+        timeout=100, env=env, cwd=cwd,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child import run_child
 from conftest import CUDA_DEVICES, NO_CUDA
 
 pytestmark = pytest.mark.sim_only  # a property of the suite, the same on every backend
@@ -39,3 +40,24 @@ def test_the_report_explains_the_skips() -> None:
     assert re.search(rf"\n +4  {re.escape(NO_CUDA)}\n", summary), summary
     assert "4 passed, 4 skipped" in summary
     assert "SKIPPED [" not in out  # no line a test
+
+
+def test_a_child_that_hangs_fails_its_test_with_the_child_s_stacks() -> None:
+    # a thread of the child waits for ever in a function of its own
+    child = (
+        "import threading\n"
+        "def wait_for_a_signal_that_never_comes():\n"
+        "    threading.Event().wait()\n"
+        "t = threading.Thread(target=wait_for_a_signal_that_never_comes)\n"
+        "t.start()\n"
+        "print('waiting ' + 'for ever', flush=True)\n"
+    )
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_child([sys.executable, "-c", child], timeout=2)
+    message = str(failed.value)
+    assert "still ran after 2 s" in message
+    assert "waiting for ever" in message  # what it printed
+    assert "in wait_for_a_signal_that_never_comes" in message  # the stuck thread's stack
+    # a child that ends in time: as subprocess.run
+    done = run_child([sys.executable, "-c", "print('ok'); raise SystemExit(3)"], timeout=30)
+    assert (done.returncode, done.stdout) == (3, "ok\n")
