@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from importlib.util import find_spec
 from typing import Any
 
 import pytest
+from child import run_child
 
 import gpuflow as gf
 from gpuflow import testing
@@ -145,10 +145,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not on_cuda or not pyfuncitem.get_closest_marker("faults_device") or os.environ.get(_CHILD):
         return None
     env = dict(os.environ, **{_CHILD: "1"})
-    proc = subprocess.run(
+    proc = run_child(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", pyfuncitem.nodeid],
-        env=env, capture_output=True, text=True, timeout=100, cwd=pyfuncitem.config.rootpath,
-    )
+        env=env, timeout=100, cwd=pyfuncitem.config.rootpath,
+    )  # fmt: skip
     if proc.returncode == 0 and re.search(r"\b1 skipped", proc.stdout):
         # the child's skip is the parent's (e.g. a test that needs two devices)
         reason = re.search(r"SKIPPED \[\d+\] [^:]+:\d+: (.*)", proc.stdout)
