@@ -62,6 +62,32 @@ def count_pipes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return calls
 
 
+def count_turns(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record when each turn of the current loop reads a word: its poller's,
+    and a lone await's own (which reads it at its own turns first, the
+    poller taking the rest of the budget over where another await starts).
+    Before the loop's first await of the runtime (which makes its poller)."""
+    from gpuflow import _bridge  # the poller itself
+
+    turns: list[float] = []
+    poll = _bridge._Poller.poll
+
+    def counted_poll(self: Any) -> bool:
+        turns.append(time.monotonic())
+        return poll(self)
+
+    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)
+    loop = current_loop()
+    checkpoint = loop.checkpoint
+
+    async def counted_checkpoint() -> None:
+        await checkpoint()
+        turns.append(time.monotonic())
+
+    monkeypatch.setattr(loop, "checkpoint", counted_checkpoint)
+    return turns
+
+
 @contextlib.asynccontextmanager
 async def other_task_working(turn_s: float) -> AsyncIterator[None]:
     """While the block runs, another task of the loop does ``turn_s`` of CPU
@@ -404,27 +430,8 @@ async def test_the_completion_statistics_say_how_each_run_was_seen_done() -> Non
 async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuflow import _bridge  # the poller itself
-
     reinit(busy_poll_us=2_000)
-    turns: list[float] = []
-    poll = _bridge._Poller.poll
-
-    def counted_poll(self: Any) -> bool:
-        turns.append(time.monotonic())
-        return poll(self)
-
-    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)  # (before the loop's first await)
-    # a lone await reads its word at its own turns first (the poller takes
-    # the rest of the budget over where another await starts): those count too
-    loop = current_loop()
-    checkpoint = loop.checkpoint
-
-    async def counted_checkpoint() -> None:
-        await checkpoint()
-        turns.append(time.monotonic())
-
-    monkeypatch.setattr(loop, "checkpoint", counted_checkpoint)
+    turns = count_turns(monkeypatch)
     x = await gf.zeros(64, F32)
     pipes = count_pipes(monkeypatch)
     cpu = time.process_time()
@@ -439,6 +446,39 @@ async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
     assert spun and spun[-1] - t0 < 0.1, spun[-1] - t0
     assert len(turns) - len(spun) <= 3
     assert took >= 0.5 and cpu < 0.25 * took, (cpu, took)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+@pytest.mark.anyio
+async def test_a_traced_loop_spins_at_most_the_budget_however_long_its_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # under a tracer (a debugger, coverage, Hypothesis's explain phase on
+    # Python < 3.12) every turn of an idle loop takes longer than a turn that
+    # ran other work: those turns still count against the budget, and the
+    # await sleeps once it is spent instead of polling (and holding the GIL
+    # from the threads its work waits for) until the run is done
+    reinit(busy_poll_us=2_000)
+    turns = count_turns(monkeypatch)
+    x = await gf.zeros(64, F32)
+    pipes = count_pipes(monkeypatch)
+
+    def slow_calls(frame: Any, event: str, arg: Any) -> None:
+        end = time.perf_counter() + 200e-6  # each call the loop makes: 200 us
+        while time.perf_counter() < end:
+            pass
+
+    t0 = time.monotonic()
+    sys.settrace(slow_calls)
+    try:
+        await K.slow_fill(x, 1.0, 0.5)
+    finally:
+        sys.settrace(None)
+    assert time.monotonic() - t0 >= 0.5
+    # turns of a millisecond or so: the 2 ms budget is a few of them (polled
+    # through, a 0.5 s run would be hundreds)
+    assert len(pipes) == 1
+    assert len([t for t in turns if t > t0]) <= 20, len(turns)
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
 
 

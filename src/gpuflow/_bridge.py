@@ -55,6 +55,7 @@ from __future__ import annotations
 import collections
 import os
 import select
+import sys
 import threading
 import time
 import warnings
@@ -83,6 +84,8 @@ INLINE_SPIN_S = 20e-6
 #: not count against the busy-poll budget, which bounds the turns a loop
 #: would otherwise have slept through (measured on an idle loop: a turn of
 #: the poller alone takes a few microseconds under asyncio, tens under Trio).
+#: Not where the loop's thread runs under a tracer or a profiler
+#: (:func:`_turns_slowed`): every turn is long there, other work or none.
 BUSY_TURN_S = 100e-6
 #: A loop that reads a stream's word at every turn keeps the stream's runs
 #: from the dispatcher thread until this long after its last turn, even past
@@ -178,6 +181,23 @@ class _FdSignal:
         self.seen = False  # the dispatcher saw it fired and unhandled once
 
 
+def _turns_slowed() -> bool:
+    """Whether the calling thread runs under a line tracer, a profiler or a
+    ``sys.monitoring`` tool (a debugger, coverage, cProfile, Hypothesis's
+    explain phase): its loop's every turn then takes longer than
+    :data:`BUSY_TURN_S` with nothing else to run, and counting such turns
+    as other work would keep an idle loop polling (and holding the GIL from
+    the threads the work waits for) until the run is done.  Asked only
+    after a long turn."""
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return True
+    monitoring = getattr(sys, "monitoring", None)  # (Python 3.12+)
+    if monitoring is None:
+        return False
+    get_tool = monitoring.get_tool
+    return any(get_tool(tool) is not None for tool in range(6))
+
+
 class _BusyPoll:
     """The budget of one busy poll: it runs out after ``budget`` seconds of
     turns in which the loop ran nothing else.
@@ -208,7 +228,7 @@ class _BusyPoll:
     def turn(self, now: float) -> None:
         """A turn of the loop ends at ``now`` (the clock is ``time.monotonic``)."""
         gap = now - self.turned
-        ran_other = gap > BUSY_TURN_S
+        ran_other = gap > BUSY_TURN_S and not _turns_slowed()
         if ran_other or self.ran_other:
             self.deadline += gap
         self.ran_other = ran_other

@@ -542,6 +542,15 @@ MUTATIONS = [
         ('tests/test_bridge.py',),
     ),
     Mutation(
+        "B28",
+        "a loop under a tracer counts its every turn as other work, and polls until the run "
+        "is done",
+        '_bridge.py',
+        '        ran_other = gap > BUSY_TURN_S and not _turns_slowed()\n',
+        '        ran_other = gap > BUSY_TURN_S\n',
+        ('tests/test_bridge.py',),
+    ),
+    Mutation(
         "B14",
         "the dispatcher thread takes the runs of a busy loop that still reads their words",
         '_bridge.py',
