@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -449,31 +449,60 @@ async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
 
 
+@contextlib.contextmanager
+def every_call_slowed(how: str, by_s: float) -> Iterator[None]:
+    """Every Python call (a coroutine resumed too) takes ``by_s`` longer, as
+    under a tracer: ``sys.settrace`` (this thread; a debugger, coverage on
+    Python < 3.12, Hypothesis's explain phase there) or a ``sys.monitoring``
+    tool (Python 3.12+; every thread)."""
+
+    def spin(*_: Any) -> None:
+        end = time.perf_counter() + by_s
+        while time.perf_counter() < end:
+            pass
+
+    if how == "settrace":
+        sys.settrace(spin)
+        try:
+            yield
+        finally:
+            sys.settrace(None)
+        return
+    mon = getattr(sys, "monitoring", None)
+    if mon is None:
+        pytest.skip("sys.monitoring is Python 3.12+")
+    tool = 4  # (free: 0-2 and 5 are named for debuggers, coverage, profilers, optimizers)
+    events = mon.events.PY_START | mon.events.PY_RESUME
+    mon.use_tool_id(tool, "gpuflow's tests")
+    try:
+        mon.register_callback(tool, mon.events.PY_START, spin)
+        mon.register_callback(tool, mon.events.PY_RESUME, spin)
+        mon.set_events(tool, events)
+        yield
+    finally:
+        mon.set_events(tool, 0)
+        mon.register_callback(tool, mon.events.PY_START, None)
+        mon.register_callback(tool, mon.events.PY_RESUME, None)
+        mon.free_tool_id(tool)
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("tracer", ["settrace", "monitoring"])
 async def test_a_traced_loop_spins_at_most_the_budget_however_long_its_turns(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tracer: str
 ) -> None:
-    # under a tracer (a debugger, coverage, Hypothesis's explain phase on
-    # Python < 3.12) every turn of an idle loop takes longer than a turn that
-    # ran other work: those turns still count against the budget, and the
-    # await sleeps once it is spent instead of polling (and holding the GIL
-    # from the threads its work waits for) until the run is done
+    # under a tracer (a debugger, coverage, Hypothesis's explain phase) every
+    # turn of an idle loop takes longer than a turn that ran other work:
+    # those turns still count against the budget, and the await sleeps once
+    # it is spent instead of polling (and holding the GIL from the threads
+    # its work waits for) until the run is done
     reinit(busy_poll_us=2_000)
     turns = count_turns(monkeypatch)
     x = await gf.zeros(64, F32)
     pipes = count_pipes(monkeypatch)
-
-    def slow_calls(frame: Any, event: str, arg: Any) -> None:
-        end = time.perf_counter() + 200e-6  # each call the loop makes: 200 us
-        while time.perf_counter() < end:
-            pass
-
     t0 = time.monotonic()
-    sys.settrace(slow_calls)
-    try:
+    with every_call_slowed(tracer, 200e-6):
         await K.slow_fill(x, 1.0, 0.5)
-    finally:
-        sys.settrace(None)
     assert time.monotonic() - t0 >= 0.5
     # turns of a millisecond or so: the 2 ms budget is a few of them (polled
     # through, a 0.5 s run would be hundreds)
