@@ -62,11 +62,23 @@ def count_pipes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return calls
 
 
-def count_turns(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+async def watched_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[float], gf.DeviceArray, list[Any]]:
+    """A runtime with a 2 ms budget, the record of its loop's turns (:func:`count_turns`),
+    an array and the record of its pipe wake-ups."""
+    reinit(busy_poll_us=2_000)
+    turns = count_turns(monkeypatch)
+    x = await gf.zeros(64, F32)
+    return turns, x, count_pipes(monkeypatch)
+
+
+def count_turns(monkeypatch: pytest.MonkeyPatch, lone_awaits: bool = True) -> list[float]:
     """Record when each turn of the current loop reads a word: its poller's,
-    and a lone await's own (which reads it at its own turns first, the
-    poller taking the rest of the budget over where another await starts).
-    Before the loop's first await of the runtime (which makes its poller)."""
+    and (``lone_awaits``) a lone await's own, which reads it at its own
+    turns first, the poller taking the rest of the budget over where
+    another await starts.  Before the loop's first await of the runtime
+    (which makes its poller)."""
     from gpuflow import _bridge  # the poller itself
 
     turns: list[float] = []
@@ -77,6 +89,8 @@ def count_turns(monkeypatch: pytest.MonkeyPatch) -> list[float]:
         return poll(self)
 
     monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)
+    if not lone_awaits:
+        return turns
     loop = current_loop()
     checkpoint = loop.checkpoint
 
@@ -310,17 +324,8 @@ async def test_a_lone_await_past_its_spin_reads_its_word_at_its_own_turns(
     """Past its inline spin, a lone await reads its word once per loop turn
     itself: the turn that sees the run done resumes it, with no future, no
     wake-up and no poller; the loop's other tasks run at every turn."""
-    from gpuflow import _bridge
-
     reinit(busy_poll_us=2_000_000)
-    polls: list[float] = []
-    poll = _bridge._Poller.poll
-
-    def counted_poll(self: Any) -> bool:
-        polls.append(time.monotonic())
-        return poll(self)
-
-    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)
+    polls = count_turns(monkeypatch, lone_awaits=False)
     x = await gf.zeros(64, F32)
     before = gf.lowlevel.current_completion_statistics()
     turns = [0]
@@ -440,10 +445,7 @@ async def test_the_completion_statistics_say_how_each_run_was_seen_done() -> Non
 async def test_a_long_await_spins_at_most_the_budget_then_sleeps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    reinit(busy_poll_us=2_000)
-    turns = count_turns(monkeypatch)
-    x = await gf.zeros(64, F32)
-    pipes = count_pipes(monkeypatch)
+    turns, x, pipes = await watched_turns(monkeypatch)
     cpu = time.process_time()
     t0 = time.monotonic()
     await K.slow_fill(x, 1.0, 0.5)
@@ -506,10 +508,7 @@ async def test_a_traced_loop_spins_at_most_the_budget_however_long_its_turns(
     # those turns still count against the budget, and the await sleeps once
     # it is spent instead of polling (and holding the GIL from the threads
     # its work waits for) until the run is done
-    reinit(busy_poll_us=2_000)
-    turns = count_turns(monkeypatch)
-    x = await gf.zeros(64, F32)
-    pipes = count_pipes(monkeypatch)
+    turns, x, pipes = await watched_turns(monkeypatch)
     t0 = time.monotonic()
     with every_call_slowed(tracer, 200e-6):
         await K.slow_fill(x, 1.0, 0.5)
