@@ -900,6 +900,13 @@ MUTATIONS = [
 ]
 
 
+def _loop_of(nodeid: str) -> str | None:
+    """The event loop a test id ran under (``test_x[sim-trio-settrace]``:
+    trio), or None for a test that runs under none."""
+    params = nodeid.partition("[")[2].rstrip("]").split("-")
+    return next((p for p in params if p in ("asyncio", "uvloop", "trio")), None)
+
+
 def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
     """Run ``tests`` on sim against ``src``; (passed, what failed under which loop)."""
     env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
@@ -917,10 +924,9 @@ def _pytest(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, st
     if not failed:
         return proc.returncode == 0, lines[-1] if lines else proc.stderr.strip()[-200:]
     # which event loops saw it: every async test runs under each
-    loops = {
-        loop: sum(f"-{loop}]" in f for f in failed) for loop in ("asyncio", "uvloop", "trio")
-    }
-    plain = sum(not any(f"-{loop}]" in f for loop in loops) for f in failed)
+    ran_under = [_loop_of(f) for f in failed]
+    loops = {loop: ran_under.count(loop) for loop in ("asyncio", "uvloop", "trio")}
+    plain = ran_under.count(None)
     seen = ", ".join(f"{loop} {n}" for loop, n in loops.items() if n)
     names = sorted({f.split("::")[-1].split("[")[0] for f in failed})
     return False, (
