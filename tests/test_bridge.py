@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
+from gpuflow import _loops
 from gpuflow._loops import current_loop
 from gpuflow._runtime import get_runtime
 from gpuflow._submission import Submission
@@ -865,6 +866,46 @@ async def test_a_run_cancelled_as_it_was_submitted_still_completes() -> None:
     # the cancelled run's work still ran, and it was completed: nothing is left pending
     np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("trap", ["yielded", "public"])
+async def test_a_parked_await_wakes_with_its_run_and_raises_its_cancellation(
+    trap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under Trio a parked await yields Trio's own request to its scheduler
+    (where Trio keeps it as this release does), else calls
+    ``wait_task_rescheduled``; under asyncio it parks on a future.  Every way,
+    the GPU's wake-up resumes it, and a cancellation raises at the await."""
+    reinit(busy_poll_us=0)  # no spin, no poll: every await of unfinished work parks
+    loop = current_loop()
+    if isinstance(loop, _loops._Trio):
+        if trap == "public":
+            monkeypatch.setattr(loop, "_trap", None)
+        else:
+            assert loop._trap is not None, "Trio's park request was not found"
+    parks: list[object] = []
+    park = type(loop).park
+
+    def counted(self: Any) -> Any:
+        parks.append(p := park(self))
+        return p
+
+    monkeypatch.setattr(type(loop), "park", counted)
+    x = await gf.zeros(64, F32)
+    parks.clear()
+    await K.slow_fill(x, 1.0, 0.05)
+    assert len(parks) == 1
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 1.0, F32))
+    parks.clear()
+    reached = False
+    with anyio.move_on_after(0.05) as scope:
+        await K.slow_fill(x, 2.0, 0.5)
+        reached = True
+    assert scope.cancelled_caught and not reached
+    assert len(parks) == 1
+    # the cancelled run's work is not recalled: it ends, and is completed
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 2.0, F32))
 
 
 async def _await(op: gf.DeviceOperation[Any]) -> None:

@@ -15,7 +15,9 @@ and nothing else in gpuflow asks which loop it is on.
   again with ``call_soon``, and ``loop.add_reader``.
 * Trio: ``TrioToken.run_sync_soon`` for both kinds of call (it is safe from
   any thread and never blocks), ``wait_task_rescheduled`` / ``reschedule``
-  to park and wake the task directly, a system task that checkpoints once
+  to park and wake the task directly (the request the former yields to
+  Trio's scheduler yielded here itself, where Trio keeps it as this
+  release does), a system task that checkpoints once
   per batch, and a system task in ``wait_readable`` (Trio has no reader
   callbacks).
 
@@ -252,12 +254,13 @@ class _Asyncio:
 class _TrioPark:
     """A Trio task parked until :meth:`wake` (or its cancellation)."""
 
-    __slots__ = ("lowlevel", "parked", "task")
+    __slots__ = ("lowlevel", "parked", "task", "trap")
 
-    def __init__(self, lowlevel: Any) -> None:
+    def __init__(self, lowlevel: Any, trap: Callable[[Any], object] | None) -> None:
         self.lowlevel = lowlevel
         self.task = lowlevel.current_task()
         self.parked = True
+        self.trap = trap
 
     def wake(self) -> None:  # in Trio's thread, through run_sync_soon
         if self.parked:
@@ -268,8 +271,30 @@ class _TrioPark:
         self.parked = False  # cancelled: a later wake-up must not reschedule
         return self.lowlevel.Abort.SUCCEEDED
 
-    def __await__(self) -> Generator[Any, None, None]:
-        return self.lowlevel.wait_task_rescheduled(self._abort).__await__()  # type: ignore[no-any-return]
+    def __await__(self) -> Generator[Any, Any, None]:
+        trap = self.trap
+        if trap is None:
+            yield from self.lowlevel.wait_task_rescheduled(self._abort).__await__()
+            return
+        # what wait_task_rescheduled does inside two coroutines of its own,
+        # each an object that every parked await holds: with 1,000 tasks
+        # parked, the garbage collector's share of the loop is what bounds
+        # its rate (the wake-up's outcome unwrapped: a cancellation raises)
+        (yield trap(self._abort)).unwrap()
+
+
+def _trio_park_trap() -> Callable[[Any], object] | None:
+    """The request to Trio's scheduler that ``wait_task_rescheduled`` yields
+    (given the abort function), or None where Trio keeps it otherwise: parks
+    then go through the public call."""
+    try:
+        from trio._core import _traps
+
+        trap: Callable[[Any], object] = _traps.WaitTaskRescheduled
+        trap(lambda _raise_cancel: None)  # (made as Trio makes it: of one abort function)
+    except Exception:
+        return None
+    return trap
 
 
 def _trio_run_queue() -> Sized | None:
@@ -288,7 +313,8 @@ def _trio_run_queue() -> Sized | None:
 
 class _Trio:
     __slots__ = (
-        "_ended", "_runq", "_statistics", "_trio", "asked", "awaiting", "call_soon", "checkpoint",
+        "_ended", "_runq", "_statistics", "_trap", "_trio", "asked", "awaiting", "call_soon",
+        "checkpoint",
         "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
         "yielded",
     )  # fmt: skip
@@ -307,6 +333,7 @@ class _Trio:
         # alone in the process), so the interval that was measured longest
         # stays
         self._runq = _trio_run_queue()
+        self._trap = _trio_park_trap()
         self.ready_check_s = READY_CHECK_S
         self.checkpoint_if_cancelled: Callable[[], Awaitable[None]] = (
             trio.lowlevel.checkpoint_if_cancelled
@@ -321,7 +348,7 @@ class _Trio:
         self.post: Callable[[Call], object] = token.run_sync_soon
 
     def park(self) -> _TrioPark:
-        return _TrioPark(self._trio.lowlevel)
+        return _TrioPark(self._trio.lowlevel, self._trap)
 
     wake = staticmethod(_TrioPark.wake)
 

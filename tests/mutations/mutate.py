@@ -698,6 +698,14 @@ MUTATIONS = [
         ('tests/test_cancellation.py::test_an_already_cancelled_task_enqueues_nothing',),
     ),
     Mutation(
+        "C10",
+        "a parked Trio await drops the outcome it is woken with (its cancellation is lost)",
+        '_loops.py',
+        '        (yield trap(self._abort)).unwrap()\n',
+        '        (yield trap(self._abort))\n',
+        ('tests/test_bridge.py::test_a_parked_await_wakes_with_its_run_and_raises_its_cancellation',),
+    ),
+    Mutation(
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
         '_interop.py',
