@@ -15,9 +15,9 @@ and nothing else in gpuflow asks which loop it is on.
   again with ``call_soon``, and ``loop.add_reader``.
 * Trio: ``TrioToken.run_sync_soon`` for both kinds of call (it is safe from
   any thread and never blocks), ``wait_task_rescheduled`` / ``reschedule``
-  to park and wake the task directly (the request the former yields to
-  Trio's scheduler yielded here itself, where Trio keeps it as this
-  release does), a system task that checkpoints once
+  to park and wake the task directly (the park yields the request that
+  ``wait_task_rescheduled`` yields to Trio's scheduler itself, where Trio
+  keeps it as its current releases do), a system task that checkpoints once
   per batch, and a system task in ``wait_readable`` (Trio has no reader
   callbacks).
 
@@ -276,10 +276,11 @@ class _TrioPark:
         if trap is None:
             yield from self.lowlevel.wait_task_rescheduled(self._abort).__await__()
             return
-        # what wait_task_rescheduled does inside two coroutines of its own,
-        # each an object that every parked await holds: with 1,000 tasks
-        # parked, the garbage collector's share of the loop is what bounds
-        # its rate (the wake-up's outcome unwrapped: a cancellation raises)
+        # what wait_task_rescheduled does, without its coroutine, that
+        # coroutine's wrapper and the generator it yields through: objects
+        # every parked await would hold, and with 1,000 tasks parked the
+        # garbage collector's share of the loop is what bounds its rate (the
+        # wake-up's outcome unwrapped: a cancellation raises here)
         (yield trap(self._abort)).unwrap()
 
 
@@ -314,9 +315,8 @@ def _trio_run_queue() -> Sized | None:
 class _Trio:
     __slots__ = (
         "_ended", "_runq", "_statistics", "_trap", "_trio", "asked", "awaiting", "call_soon",
-        "checkpoint",
-        "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
-        "yielded",
+        "checkpoint", "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s",
+        "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
