@@ -189,7 +189,7 @@ async def test_a_collective_run_again_enqueues_on_that_runs_stream() -> None:
 async def test_a_collective_awaited_over_a_pools_streams_is_checked_once_a_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Awaits of one collective, which the default policy spreads over the
+    """Awaits of one collective, which a round-robin policy spreads over the
     device's streams, each run from what the first run on that stream
     found: its arrays are checked once a stream, not at every run, and
     every run has the right result (that each enqueues on its own stream:
@@ -209,15 +209,68 @@ async def test_a_collective_awaited_over_a_pools_streams_is_checked_once_a_strea
 
         monkeypatch.setattr(gf.DeviceArray, "_check_usable", counted)
         runs = 24
+        spread = gf.StreamPoolRoundRobin()
         for k in range(runs):
             await gf.copy(blank, out=y)
-            got = await op
+            got = await op.run(spread)
             assert got[0] is y
             np.testing.assert_array_equal(await get(y), np.arange(6, dtype=F32), f"run {k}")
         streams = set(checked)
         assert len(streams) > 1, "the policy put every run on one stream"
         # (input and out checked once on each stream the runs went to)
         assert len(checked) <= 2 * len(streams) < 2 * (runs - 1), checked
+
+
+async def test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle() -> None:
+    """Under the default policy a collective goes to the stream of its
+    communicator's previous collective while that stream has nothing
+    pending (no wait on another stream), and to another stream where it has
+    (nothing queues behind unrelated work), or where a stream lease holds
+    it; an explicit policy is followed."""
+    import time
+
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.ones(6, F32), 0)
+        y = await put(np.zeros(6, F32), 0)
+        op = comm.all_reduce([x], out=[y])
+        streams: list[gf.Stream] = []
+        for _ in range(6):
+            await op
+            streams.append(comm._tails[0][0])  # (where the rank's latest went)
+        assert len(set(streams)) == 1, streams
+        home = streams[-1]
+        # that stream busy with unrelated work: the next goes elsewhere, at once
+        with gf.use_device(0):
+            junk = await gf.zeros(64, F32)
+        K.slow_fill(junk, 1.0, 1.0, 64).enqueue_on(home)
+        t0 = time.perf_counter()
+        await op
+        took = time.perf_counter() - t0
+        assert took < 0.5, f"the all-reduce queued {took:.2f} s behind unrelated work"
+        assert comm._tails[0][0] is not home
+        await gf.wait_stream(home)
+        # held by a stream lease: taken by the runs inside it, by no other
+        where: list[gf.Stream] = []
+        ready, done = anyio.Event(), anyio.Event()
+
+        async def outside() -> None:  # (started before the lease: not in it)
+            await ready.wait()
+            await op
+            where.append(comm._tails[0][0])
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outside)
+            async with gf.open_stream_lease() as lease:
+                await op
+                assert comm._tails[0][0] is lease.stream
+                ready.set()
+                await done.wait()
+                assert where[0] is not lease.stream
+        # an explicit policy is followed
+        single = gf.SingleStream(0)
+        await op.run(single)
+        assert comm._tails[0][0] is single.stream
 
 
 @pytest.mark.sim_only  # (on CUDA a reset under a live NCCL communicator is undefined)
@@ -351,6 +404,49 @@ async def test_a_collective_reads_after_a_write_on_another_stream_and_before_a_l
         K.slow_fill(xs[0], 5.0, 0.0).enqueue_on(gf.new_stream(d0))
         np.testing.assert_array_equal(await get(outs[0]), np.full(4, 3.0, F32))
         np.testing.assert_array_equal(await get(xs[0]), np.full(4, 5.0, F32))
+
+
+async def test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run() -> None:
+    """A collective run again from its plan (one rank: the backend's issuer
+    of its call) reads after a write on another stream, writes after one,
+    and a later write on a third stream waits for its read."""
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.ones(4, F32), 0)
+        y = await put(np.zeros(4, F32), 0)
+        op = comm.all_reduce([x], out=[y])
+        s1, s2, s3 = gf.new_stream(0), gf.new_stream(0), gf.new_stream(0)
+        for _ in range(3):  # the first run, then two from the plan on s2
+            op.enqueue_on(s2)
+            await gf.wait_stream(s2)
+        K.slow_fill(x, 3.0, 0.2).enqueue_on(s1)
+        assert op.enqueue_on(s2)[0] is y
+        K.slow_fill(x, 5.0, 0.0).enqueue_on(s3)
+        await gf.wait_stream(s3)
+        np.testing.assert_array_equal(await get(y), np.full(4, 3.0, F32))
+        np.testing.assert_array_equal(await get(x), np.full(4, 5.0, F32))
+        K.slow_fill(y, 7.0, 0.2).enqueue_on(s3)
+        op.enqueue_on(s2)
+        np.testing.assert_array_equal(await get(y), np.full(4, 5.0, F32))
+
+
+@pytest.mark.sim_only  # the record of what the streams ran is the simulator's
+async def test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one() -> None:
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.ones(64, F32), 0)
+        op = comm.all_reduce([x], out=[await put(np.zeros(64, F32), 0)])
+        s1, s2 = gf.new_stream(0), gf.new_stream(0)
+        for _ in range(3):  # (planned on s2)
+            op.enqueue_on(s2)
+            await gf.wait_stream(s2)
+        with testing.record_activity() as activity:
+            K.slow_fill(await put(np.zeros(4, F32), 0), 1.0, 0.2).enqueue_on(s1)
+            comm.all_gather([x]).enqueue_on(s1)
+            op.enqueue_on(s2)
+            await gf.wait_stream(s1)
+            await gf.wait_stream(s2)
+    ran = {a.what: a for a in activity if a.what.startswith("nccl")}
+    first, second = ran["nccl all_gather"], ran["nccl all_reduce"]
+    assert second.start >= first.end, (first, second)
 
 
 @pytest.mark.sim_only  # the record of what the streams ran is the simulator's

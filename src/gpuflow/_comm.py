@@ -59,7 +59,7 @@ from ._errors import CommunicatorError, UsageError, UsageTypeError
 from ._hazards import Point, hazard_lock, order_after
 from ._loops import current_loop
 from ._operation import DeviceOperation
-from ._policy import DEFAULT_POLICY
+from ._policy import DEFAULT_POLICY, next_stream_from
 from ._run import _refuse_blocking, ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
 from ._scope import _Tracked
@@ -541,12 +541,15 @@ def _dtype_message(dt: np.dtype[Any]) -> str:
 
 
 class _Prepared(NamedTuple):
-    """One collective made ready: its calls, the uses to order, its output."""
+    """One collective made ready: its calls, the uses to order, its output;
+    for one call on the run's stream, kept for the next runs there, the
+    backend's issuer of it (:meth:`Backend.comm_issuer`)."""
 
     calls: list[tuple[Communicator, int, CollectiveCall, Stream]]
     reads: list[tuple[DeviceArray, Stream]]
     writes: list[tuple[DeviceArray, Stream]]
     output: Any
+    issue: Callable[[Any], None] | None = None
 
 
 class _Plan(NamedTuple):
@@ -620,6 +623,16 @@ class _Collective(DeviceOperation[Any]):
     def _p2p(self) -> bool:
         return self._what in ("send", "recv")
 
+    _has_home = True
+
+    def _stream_home(self, device: int) -> Stream | None:
+        # the stream of the rank's previous collective (read without the
+        # hazard lock, as the other ranks' in _part_stream: a stale one is
+        # only another stream, and any is correct)
+        devices = self._comm.devices
+        tail = self._comm._tails.get(devices.index(device) if device in devices else -1)
+        return None if tail is None else tail[0]
+
     def execute(self, ctx: ExecutionContext) -> Any:
         if len(self._comm.devices) > 1 and self._p2p:
             # NCCL: one thread driving several devices issues both ends together
@@ -628,7 +641,10 @@ class _Collective(DeviceOperation[Any]):
                 "match in one comm.group(comm.send(...), comm.recv(...))"
             )
         p = self._prepare(ctx)
-        _issue(ctx, [p])
+        if p.issue is not None:
+            _issue_one(ctx, p)
+        else:
+            _issue(ctx, [p])
         return p.output
 
     def _label(self) -> str:
@@ -717,10 +733,18 @@ class _Collective(DeviceOperation[Any]):
         comm = self._comm
         comm._usable()
         what = self._what
-        if ctx.capturing:
+        if ctx._capturing:
             raise UsageError(f"{what}: collectives cannot be captured into a graph")
         plan = self._plan
         if plan is not None and plan.holds(self._x, self._out):
+            memo = self._memo
+            if memo is not None and memo[0] is plan:
+                known = memo[1].get(ctx.stream)
+                if known is not None:
+                    # its arrays, on that stream's device, were usable then and
+                    # are while a run may start on the stream (a reset of the
+                    # device refuses the runs of every stream it had)
+                    return known
             return self._planned(ctx, plan)
         xs = {} if self._x is None else self._per_rank(self._x, ctx, "input")
         outs = {} if self._out is None else self._per_rank(self._out, ctx, "out")
@@ -745,7 +769,7 @@ class _Collective(DeviceOperation[Any]):
             if dev == ctx.device:
                 stream = ctx.stream
             else:  # another device's part: on a stream the default policy gives
-                stream = DEFAULT_POLICY.next_stream(dev)
+                stream = _part_stream(comm, i, dev)
             if o is None and what == "recv":
                 assert self._like is not None
                 o = _allocate(ctx, self._like[0], self._like[1], stream)
@@ -793,15 +817,10 @@ class _Collective(DeviceOperation[Any]):
 
     def _planned(self, ctx: ExecutionContext, plan: _Plan) -> _Prepared:
         """The run's calls from what an earlier run checked: only the arrays'
-        usability (a device reset since) and the streams are the run's own."""
+        usability (a device reset since) and the streams are the run's own
+        (a run on a stream where one ran from this plan takes that run's,
+        in :meth:`_prepare`)."""
         memo = self._memo
-        if memo is not None and memo[0] is plan:
-            known = memo[1].get(ctx.stream)
-            if known is not None:
-                # its arrays, on that stream's device, were usable then and
-                # are while a run may start on the stream (a reset of the
-                # device refuses the runs of every stream it had)
-                return known
         here = ctx.device
         comm = self._comm
         what = self._what
@@ -813,7 +832,7 @@ class _Collective(DeviceOperation[Any]):
             if dev == here:
                 stream = ctx.stream
             else:  # a stream the policy gives, maybe another at the next run
-                stream = DEFAULT_POLICY.next_stream(dev)
+                stream = _part_stream(comm, i, dev)
                 local = False
             if x is not None:
                 x._check_usable(ctx, what)
@@ -824,12 +843,24 @@ class _Collective(DeviceOperation[Any]):
                     o._check_usable(ctx, what)
                 writes.append((o, stream))
             calls.append((comm, i, call, stream))
-        prepared = _Prepared(calls, reads, writes, plan.output)
+        issue = None
+        if local and len(calls) == 1:  # (one rank of this process: the usual case)
+            comm_, i, call, _s = calls[0]
+            issue = ctx._runtime.backend.comm_issuer(comm_._usable()[i], call)
+        prepared = _Prepared(calls, reads, writes, plan.output, issue)
         if local:
             if memo is None or memo[0] is not plan or len(memo[1]) >= _MEMO_STREAMS:
                 self._memo = memo = (plan, {})
             memo[1][ctx.stream] = prepared
         return prepared
+
+
+def _part_stream(comm: Communicator, i: int, dev: int) -> Stream:
+    """The stream of local rank ``i``'s part of a run on another device: as
+    the default policy gives a collective its stream (its rank's previous
+    collective's, where that is idle)."""
+    tail = comm._tails.get(i)
+    return DEFAULT_POLICY.next_stream(dev) if tail is None else next_stream_from(tail[0], dev)
 
 
 class _Group(DeviceOperation[tuple[Any, ...]]):
@@ -853,6 +884,9 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
 def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
+    if len(prepared) == 1 and prepared[0].issue is not None:
+        _issue_one(ctx, prepared[0])
+        return
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     be = ctx._runtime.backend
     run = ctx._submission
@@ -890,3 +924,25 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
             comms.append(comm)
     for comm in comms:
         comm._started(here, run)
+
+
+def _issue_one(ctx: ExecutionContext, p: _Prepared) -> None:
+    """:func:`_issue` of one call on the run's stream, through its issuer."""
+    comm, i, _call, s = p.calls[0]
+    run = ctx._submission
+    with hazard_lock:
+        for arr, _ in p.reads:
+            arr._alloc.before_read(s, run)
+        for arr, _ in p.writes:
+            arr._alloc.before_write(s, run)
+        tails = comm._tails
+        tail = tails.get(i)
+        if tail is not None and tail[0] is not s:
+            order_after(ctx._runtime.backend, s, tail[0], tail[1])
+        tails[i] = (s, run)
+        assert p.issue is not None
+        p.issue(s._raw)
+    here = ctx.stream
+    if s is not here:  # (as in _issue; the memo is by the run's stream)
+        ctx.wait_for(s)
+    comm._started(here, run)

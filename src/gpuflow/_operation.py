@@ -172,6 +172,14 @@ class DeviceOperation(Generic[T]):
         operation is kept until the mark is reached."""
         return None
 
+    #: a run of it under the default policy asks :meth:`_stream_home` first
+    _has_home = False
+
+    def _stream_home(self, device: int) -> Stream | None:
+        """The stream of ``device`` a run of this operation would rather take
+        under the default policy, if it is idle (None: none)."""
+        return None
+
     # -- graphs and pictures ---------------------------------------------------------
     def capture(self, stream: Stream | None = None) -> Graph[T]:
         """Capture this operation's work into a replayable :class:`gpuflow.Graph`."""

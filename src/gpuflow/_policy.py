@@ -55,6 +55,12 @@ class StreamPoolLeastLoaded:
        not *stalled* (it finished nothing for ``stall_s`` seconds: long
        work).
 
+    A collective first looks at the stream of its communicator's previous
+    collective on the device, and takes it where step 1 would (nothing
+    pending, no lease): a rank runs a communicator's collectives in order
+    whatever their streams, and on that one stream the next needs no wait
+    on another.
+
     Streams added in step 2 stay for the life of the device's context (until
     ``gf.reset_device`` or a new ``init_device_contexts``) and take their
     turn in the rotation; on CUDA they are made when the runtime starts, so
@@ -181,3 +187,24 @@ class SingleStream:
 
 #: The policy of runs that name none, outside a stream lease.
 DEFAULT_POLICY: SchedulingPolicy = StreamPoolLeastLoaded()
+
+
+def next_stream_from(home: Stream, device: int) -> Stream:
+    """The default policy's stream for a run that would rather go back to
+    ``home`` (a collective: where its communicator's previous collective on
+    the device went): ``home`` where it is one of ``device``'s pool streams
+    with nothing pending that no stream lease holds, else the stream
+    :data:`DEFAULT_POLICY` gives.  A rank runs a communicator's collectives
+    in order whatever their streams, and on that one stream the next needs
+    no wait on another; an idle stream only, so that it queues behind
+    nothing."""
+    lane = home._lane
+    if (
+        home._device == device
+        and not home._syncs
+        and not home._leased
+        and (lane is None or lane.idle())
+        and home in home._runtime._streams.get(device, ())
+    ):
+        return home
+    return DEFAULT_POLICY.next_stream(device)

@@ -706,6 +706,55 @@ MUTATIONS = [
         ('tests/test_bridge.py::test_a_parked_await_wakes_with_its_run_and_raises_its_cancellation',),
     ),
     Mutation(
+        "C11",
+        "a collective run from its plan is not ordered after the rank's previous collective",
+        '_comm.py',
+        '            order_after(ctx._runtime.backend, s, tail[0], tail[1])\n'
+        '        tails[i] = (s, run)\n'
+        '        assert p.issue',
+        '            pass\n'
+        '        tails[i] = (s, run)\n'
+        '        assert p.issue',
+        ('tests/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
+    ),
+    Mutation(
+        "C12",
+        "a collective run from its plan reads before a write on another stream ends",
+        '_comm.py',
+        '        for arr, _ in p.reads:\n'
+        '            arr._alloc.before_read(s, run)\n',
+        '',
+        ('tests/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+    ),
+    Mutation(
+        "C13",
+        "a collective run from its plan writes before a write on another stream ends",
+        '_comm.py',
+        '        for arr, _ in p.writes:\n'
+        '            arr._alloc.before_write(s, run)\n'
+        '        tails = comm._tails\n',
+        '        tails = comm._tails\n',
+        ('tests/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+    ),
+    Mutation(
+        "C14",
+        "the default policy puts a collective after its previous one though that stream is busy",
+        '_policy.py',
+        '        and (lane is None or lane.idle())\n'
+        '        and home in',
+        '        and home in',
+        ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
+    ),
+    Mutation(
+        "C15",
+        "the default policy puts a collective on the stream a lease holds",
+        '_policy.py',
+        '        and not home._leased\n'
+        '        and (lane is None',
+        '        and (lane is None',
+        ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
+    ),
+    Mutation(
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
         '_interop.py',

@@ -394,6 +394,18 @@ class Backend(abc.ABC):
         :class:`gpuflow.CommunicatorError` where NCCL refuses them."""
         raise self._no_comms()
 
+    def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
+        """:meth:`comm_group` of ``call`` alone, with everything but the
+        stream fixed: called with a stream, it enqueues the call there, with
+        the same checks and errors.  Made once for the many runs of one
+        collective (a training loop's all-reduce); a backend may resolve
+        the call's arguments once."""
+
+        def issue(stream: Any) -> None:
+            self.comm_group(((comm, call, stream),))
+
+        return issue
+
     def comm_async_error(self, comm: Any) -> CommunicatorError | None:
         """The error the communicator reported since (a peer left, NCCL failed),
         if any.  Never blocks, never raises."""

@@ -873,6 +873,9 @@ class CudaBackend(CudaContexts):
             self._live(stream)
         self._nccl.group(calls)
 
+    def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
+        return self._nccl.issuer(comm, call)
+
     def comm_async_error(self, comm: Any) -> Any:
         return self._nccl.async_error(comm)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES
 
 if TYPE_CHECKING:
     from ._backend import CudaBackend
-    from ._handles import Dev
+    from ._handles import CudaStream, Dev
 
 _IN_PROGRESS = 7
 
@@ -62,6 +63,16 @@ class NcclComm:
 
     def __repr__(self) -> str:
         return f"<NCCL communicator rank {self.rank} of {self.nranks} on device {self.dev.index}>"
+
+
+def _gone(comm: NcclComm) -> CommunicatorError:
+    return CommunicatorError(
+        f"{comm!r} was aborted or destroyed",
+        code=NCCL_INVALID_USAGE,
+        name=NCCL_NAMES[NCCL_INVALID_USAGE],
+        device=comm.dev.index,
+        rank=comm.rank,
+    )
 
 
 def _error(exc: BaseException, what: str, comm: NcclComm | None) -> CommunicatorError:
@@ -149,22 +160,16 @@ class NcclComms:
                 others = others or comm.dev is not first
             for comm, _, _ in calls:
                 if comm.revoked or not comm.comm.is_valid:
-                    raise CommunicatorError(
-                        f"{comm!r} was aborted or destroyed",
-                        code=NCCL_INVALID_USAGE,
-                        name=NCCL_NAMES[NCCL_INVALID_USAGE],
-                        device=comm.dev.index,
-                        rank=comm.rank,
-                    )
+                    raise _gone(comm)
             self._be._cur(first)
             if len(calls) == 1:  # one call needs no group: two calls of NCCL's fewer
                 comm, call, stream = calls[0]
-                self._issue(b, types, ops, comm, call, int(stream.handle))
+                self._bound(b, types, ops, comm, call)(stream.handle)
             else:
                 b.group_start()
                 try:
                     for comm, call, stream in calls:
-                        self._issue(b, types, ops, comm, call, int(stream.handle))
+                        self._bound(b, types, ops, comm, call)(stream.handle)
                 finally:
                     b.group_end()
         except CommunicatorError:
@@ -182,32 +187,58 @@ class NcclComms:
             for lock in held:
                 lock.release()
 
+    def issuer(self, comm: NcclComm, call: CollectiveCall) -> Callable[[CudaStream], None]:
+        """:meth:`group` of ``call`` alone, its arguments resolved once: the
+        same lock, checks and errors, and one call of NCCL's a run."""
+        b, types, ops = self._tables()
+        bound = self._bound(b, types, ops, comm, call)
+        lock, nccl_comm, dev = comm.lock, comm.comm, comm.dev
+        be = self._be
+        live, cur, tls = be._live, be._cur, be._tls
+
+        def issue(stream: CudaStream) -> None:
+            sdev = stream.dev
+            if sdev.fault is not None or stream.token is not sdev.token or stream.destroyed:
+                live(stream)  # (raises what group() would)
+            with lock:
+                if comm.revoked or not nccl_comm.is_valid:
+                    raise _gone(comm)
+                try:
+                    if tls.token is not dev.token:  # (what _cur asks first, inline)
+                        cur(dev)
+                    bound(stream.handle)
+                except Exception as exc:
+                    raise _error(exc, f"enqueueing {call.kind}", comm) from exc
+
+        return issue
+
     @staticmethod
-    def _issue(
+    def _bound(
         b: Any,
         types: dict[np.dtype[Any], int],
         ops: dict[str, int],
         comm: NcclComm,
         call: CollectiveCall,
-        stream: int,
-    ) -> None:
+    ) -> Callable[[int], object]:
+        """NCCL's function for ``call`` on ``comm``, every argument but the
+        stream given (NCCL's calls take the communicator and the stream
+        last; a communicator's handle stays while it is valid)."""
         c = comm.comm._comm
         t = types[call.dtype]
         recv = 0 if call.recv is None else call.recv.ptr
         send = recv if call.send is None else call.send.ptr
         kind = call.kind
         if kind == "all_reduce":
-            b.all_reduce(send, recv, call.elems, t, ops[call.op or "sum"], c, stream)
-        elif kind == "broadcast":
-            b.broadcast(send, recv, call.elems, t, call.peer, c, stream)
-        elif kind == "all_gather":
-            b.all_gather(send, recv, call.elems, t, c, stream)
-        elif kind == "reduce_scatter":
-            b.reduce_scatter(send, recv, call.elems, t, ops[call.op or "sum"], c, stream)
-        elif kind == "send":
-            b.send(send, call.elems, t, call.peer, c, stream)
-        else:
-            b.recv(recv, call.elems, t, call.peer, c, stream)
+            return partial(b.all_reduce, send, recv, call.elems, t, ops[call.op or "sum"], c)
+        if kind == "broadcast":
+            return partial(b.broadcast, send, recv, call.elems, t, call.peer, c)
+        if kind == "all_gather":
+            return partial(b.all_gather, send, recv, call.elems, t, c)
+        if kind == "reduce_scatter":
+            return partial(b.reduce_scatter, send, recv, call.elems, t, ops[call.op or "sum"], c)
+        if kind == "send":
+            return partial(b.send, send, call.elems, t, call.peer, c)
+        return partial(b.recv, recv, call.elems, t, call.peer, c)
 
     def async_error(self, comm: NcclComm) -> CommunicatorError | None:
         b, _, _ = self._tables()
