@@ -54,7 +54,9 @@ def is_pending(value: Any) -> bool:
     if isinstance(value, Pending):
         return True
     if isinstance(value, (tuple, list)):  # (a tuple of types: no union made each call)
-        return any(is_pending(v) for v in value)
+        for v in value:  # (a loop, not any() of a generator: a run's output is asked)
+            if is_pending(v):
+                return True
     return False
 
 
@@ -62,8 +64,10 @@ def has_map(value: Any) -> bool:
     """Whether a host-side ``map`` waits for ``value`` to become valid."""
     if isinstance(value, PendingMap):
         return True
-    if isinstance(value, (tuple, list)):  # (a tuple of types: no union made each call)
-        return any(has_map(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if has_map(v):
+                return True
     return False
 
 
@@ -71,8 +75,9 @@ def resolve(value: Any) -> Any:
     """The output of a completed run: pending host values made concrete."""
     if isinstance(value, Pending):
         return value.resolve()
-    if isinstance(value, tuple) and any(is_pending(v) for v in value):
-        return tuple(resolve(v) for v in value)
-    if isinstance(value, list) and any(is_pending(v) for v in value):
-        return [resolve(v) for v in value]
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if is_pending(v):
+                made = [resolve(v) for v in value]
+                return tuple(made) if isinstance(value, tuple) else made
     return value
