@@ -641,10 +641,7 @@ class _Collective(DeviceOperation[Any]):
                 "match in one comm.group(comm.send(...), comm.recv(...))"
             )
         p = self._prepare(ctx)
-        if p.issue is not None:
-            _issue_one(ctx, p)
-        else:
-            _issue(ctx, [p])
+        _issue(ctx, [p])
         return p.output
 
     def _label(self) -> str:
@@ -884,9 +881,7 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
 def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
-    if len(prepared) == 1 and prepared[0].issue is not None:
-        _issue_one(ctx, prepared[0])
-        return
+    one = prepared[0].issue if len(prepared) == 1 else None
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     be = ctx._runtime.backend
     run = ctx._submission
@@ -906,7 +901,10 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
             if tail is not None and tail[0] is not s:
                 order_after(be, s, tail[0], tail[1])
             tails[i] = (s, run)
-        be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
+        if one is not None:  # (one call on the run's stream, run again: its issuer)
+            one(calls[0][3]._raw)
+        else:
+            be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
     here = ctx.stream
     if len(calls) == 1:  # (one device's rank: nothing to join)
         comm, _i, _call, s = calls[0]
@@ -925,24 +923,3 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     for comm in comms:
         comm._started(here, run)
 
-
-def _issue_one(ctx: ExecutionContext, p: _Prepared) -> None:
-    """:func:`_issue` of one call on the run's stream, through its issuer."""
-    comm, i, _call, s = p.calls[0]
-    run = ctx._submission
-    with hazard_lock:
-        for arr, _ in p.reads:
-            arr._alloc.before_read(s, run)
-        for arr, _ in p.writes:
-            arr._alloc.before_write(s, run)
-        tails = comm._tails
-        tail = tails.get(i)
-        if tail is not None and tail[0] is not s:
-            order_after(ctx._runtime.backend, s, tail[0], tail[1])
-        tails[i] = (s, run)
-        assert p.issue is not None
-        p.issue(s._raw)
-    here = ctx.stream
-    if s is not here:  # (as in _issue; the memo is by the run's stream)
-        ctx.wait_for(s)
-    comm._started(here, run)
