@@ -59,7 +59,7 @@ from ._errors import CommunicatorError, UsageError, UsageTypeError
 from ._hazards import Point, hazard_lock, order_after
 from ._loops import current_loop
 from ._operation import DeviceOperation
-from ._policy import DEFAULT_POLICY, next_stream_from
+from ._policy import DEFAULT_POLICY
 from ._run import _refuse_blocking, ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
 from ._scope import _Tracked
@@ -626,9 +626,10 @@ class _Collective(DeviceOperation[Any]):
     _has_home = True
 
     def _stream_home(self, device: int) -> Stream | None:
-        # the stream of the rank's previous collective (read without the
-        # hazard lock, as the other ranks' in _part_stream: a stale one is
-        # only another stream, and any is correct)
+        # the stream of the rank's previous collective, which the default
+        # policy looks at first (read without the hazard lock, as the other
+        # ranks' in _part_stream: a stale one is only another stream, and
+        # any is correct)
         devices = self._comm.devices
         tail = self._comm._tails.get(devices.index(device) if device in devices else -1)
         return None if tail is None else tail[0]
@@ -857,7 +858,7 @@ def _part_stream(comm: Communicator, i: int, dev: int) -> Stream:
     the default policy gives a collective its stream (its rank's previous
     collective's, where that is idle)."""
     tail = comm._tails.get(i)
-    return DEFAULT_POLICY.next_stream(dev) if tail is None else next_stream_from(tail[0], dev)
+    return DEFAULT_POLICY.next_stream(dev, None if tail is None else tail[0])
 
 
 class _Group(DeviceOperation[tuple[Any, ...]]):

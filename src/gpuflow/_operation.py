@@ -176,8 +176,8 @@ class DeviceOperation(Generic[T]):
     _has_home = False
 
     def _stream_home(self, device: int) -> Stream | None:
-        """The stream of ``device`` a run of this operation would rather take
-        under the default policy, if it is idle (None: none)."""
+        """The stream of ``device`` the default policy looks at first for a
+        run of this operation, taking it where it is free (None: none)."""
         return None
 
     # -- graphs and pictures ---------------------------------------------------------

@@ -55,11 +55,11 @@ class StreamPoolLeastLoaded:
        not *stalled* (it finished nothing for ``stall_s`` seconds: long
        work).
 
-    A collective first looks at the stream of its communicator's previous
-    collective on the device, and takes it where step 1 would (nothing
-    pending, no lease): a rank runs a communicator's collectives in order
-    whatever their streams, and on that one stream the next needs no wait
-    on another.
+    A collective's run looks first at the stream of its communicator's
+    previous collective on the device (``prefer``), and takes it where step
+    1 would (nothing pending, no lease): a rank runs a communicator's
+    collectives in order whatever their streams, and on that one stream
+    the next needs no wait on another.
 
     Streams added in step 2 stay for the life of the device's context (until
     ``gf.reset_device`` or a new ``init_device_contexts``) and take their
@@ -97,7 +97,22 @@ class StreamPoolLeastLoaded:
         counts as stalled."""
         return self._stall
 
-    def next_stream(self, device: int) -> Stream:
+    def next_stream(self, device: int, prefer: Stream | None = None) -> Stream:
+        """The stream of ``device`` for the next run: ``prefer`` first, where
+        it is one of the device's streams (gpuflow's runs of a collective
+        pass their rank's previous stream), then the rotation."""
+        if prefer is not None:
+            # step 1's test, made on that stream alone first (a collective
+            # run again after an awaited one: no loop, no rotation)
+            lane = prefer._lane
+            if (
+                not prefer._syncs
+                and not prefer._leased
+                and (lane is None or lane.idle())
+                and prefer._device == device
+                and prefer in prefer._runtime._streams.get(device, ())
+            ):
+                return prefer
         rt = get_runtime()
         streams = rt._streams.get(device) or rt.streams(device)  # (the latter raises)
         n = len(streams)
@@ -186,25 +201,5 @@ class SingleStream:
 
 
 #: The policy of runs that name none, outside a stream lease.
-DEFAULT_POLICY: SchedulingPolicy = StreamPoolLeastLoaded()
+DEFAULT_POLICY = StreamPoolLeastLoaded()
 
-
-def next_stream_from(home: Stream, device: int) -> Stream:
-    """The default policy's stream for a run that would rather go back to
-    ``home`` (a collective: where its communicator's previous collective on
-    the device went): ``home`` where it is one of ``device``'s pool streams
-    with nothing pending that no stream lease holds, else the stream
-    :data:`DEFAULT_POLICY` gives.  A rank runs a communicator's collectives
-    in order whatever their streams, and on that one stream the next needs
-    no wait on another; an idle stream only, so that it queues behind
-    nothing."""
-    lane = home._lane
-    if (
-        home._device == device
-        and not home._syncs
-        and not home._leased
-        and (lane is None or lane.idle())
-        and home in home._runtime._streams.get(device, ())
-    ):
-        return home
-    return DEFAULT_POLICY.next_stream(device)

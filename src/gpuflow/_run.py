@@ -29,7 +29,7 @@ from ._errors import UsageError, UsageTypeError
 from ._hazards import capture_log
 from ._loops import current_loop, running_loop_name
 from ._pending import has_map, is_pending, resolve
-from ._policy import DEFAULT_POLICY, SchedulingPolicy, next_stream_from
+from ._policy import DEFAULT_POLICY, SchedulingPolicy
 from ._runtime import Runtime, current_device
 from ._stream import Stream
 from ._submission import Submission
@@ -128,11 +128,7 @@ def _start(
                     break
             else:  # (the default policy is ours: it returns a Stream)
                 home = op._stream_home(device) if op._has_home else None
-                if home is None:
-                    stream = DEFAULT_POLICY.next_stream(device)
-                else:
-                    stream = next_stream_from(home, device)
-                policy = DEFAULT_POLICY
+                stream, policy = DEFAULT_POLICY.next_stream(device, home), DEFAULT_POLICY
         else:
             stream = _chosen(policy, device)
     elif not isinstance(stream, Stream):

@@ -733,20 +733,29 @@ MUTATIONS = [
     ),
     Mutation(
         "C14",
-        "the default policy puts a collective after its previous one though that stream is busy",
+        "the default policy takes a collective's previous stream though it is busy",
         '_policy.py',
-        '        and (lane is None or lane.idle())\n'
-        '        and home in',
-        '        and home in',
+        '                and (lane is None or lane.idle())\n'
+        '                and prefer._device',
+        '                and prefer._device',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
         "C15",
-        "the default policy puts a collective on the stream a lease holds",
+        "the default policy takes a collective's previous stream though a lease holds it",
         '_policy.py',
-        '        and not home._leased\n'
-        '        and (lane is None',
-        '        and (lane is None',
+        '                and not prefer._leased\n',
+        '',
+        ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
+    ),
+    Mutation(
+        "C16",
+        "the default policy looks past a collective's previous stream",
+        '_policy.py',
+        '        if prefer is not None:\n'
+        '            # step 1',
+        '        if False:\n'
+        '            # step 1',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
