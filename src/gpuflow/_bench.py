@@ -607,8 +607,8 @@ BENCHES = {
     "fanout": "a device group over two devices against one device (needs two)",
     "torch": "a PyTorch request (an MLP forward) awaited with gf.wait_stream, one and 64 in "
              "flight, against to_thread(torch.cuda.synchronize) (needs PyTorch and cuda)",
-    "nccl": "all-reduce bandwidth against nccl4py's own call, and an awaited 4-byte "
-            "all-reduce (needs nccl4py and cuda)",
+    "nccl": "all-reduce bandwidth against nccl4py's own call (alone, and eight in one "
+            "group), and an awaited 4-byte all-reduce (needs nccl4py and cuda)",
     "fault": "a faulting kernel to DeviceFaultError in its await, against the driver's "
              "first report (runs last: on cuda the fault lasts as long as the process)",
 }

@@ -10,6 +10,10 @@ same run, on the same communicator, buffers and streams:
   ended by one synchronize; algorithm bandwidth (bytes / time) and, with
   more than one rank, bus bandwidth (times ``2 (n - 1) / n``, nccl-tests'
   convention);
+* for the sizes below 64 MiB, where a call's host time bounds both sides,
+  the same all-reduce eight times into eight outputs as one run
+  (``comm.group``) against NCCL's eight calls in one group: what a step
+  with several collectives pays, as the performance guide advises;
 * a 4-byte all-reduce awaited, under every loop, against NCCL's call
   followed by a blocking ``cuStreamSynchronize``: in turns of 100, as
   every latency row of the bench, and (a reference) one by one, each just
@@ -44,10 +48,20 @@ def _raw_all_reduce(
 ) -> None:
     """NCCL's own all-reduce of ``xs`` into ``ys``, one group over the devices,
     ``reps`` times."""
+    _raw_grouped(nb, comms, xs, [ys], handles, count, dtype, op, reps)
+
+
+def _raw_grouped(
+    nb: Any, comms: list[Any], xs: list[gf.DeviceArray], outs: list[list[gf.DeviceArray]],
+    handles: list[int], count: int, dtype: int, op: int, reps: int = 1,
+) -> None:
+    """NCCL's own all-reduces of ``xs`` into each of ``outs`` (a list over
+    the devices each), all in one group over the devices, ``reps`` times."""
     for _ in range(reps):
         nb.group_start()
-        for c, x, y, h in zip(comms, xs, ys, handles, strict=True):
-            nb.all_reduce(x.ptr, y.ptr, count, dtype, op, c, h)
+        for ys in outs:
+            for c, x, y, h in zip(comms, xs, ys, handles, strict=True):
+                nb.all_reduce(x.ptr, y.ptr, count, dtype, op, c, h)
         nb.group_end()
 
 
@@ -101,6 +115,39 @@ async def _bandwidth_rows(
         bus = 2 * (n - 1) / n
         row(f"all-reduce {_label(nbytes)} busbw", mine * bus, "GB/s", "nccl4py call",
             base * bus, target, lower_is_better=False)
+    if nbytes < 64 * _MiB:
+        await _grouped_row(comm, nbytes, xs, s0, handles, nb, cu, f32, total)
+
+
+async def _grouped_row(
+    comm: gf.Communicator, nbytes: int, xs: list[gf.DeviceArray], s0: gf.Stream,
+    handles: list[int], nb: Any, cu: Any, f32: int, total: int, k: int = 8,
+) -> None:
+    """``k`` all-reduces of ``xs`` as one run (``comm.group``) against NCCL's
+    ``k`` calls in one group: algorithm bandwidth of the ``k`` together."""
+    raw_comms = [c.comm._comm for c in comm._raw or ()]
+    count = nbytes // 4
+    outs = []
+    for _ in range(k):
+        ys = []
+        for d in comm.devices:
+            with gf.use_device(d):
+                ys.append(await gf.zeros(count, np.float32))
+        outs.append(ys)
+    op = comm.group(*(comm.all_reduce(xs, out=ys) for ys in outs))
+    op.enqueue_on(s0)
+    for h in handles:
+        cu.cuStreamSynchronize(h)
+    reps = 5
+    per_group = _interleaved(
+        reps,
+        ours=lambda: [op.enqueue_on(s0) for _ in range(reps)],
+        raw=lambda: _raw_grouped(nb, raw_comms, xs, outs, handles, count, f32, total, reps),
+        finish=lambda: [cu.cuStreamSynchronize(h) for h in handles],
+    )
+    row(f"all-reduce {_label(nbytes)}, {k} in one group", k * nbytes / per_group["ours"] / 1e9,
+        "GB/s", f"nccl4py, {k} calls in a group", k * nbytes / per_group["raw"] / 1e9,
+        "(reference)", lower_is_better=False)
 
 
 async def _latencies(
