@@ -292,6 +292,24 @@ async def test_a_collective_run_again_refuses_arrays_of_a_reset_device() -> None
         np.testing.assert_array_equal(await get((await comm.all_reduce([z]))[0]), np.ones(6, F32))
 
 
+async def test_a_collective_of_a_replaced_runtime_names_its_array() -> None:
+    """Once gpuflow is initialised again, a collective run again refuses the
+    array of the replaced runtime it was given, naming it, as a first run
+    does, before anything is enqueued: the default policy, which looks first
+    at the stream of the rank's previous collective, never takes a stream
+    of the replaced runtime (the run then failed on that stream, which the
+    caller never named)."""
+    async with gf.open_communicator([0]) as comm:
+        x = await put(np.ones(6, F32), 0)
+        op = comm.all_reduce([x])
+        await op
+        await op  # (from the plan)
+        gf.init_device_contexts(backend=gf.current_backend())
+        for run in (op, comm.all_reduce([x])):  # planned, then first
+            with pytest.raises(gf.UsageError, match=r"all_reduce\(\) input: .*DeviceArray"):
+                await run
+
+
 async def test_broadcast_all_gather_and_reduce_scatter() -> None:
     devs = devices()
     n = len(devs)

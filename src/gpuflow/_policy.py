@@ -57,9 +57,11 @@ class StreamPoolLeastLoaded:
 
     A collective's run looks first at the stream of its communicator's
     previous collective on the device (``prefer``), and takes it where step
-    1 would (nothing pending, no lease): a rank runs a communicator's
-    collectives in order whatever their streams, and on that one stream
-    the next needs no wait on another.
+    1 would (nothing pending, no lease) while it is one of the device's
+    streams (not one that a reset or a new ``init_device_contexts``
+    retired): a rank runs a communicator's collectives in order whatever
+    their streams, and on that one stream the next needs no wait on
+    another.
 
     Streams added in step 2 stay for the life of the device's context (until
     ``gf.reset_device`` or a new ``init_device_contexts``) and take their
@@ -101,19 +103,20 @@ class StreamPoolLeastLoaded:
         """The stream of ``device`` for the next run: ``prefer`` first, where
         it is one of the device's streams (gpuflow's runs of a collective
         pass their rank's previous stream), then the rotation."""
+        rt = get_runtime()
         if prefer is not None:
             # step 1's test, made on that stream alone first (a collective
-            # run again after an awaited one: no loop, no rotation)
+            # run again after an awaited one: no loop, no rotation); never a
+            # stream of a runtime replaced since, nor one a reset retired
             lane = prefer._lane
             if (
                 not prefer._syncs
                 and not prefer._leased
                 and (lane is None or lane.idle())
                 and prefer._device == device
-                and prefer in prefer._runtime._streams.get(device, ())
+                and prefer in rt._streams.get(device, ())
             ):
                 return prefer
-        rt = get_runtime()
         streams = rt._streams.get(device) or rt.streams(device)  # (the latter raises)
         n = len(streams)
         start = next(self._counter) % n

@@ -759,6 +759,14 @@ MUTATIONS = [
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
+        "C17",
+        "the default policy takes a collective's previous stream from a runtime replaced since",
+        '_policy.py',
+        '                and prefer in rt._streams.get(device, ())\n',
+        '                and prefer in prefer._runtime._streams.get(device, ())\n',
+        ('tests/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
+    ),
+    Mutation(
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
         '_interop.py',
