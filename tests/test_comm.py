@@ -297,8 +297,8 @@ async def test_a_collective_of_a_replaced_runtime_names_its_array() -> None:
     array of the replaced runtime it was given, naming it, as a first run
     does, before anything is enqueued: the default policy, which looks first
     at the stream of the rank's previous collective, never takes a stream
-    of the replaced runtime (the run then failed on that stream, which the
-    caller never named)."""
+    of the replaced runtime (the run would fail there, naming a stream the
+    caller never gave)."""
     async with gf.open_communicator([0]) as comm:
         x = await put(np.ones(6, F32), 0)
         op = comm.all_reduce([x])
