@@ -923,4 +923,3 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
             comms.append(comm)
     for comm in comms:
         comm._started(here, run)
-
