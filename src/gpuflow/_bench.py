@@ -311,7 +311,17 @@ def bench_chain_and_graph(mod: gf.Module, quick: bool, cuda: bool) -> None:
             "op.sync() after every kernel", sync_each, ">= 10x faster (<= 0.1x)")
 
 
-def bench_host_function_hold(cuda: bool) -> None:
+def bench_host_function_hold(mod: gf.Module, cuda: bool) -> None:
+    """How long the stream is held between two events recorded around a
+    mark or a wake-up while the loop's thread runs Python (holding the GIL).
+
+    Behind 1 ms of work, the three are enqueued before the GPU reaches
+    them, so the events' interval is the GPU's own: the hold.  On an idle
+    stream (reference) the interval also spans the host's enqueue of the
+    mark and of the second event, during which the GPU waits for the host,
+    not for the mark.  The wake-up is a host function: beside it, the
+    driver's own hold for a host function that does nothing (libc's
+    ``getpid``, enqueued with ``cuLaunchHostFunc``), behind the same work."""
     if not cuda:
         return
     from cuda.bindings import driver as cu
@@ -322,6 +332,7 @@ def bench_host_function_hold(cuda: bool) -> None:
     e0 = cu.cuEventCreate(0)[1]
     e1 = cu.cuEventCreate(0)[1]
     op = gf.value(None)
+    ahead = mod.spin(gf.LaunchConfig(1, 1), 1_000_000)
     backend = get_runtime().backend
 
     def close_a_pipe() -> None:  # what a loop that goes to sleep enqueues
@@ -335,26 +346,54 @@ def bench_host_function_hold(cuda: bool) -> None:
     def silent() -> None:  # what a run no task awaits enqueues (enqueue_on)
         op.enqueue_on(stream)
 
+    getpid = ctypes.cast(ctypes.CDLL(None).getpid, ctypes.c_void_p).value
+    launch_host_func = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    launch_host_func.argtypes = [ctypes.c_void_p] * 3
+
+    def host_function() -> None:  # the driver's own: no pipe, no gpuflow
+        if launch_host_func(stream.__cuda_stream__()[1], getpid, None):
+            raise RuntimeError("cuLaunchHostFunc failed")
+
     pipes: list[int] = []
     kinds: list[tuple[str, Callable[[], None]]] = [
         ("completion mark (an awaited run's)", awaited),
         ("silent mark (enqueue_on's)", silent),
         ("pipe wake-up (a sleeping loop)", close_a_pipe),
     ]
-    for what, enqueue in kinds:
-        held = []
+
+    def hold(enqueues: list[Callable[[], None]], behind: bool) -> list[float]:
+        """The median hold of each of ``enqueues``, taking turns."""
+        held: list[list[float]] = [[] for _ in enqueues]
         for _ in range(15):
-            cu.cuEventRecord(e0, s)
-            enqueue()
-            cu.cuEventRecord(e1, s)
-            t0 = time.perf_counter()
-            x = 0
-            while time.perf_counter() - t0 < 0.02:  # the GIL is held by pure Python
-                x += 1
-            stream.synchronize()
-            held.append(cu.cuEventElapsedTime(e0, e1)[1])
-        row(f"host function hold, GIL busy: {what}", statistics.median(held), "ms",
-            "GIL-taking callback (DESIGN.md)", 5.2, "<= 0.2 ms")
+            for enqueue, samples in zip(enqueues, held, strict=True):
+                if behind:
+                    ahead.enqueue_on(stream)
+                cu.cuEventRecord(e0, s)
+                enqueue()
+                cu.cuEventRecord(e1, s)
+                t0 = time.perf_counter()
+                x = 0
+                while time.perf_counter() - t0 < 0.02:  # the GIL is held by pure Python
+                    x += 1
+                stream.synchronize()
+                samples.append(cu.cuEventElapsedTime(e0, e1)[1])
+        return [statistics.median(samples) for samples in held]
+
+    for behind in (True, False):
+        for what, enqueue in kinds:
+            if behind and enqueue is close_a_pipe:
+                held, floor = hold([enqueue, host_function], behind)
+            else:
+                (held,) = hold([enqueue], behind)
+            if behind:
+                row(f"hold, GIL busy: {what}", held, "ms",
+                    "GIL-taking callback (DESIGN.md)", 5.2, "<= 0.2 ms")
+            else:
+                row(f"hold, idle stream, the host's enqueue in it: {what}", held, "ms",
+                    "GIL-taking callback (DESIGN.md)", 5.2, "(reference)")
+            if behind and enqueue is close_a_pipe:
+                row(f"hold, GIL busy: {what}", held, "ms",
+                    "a host function doing nothing (the driver's)", floor, "(reference)")
     for r in pipes:
         os.close(r)
 
@@ -599,7 +638,8 @@ BENCHES = {
     "chain": "a 132-kernel then chain awaited once, and its captured graph replayed, "
              "against a sync after every kernel and the raw driver",
     "hold": "how long a completion mark and a sleeping loop's wake-up hold their "
-            "stream while Python holds the GIL (cuda only)",
+            "stream while Python holds the GIL, behind 1 ms of work (the wake-up also "
+            "beside a host function that does nothing) and on an idle stream (cuda only)",
     "lease": "a task in a stream lease cancelled 5 ms into 20 ms of GPU work: how long "
              "after the work's end the lease is left",
     "deadlines": "a service with per-request deadlines: the fast requests that miss, "
@@ -687,7 +727,7 @@ def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None
     if "chain" in only:
         bench_chain_and_graph(mod, quick, cuda)
     if "hold" in only:
-        bench_host_function_hold(cuda)
+        bench_host_function_hold(mod, cuda)
     if "lease" in only:
         bench_lease_exit(mod, quick)
     if "deadlines" in only:
