@@ -634,7 +634,8 @@ BENCHES = {
     "cpu": "the CPU an idle runtime uses over a second, and the CPU of one awaited "
            "1-second kernel",
     "poll": "one turn of a loop's poller that completes nothing",
-    "inflight": "200 short requests with 32 in flight against 8, and the latency at 32",
+    "inflight": "200 short requests with 32 in flight against 8 (medians of three "
+                "runs each, in turns), and the latency at 32",
     "chain": "a 132-kernel then chain awaited once, and its captured graph replayed, "
              "against a sync after every kernel and the raw driver",
     "hold": "how long a completion mark and a sleeping loop's wake-up hold their "
