@@ -967,6 +967,41 @@ async def test_wait_stream_of_a_stream_being_captured_is_refused() -> None:
     await gf.wait_stream(fake.own)  # (waits again once the capture ended)
 
 
+class _Tracker:
+    """A structured scope that only records the runs started inside it."""
+
+    stream = None
+
+    def __init__(self) -> None:
+        self.runs: list[gf.lowlevel.Submission] = []
+
+    def track(self, sub: gf.lowlevel.Submission) -> None:
+        self.runs.append(sub)
+
+
+@pytest.mark.anyio
+async def test_a_refused_wait_stream_leaves_no_run_in_flight() -> None:
+    """A wait refused before anything was enqueued (its stream is being
+    captured) is a run that ended: a scope that tracked it would otherwise
+    wait for it for ever (a stream lease's exit, which is shielded)."""
+    from gpuflow._run import current_scopes
+
+    fake = FakeLib()
+    be = backend()
+    tracker = _Tracker()
+    token = current_scopes.set((*current_scopes.get(), tracker))
+    be.begin_capture(fake._own_raw)
+    try:
+        with pytest.raises(gf.UsageError, match="captured into a graph"):
+            await gf.wait_stream(fake.own)
+    finally:
+        be.end_capture(fake._own_raw)
+        current_scopes.reset(token)
+    assert len(tracker.runs) == 1
+    assert tracker.runs[0].done, "the refused run is still in flight"
+    assert isinstance(tracker.runs[0].error, gf.UsageError)
+
+
 @pytest.mark.parametrize("default", [0, 1, 2])
 def test_wait_stream_on_a_default_stream(default: int) -> None:
     fake = FakeLib()

@@ -780,7 +780,7 @@ MUTATIONS = [
         '_run.py',
         '        if not sub.done:  # refused (a fault fails it instead)\n',
         '        if False:\n',
-        ('tests/test_interop.py::test_wait_stream_of_a_stream_being_captured_is_refused',),
+        ('tests/test_interop.py::test_a_refused_wait_stream_leaves_no_run_in_flight',),
     ),
     Mutation(
         "W3",
