@@ -392,7 +392,7 @@ def bench_host_function_hold(mod: gf.Module, cuda: bool) -> None:
                 row(f"hold, idle stream, the host's enqueue in it: {what}", held, "ms",
                     "GIL-taking callback (DESIGN.md)", 5.2, "(reference)")
             if behind and enqueue is close_a_pipe:
-                row(f"hold, GIL busy: {what}", held, "ms",
+                row(f"hold, GIL busy: {what}, against the driver's", held, "ms",
                     "a host function doing nothing (the driver's)", floor, "(reference)")
     for r in pipes:
         os.close(r)
