@@ -319,6 +319,65 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("between", ["sleeps", "computes", "is kept from running"])
+async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
+    between: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone await whose run is done when it looks yields to its loop once
+    its task has not let the loop run for ``YIELD_EVERY_S``: between awaits
+    that computed (the loop thread ran all along, the loop never turned) it
+    yields every time, as where the system kept the thread from running;
+    between awaits that slept (the loop turned, in its selector) it does
+    not, for a turn after an idle gap costs as much as a short run (under
+    uvloop, whose ready callbacks gpuflow cannot see, it does not yield in
+    their stead either).
+
+    The thread's CPU time and waits are the system's where it slept; where
+    it ran or was kept from running they are made up (that much CPU time,
+    no wait), for a machine's other load would make them so only by chance."""
+    from gpuflow import _bridge, _submission
+
+    reinit(busy_poll_us=2_000_000)
+    x = await gf.zeros(64, F32)
+    real_spin = _bridge.Dispatcher.spin
+
+    def spin_once_done(self: Any, loop: Any, lane: Any, number: int) -> bool:
+        # sim's device is a thread of this process: the spin, holding the
+        # GIL, would see it done only by chance; here it always does
+        while lane.read() < number:
+            time.sleep(1e-4)
+        return bool(real_spin(self, loop, lane, number))
+
+    monkeypatch.setattr(_bridge.Dispatcher, "spin", spin_once_done)
+    if between != "sleeps":
+        share = 1.0 if between == "computes" else 0.1  # (of the time, the thread ran)
+        t0 = time.perf_counter()
+        monkeypatch.setattr(
+            _submission, "_thread_usage", lambda: ((time.perf_counter() - t0) * share, 0)
+        )
+    yields = [0]
+    counting = [False]
+    checkpoint = anyio.lowlevel.checkpoint  # (the one the await yields at)
+
+    async def counted() -> None:
+        yields[0] += counting[0]
+        await checkpoint()
+
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    rounds = 4
+    for i in range(-1, rounds):  # (the first, uncounted, as the others began)
+        if between == "sleeps":
+            await anyio.sleep(0.01)
+        else:  # the loop does not turn
+            time.sleep(0.005)
+        counting[0] = i >= 0
+        await K.slow_fill(x, float(i), 0.0)
+        counting[0] = False
+    assert yields[0] == (0 if between == "sleeps" else rounds)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, rounds - 1.0, F32))
+
+
+@pytest.mark.anyio
 async def test_a_lone_await_past_its_spin_reads_its_word_at_its_own_turns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -923,7 +982,8 @@ class _StoppedLoop:
         self.watched: list[int] = []
         self.kicks = 0
         self.ended = False
-        self.yielded = self.asked = 0.0
+        self.yielded = self.asked = self.slept_cpu = 0.0
+        self.slept_waits = 0
         self.awaiting = 0
         self.checkpoint_if_cancelled: Any = anyio.lowlevel.checkpoint_if_cancelled
         self.checkpoint: Any = anyio.lowlevel.checkpoint

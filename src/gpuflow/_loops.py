@@ -60,6 +60,10 @@ class Loop(Protocol):
     #: When a task of this loop last let the others run at one of gpuflow's
     #: awaits (``time.perf_counter``): see ``_submission.YIELD_EVERY_S``.
     yielded: float
+    #: The loop thread's CPU time and count of voluntary context switches
+    #: when an await last asked whether it slept: see ``_submission._slept``.
+    slept_cpu: float
+    slept_waits: int
     #: When such an await last asked :meth:`others_ready`.
     asked: float
     #: How many of its tasks are inside a gpuflow await now (parked, or
@@ -192,13 +196,14 @@ def _wake_future(fut: asyncio.Future[None]) -> None:
 class _Asyncio:
     __slots__ = (
         "_loop", "_new_future", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
-        "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "target",
-        "yielded",
+        "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "slept_cpu",
+        "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = self.target = loop
-        self.yielded = self.asked = 0.0
+        self.yielded = self.asked = self.slept_cpu = 0.0
+        self.slept_waits = 0
         self.awaiting = 0
         # the callbacks the loop runs in its next turn: asyncio's own loop
         # keeps them in a deque (uvloop keeps them where Python cannot see)
@@ -316,13 +321,14 @@ class _Trio:
     __slots__ = (
         "_ended", "_runq", "_statistics", "_trap", "_trio", "asked", "awaiting", "call_soon",
         "checkpoint", "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s",
-        "target", "yielded",
+        "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
         self._trio = trio
         self._ended = False
-        self.yielded = self.asked = 0.0
+        self.yielded = self.asked = self.slept_cpu = 0.0
+        self.slept_waits = 0
         self.awaiting = 0
         self._statistics = trio.lowlevel.current_statistics
         # current_statistics, the only public count of runnable tasks,

@@ -32,13 +32,10 @@ from ._loops import Loop, current_loop
 if TYPE_CHECKING:
     from ._bridge import _Lane
 
-#: An await whose run is done before it would park (an inline spin saw it
-#: done) yields to the loop when another task or callback is ready to run
-#: (asked at most every ``Loop.ready_check_s``), or when the loop's tasks
-#: have not been let run at one of gpuflow's awaits for this long: a lone
-#: task awaiting short kernels back to back skips the loop turns in
-#: between, and others still run.
-YIELD_EVERY_S = 1e-3
+try:
+    import resource as _resource
+except ImportError:  # (Windows)
+    _resource = None  # type: ignore[assignment]
 
 #: A loop's non-blocking post (``Loop.post``).
 Poster = Callable[[Callable[[], object]], object]
@@ -47,6 +44,54 @@ Waiter = tuple[Loop, Any]
 #: Wake-ups for other loops, gathered to post once per loop: by ``id`` of
 #: the loop's target, that target, its post, and the wake-ups.
 Posts = dict[int, tuple[Any, Poster, list[Callable[[], object]]]]
+
+
+#: Where the system counts a thread's own waits (Linux).
+_BY_THREAD: int | None = getattr(_resource, "RUSAGE_THREAD", None)
+
+
+def _thread_usage() -> tuple[float, int] | None:
+    """The calling thread's CPU time and count of voluntary context switches
+    (waits) so far; None where the system does not count them by thread.
+    (The CPU time is the thread's clock: the one ``getrusage`` gives may
+    count, a millisecond late, time the thread spent running before.)"""
+    if _BY_THREAD is None:
+        return None
+    return time.thread_time(), _resource.getrusage(_BY_THREAD).ru_nvcsw
+
+
+#: An await whose run is done before it would park (an inline spin saw it
+#: done) yields to the loop when another task or callback is ready to run
+#: (asked at most every ``Loop.ready_check_s``), or when the loop's tasks
+#: have not been let run at one of gpuflow's awaits for this long: a lone
+#: task awaiting short kernels back to back skips the loop turns in
+#: between, and others still run.  No turn is owed where the loop's thread
+#: slept for most of that time (:func:`_slept`).
+YIELD_EVERY_S = 1e-3
+
+
+def _slept(loop: Loop, since: float) -> bool:
+    """Whether ``loop``'s thread (running this) slept for most of the
+    ``since`` seconds since a task of the loop last let it run at one of
+    gpuflow's awaits: it ran for less than half of them, and waited (a
+    voluntary context switch) at least once.  Such a thread slept in its
+    selector, most likely: its task awaited something else, and the loop
+    turned.  A turn is then not owed, and right after such a gap it costs
+    as much as a short run (a cold cache, a slow clock).
+
+    A thread kept from running by the system's scheduler alone made no such
+    switch, and owes its turn.  One kept from the GIL by another thread did
+    make one, and yields at its next millisecond of running instead.  What
+    is compared is counted from the previous call (an older time than the
+    turn ``since`` is counted from, where the task parked meanwhile): the
+    CPU time is then more, and a turn rather owed."""
+    used = _thread_usage()
+    if used is None:
+        return False
+    cpu, waits = used
+    slept = waits > loop.slept_waits and cpu - loop.slept_cpu < since / 2
+    loop.slept_cpu, loop.slept_waits = cpu, waits
+    return slept
 
 
 def post(target: Any, poster: Poster, fns: list[Callable[[], object]]) -> None:
@@ -248,13 +293,15 @@ class Submission:
                     budget = await d.poll_alone(loop, self)
             if self.done:
                 now = time.perf_counter()
-                if now - loop.yielded >= YIELD_EVERY_S:
-                    yield_now = True
-                elif now - loop.asked >= loop.ready_check_s:
+                yield_now = False
+                since = now - loop.yielded
+                if since >= YIELD_EVERY_S:
+                    yield_now = not _slept(loop, since)
+                    if not yield_now:  # (the loop turned meanwhile)
+                        loop.yielded = loop.asked = now
+                if not yield_now and now - loop.asked >= loop.ready_check_s:
                     loop.asked = now
                     yield_now = loop.others_ready()
-                else:
-                    yield_now = False
                 if yield_now:
                     loop.yielded = now
                     await anyio.lowlevel.checkpoint()

@@ -966,6 +966,22 @@ MUTATIONS = [
         '        _free(self.buffer, self.uses())\n',
         ('tests/test_lifetimes.py',),
     ),
+    Mutation(
+        "Y1",
+        "a lone await never owes its loop a turn once a millisecond has passed",
+        '_submission.py',
+        '                    yield_now = not _slept(loop, since)\n',
+        '                    yield_now = False\n',
+        ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
+    ),
+    Mutation(
+        "Y2",
+        "a loop thread the system kept from running counts as one that slept, its loop turning",
+        '_submission.py',
+        '    slept = waits > loop.slept_waits and cpu - loop.slept_cpu < since / 2\n',
+        '    slept = cpu - loop.slept_cpu < since / 2\n',
+        ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
+    ),
 ]
 
 
