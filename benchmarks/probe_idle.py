@@ -58,6 +58,35 @@ def _spin_wait(gap: float) -> None:
         pass
 
 
+def _blocking(
+    empty: gf.DeviceOperation[None],
+    stream: gf.Stream,
+    raw: Any,
+    gap: float,
+    wait: Callable[[float], None],
+    out: dict[str, list[float]],
+) -> dict[str, list[float]]:
+    """The raw path ``RUNS`` times after ``wait(gap)``: seconds of the
+    ``enqueue_on`` call, of the ``cuStreamSynchronize`` after it, and whole,
+    added to ``out``."""
+    from cuda.bindings import driver as cu
+
+    for name in ("enqueue_on", "cuStreamSynchronize", "whole"):
+        out.setdefault(name, [])
+    for _ in range(RUNS):
+        if gap:
+            wait(gap)
+        t0 = time.perf_counter()
+        empty.enqueue_on(stream)
+        t1 = time.perf_counter()
+        cu.cuStreamSynchronize(raw)
+        t2 = time.perf_counter()
+        out["enqueue_on"].append(t1 - t0)
+        out["cuStreamSynchronize"].append(t2 - t1)
+        out["whole"].append(t2 - t0)
+    return out
+
+
 def main() -> None:
     from cuda.bindings import driver as cu
 
@@ -71,15 +100,7 @@ def main() -> None:
         return
 
     def blocking(gap: float, wait: Callable[[float], None]) -> list[float]:
-        out = []
-        for _ in range(RUNS):
-            if gap:
-                wait(gap)
-            t0 = time.perf_counter()
-            empty.enqueue_on(stream)
-            cu.cuStreamSynchronize(raw)
-            out.append(time.perf_counter() - t0)
-        return out
+        return _blocking(empty, stream, raw, gap, wait, {})["whole"]
 
     async def awaited(gap: float) -> list[float]:
         out = []
@@ -102,8 +123,6 @@ def main() -> None:
 
 
 def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None:
-    from cuda.bindings import driver as cu
-
     # when the await's submission ended, and when its run was first seen done
     marks: dict[str, float] = {}
     submit, advance = _bridge.Dispatcher.submit, _bridge.Dispatcher._advance
@@ -145,19 +164,6 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
             out["seen done to resumed"].append(t1 - seen)
             out["whole await"].append(t1 - t0)
 
-    def blocking(gap: float, out: dict[str, list[float]]) -> None:
-        for _ in range(RUNS):
-            if gap:
-                time.sleep(gap)
-            t0 = time.perf_counter()
-            empty.enqueue_on(stream)
-            t1 = time.perf_counter()
-            cu.cuStreamSynchronize(raw)
-            t2 = time.perf_counter()
-            out["enqueue_on"].append(t1 - t0)
-            out["cuStreamSynchronize"].append(t2 - t1)
-            out["whole"].append(t2 - t0)
-
     def show(what: str, out: dict[str, list[float]]) -> None:
         print(f"  {what}")
         for piece, took in out.items():
@@ -166,7 +172,6 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
     print("an empty kernel after a gap, in pieces: median of 60 (90th percentile), asyncio")
     for gap in (0.0, 0.001, 0.01):
         print(f"gap {gap * 1e3:2.0f} ms")
-        raw_out: dict[str, list[float]] = {"enqueue_on": [], "cuStreamSynchronize": [], "whole": []}
         names = ("start to submitted", "submitted to seen done", "seen done to resumed",
                  "whole await")  # fmt: skip
         ways = {
@@ -176,8 +181,9 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
         }
         outs: dict[str, dict[str, list[float]]] = {w: {n: [] for n in names} for w in ways}
         yields = dict.fromkeys(ways, 0)
+        raw_out: dict[str, list[float]] = {}
         for _ in range(2):  # (in turns)
-            blocking(gap, raw_out)
+            _blocking(empty, stream, raw, gap, time.sleep, raw_out)
             for way, (every, measure) in ways.items():
                 _submission.YIELD_EVERY_S = every
                 _submission._thread_usage = measure

@@ -380,15 +380,14 @@ def bench_host_function_hold(mod: gf.Module, cuda: bool) -> None:
         return [statistics.median(samples) for samples in held]
 
     for what, enqueue in kinds:  # behind 1 ms of work: the hold itself
-        if enqueue is close_a_pipe:
-            held, floor = hold([enqueue, host_function], True)
-        else:
-            (held,) = hold([enqueue], True)
+        # (the wake-up, a host function, in turns with the driver's own)
+        held, *floor = hold([enqueue, host_function] if enqueue is close_a_pipe else [enqueue],
+                            True)
         row(f"hold, GIL busy: {what}", held, "ms", "GIL-taking callback (DESIGN.md)", 5.2,
             "<= 0.2 ms")
-        if enqueue is close_a_pipe:
+        for driver in floor:
             row(f"hold, GIL busy: {what}, against the driver's", held, "ms",
-                "a host function doing nothing (the driver's)", floor, "(reference)")
+                "a host function doing nothing (the driver's)", driver, "(reference)")
     for what, enqueue in kinds:
         (held,) = hold([enqueue], False)
         row(f"hold, idle stream, the host's enqueue in it: {what}", held, "ms",
