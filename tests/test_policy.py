@@ -270,3 +270,80 @@ async def test_from_the_first_request_no_fast_run_queues_behind_slow_work() -> N
     assert queued == [], f"fast runs queued behind pending work: {queued[:10]}"
     assert len(gf.lowlevel.pool_streams()) > POOL  # it grew to serve the burst
     assert len(missed) <= 1, f"fast requests that missed their deadline: {missed}"
+
+
+async def test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work() -> None:
+    """200 requests started at once, more than the pool's bound of 32
+    streams: 20 run 0.5 s of GPU work, 180 run 5 ms, each under a 0.3 s
+    deadline.  The 20 long kernels leave twelve streams to the short ones,
+    so no fast request needs to wait behind a long kernel: every run starts
+    on a stream with nothing pending (the awaits that find every stream
+    busy wait for one to go idle), and no fast request misses."""
+    queued: list[tuple[int, int]] = []  # (request, runs pending on its stream) where > 0
+    misses = {"fast": 0, "slow": 0}
+
+    def seen(i: int, op: gf.DeviceOperation[Any]) -> gf.DeviceOperation[Any]:
+        def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+            if ctx.stream.load():
+                queued.append((i, ctx.stream.load()))
+            return op
+
+        return gf.with_context(fn)
+
+    async def request(i: int, seconds: float, kind: str) -> None:
+        op = seen(i, gf.to_host(K.slow_fill(gf.zeros(N, F32), 1.0, seconds, n=N)))
+        with anyio.move_on_after(0.3):
+            await op
+            return
+        misses[kind] += 1
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            slow = i % 10 == 0
+            tg.start_soon(request, i, 0.5 if slow else 0.005, "slow" if slow else "fast")
+    while testing.pending_runs():  # the abandoned slow work, still running
+        await anyio.sleep(0.01)
+    assert len(gf.lowlevel.pool_streams()) == 32  # the burst took the pool to its bound
+    assert queued == [], f"runs started behind pending work: {queued[:10]}"
+    assert misses == {"fast": 0, "slow": 20}
+
+
+async def test_awaits_that_find_every_stream_busy_wait_in_turn_and_cancel_cleanly() -> None:
+    """At the bound with every stream busy, awaits wait for a stream to go
+    idle, in the order they came; one cancelled while it waits enqueues
+    nothing and passes its turn on; a blocking run cannot wait and takes
+    the least-loaded stream."""
+    policy = gf.StreamPoolLeastLoaded(max_streams=POOL)
+    pool = gf.lowlevel.pool_streams()
+    x = await gf.zeros(N, F32)
+    for stream, seconds in zip(pool, [0.3, 0.4, 0.5, 0.6], strict=True):
+        K.slow_fill(x, 1.0, seconds).enqueue_on(stream)
+    order: list[str] = []
+    seen: list[gf.Stream] = []
+
+    async def request(name: str, deadline: float) -> None:
+        with anyio.move_on_after(deadline):
+            await probe(seen, gf.with_context(lambda ctx: gf.value(order.append(name)))).run(
+                policy
+            )
+
+    assert policy.idle_stream(0) is None
+    async with anyio.create_task_group() as tg:
+        for name, deadline in [("a", 5.0), ("cancelled", 0.05), ("b", 5.0), ("c", 5.0)]:
+            tg.start_soon(request, name, deadline)
+            await anyio.sleep(0.01)  # (each request waits before the next starts)
+        await anyio.sleep(0.1)
+        assert order == []  # nobody took a busy stream
+    assert order == ["a", "b", "c"]
+    # each took the stream that went idle first: the shortest work's, which
+    # each left idle again long before the next went idle
+    assert seen == [pool[0]] * 3
+    while testing.pending_runs():
+        await anyio.sleep(0.01)
+    patient = gf.StreamPoolLeastLoaded(max_streams=POOL, stall_s=60)
+    for stream, runs in zip(pool, [2, 1, 2, 2], strict=True):
+        for _ in range(runs):
+            K.slow_fill(x, 1.0, 0.1).enqueue_on(stream)
+    blocking: list[gf.Stream] = []
+    await anyio.to_thread.run_sync(lambda: probe(blocking).sync(patient))
+    assert blocking == [pool[1]]

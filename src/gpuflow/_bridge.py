@@ -65,6 +65,7 @@ from typing import Any
 
 from ._backends._base import Backend
 from ._errors import DeviceError, DeviceFaultError
+from ._handoff import Handoff, Ticket
 from ._loops import Loop
 from ._statistics import CompletionStatistics
 from ._submission import Communicating, Posts, Submission, post
@@ -421,6 +422,9 @@ class Dispatcher:
         self._closed = False
         self._armed = False  # the thread is ticking
         self._thread: threading.Thread | None = None
+        #: per device: awaits waiting for one of its streams to go idle (every
+        #: stream busy at the default policy's bound), woken one a stream
+        self._stream_waiters: dict[int, Handoff] = {}
         #: communicators whose async errors the watchdog asks for while busy
         self._comms: weakref.WeakSet[Communicating] = weakref.WeakSet()
         # how completions were seen (CompletionStatistics)
@@ -641,10 +645,47 @@ class Dispatcher:
         return self._pending
 
     # -- completing -------------------------------------------------------------
+    # -- awaits waiting for an idle stream ---------------------------------------
+    def stream_waiters(self, device: int) -> int:
+        """How many awaits wait for a stream of ``device`` to go idle (no lock)."""
+        waiters = self._stream_waiters.get(device)
+        return 0 if waiters is None else len(waiters)
+
+    def wait_for_stream(self, device: int, first: bool = False) -> Ticket:
+        """The calling task's place among the awaits waiting for a stream of
+        ``device`` to go idle (at the head where ``first``).  Its event is
+        set when one of the device's streams has finished every run on it,
+        or a stream lease gave one back; the task then looks again."""
+        with self._lock:
+            waiters = self._stream_waiters.get(device)
+            if waiters is None:
+                waiters = self._stream_waiters[device] = Handoff()
+            return waiters.join(first)
+
+    def leave_stream_queue(self, device: int, ticket: Ticket, used: bool) -> None:
+        """``ticket``'s task stops waiting: it found a stream (``used``), or
+        it was cancelled, and then a wake-up it was given goes to the next."""
+        with self._lock:
+            handed = self._stream_waiters[device].leave(ticket)
+        if handed and not used:
+            self.stream_freed(device)
+
+    def stream_freed(self, device: int) -> None:
+        """A stream of ``device`` may be idle now: wake the first await
+        waiting for one.  Any thread."""
+        if not self.stream_waiters(device):
+            return
+        with self._lock:
+            ticket = self._stream_waiters[device].hand(None)
+        if ticket is not None:
+            ticket.wake()
+
     def _advance(self, lanes: Iterable[tuple[_Lane, int]], now: float) -> Done:
         """Take the runs whose marks the GPU has reached: ``(lane, the
-        number its word was read to have reached)``."""
+        number its word was read to have reached)``; an await waiting for
+        an idle stream is woken for each stream left with nothing pending."""
         done: Done = []
+        woken: list[Ticket] | None = None
         with self._lock:
             for lane, reached in lanes:
                 subs = lane.subs
@@ -660,6 +701,13 @@ class Dispatcher:
                         self._active.pop(lane, None)
                         if lane.retired:
                             self._lanes.pop(lane.raw, None)
+                        waiters = self._stream_waiters.get(lane.device)
+                        if waiters:
+                            ticket = waiters.hand(None)
+                            if ticket is not None:
+                                woken = [ticket] if woken is None else [*woken, ticket]
+        for ticket in woken or ():
+            ticket.wake()
         return done
 
     def _complete(self, done: Done, here: Any = None) -> None:

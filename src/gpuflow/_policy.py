@@ -34,10 +34,9 @@ class SchedulingPolicy(Protocol):
 class StreamPoolLeastLoaded:
     """The default policy: a run goes to a stream of the device with nothing
     pending; when every stream has work, the device's pool grows by a stream,
-    up to ``max_streams``; at that bound, the least-loaded stream that is
-    still making progress.  New work thus never queues behind other work
+    up to ``max_streams``.  New work thus never queues behind other work
     (such as what a cancelled await left running: the GPU cannot recall it)
-    while the pool can grow, from the first run on.
+    while another stream could take it, from the first run on.
 
     Each run looks at the device's streams in turn, starting one past where
     the previous run started (so on an idle device runs rotate over the pool
@@ -51,9 +50,18 @@ class StreamPoolLeastLoaded:
     2. else a new stream: the pool grows by one, up to ``max_streams``
        streams in all (32 by default: CUDA's hardware queues, so that no
        two pool streams share one);
-    3. else the stream with the fewest runs pending, preferring one that is
-       not *stalled* (it finished nothing for ``stall_s`` seconds: long
-       work).
+    3. else, for an ``await`` (``await op``, ``op.run(policy)``), no stream
+       yet: the await waits, without blocking its loop and in the order the
+       awaits came, for the first stream to go idle, and its run starts
+       there.  How long the work already queued will take is known to
+       nobody (a stream that holds one long kernel and one that holds a few
+       short ones look alike when they were just given them), so a run
+       queued on the GPU behind either might wait for the long one; waiting
+       on the host for the first stream to finish never does.  A blocking
+       run (``sync``), a ``zip`` arm and a direct call of
+       :meth:`next_stream` cannot wait: they take the stream with the fewest
+       runs pending, preferring one that is not *stalled* (it finished
+       nothing for ``stall_s`` seconds: long work).
 
     A collective's run looks first at the stream of its communicator's
     previous collective on the device (``prefer``), and takes it where step
@@ -99,59 +107,54 @@ class StreamPoolLeastLoaded:
         counts as stalled."""
         return self._stall
 
-    def next_stream(self, device: int, prefer: Stream | None = None) -> Stream:
-        """The stream of ``device`` for the next run: ``prefer`` first, where
-        it is one of the device's streams (gpuflow's runs of a collective
-        pass their rank's previous stream), then the rotation."""
+    def idle_stream(self, device: int, prefer: Stream | None = None) -> Stream | None:
+        """Steps 1 and 2: a stream of ``device`` with nothing pending, or a
+        new one; None where every stream is busy at the bound.  ``prefer``
+        is looked at first, where it is one of the device's streams
+        (gpuflow's runs of a collective pass their rank's previous
+        stream)."""
         rt = get_runtime()
         if prefer is not None:
             # step 1's test, made on that stream alone first (a collective
             # run again after an awaited one: no loop, no rotation); never a
             # stream of a runtime replaced since, nor one a reset retired
-            lane = prefer._lane
             if (
-                not prefer._syncs
-                and not prefer._leased
-                and (lane is None or lane.idle())
-                and prefer._device == device
-                and prefer in rt._streams.get(device, ())
+                not prefer.leased
+                and prefer.idle()
+                and prefer.device == device
+                and prefer in rt.streams(device)
             ):
                 return prefer
-        streams = rt._streams.get(device) or rt.streams(device)  # (the latter raises)
+        streams = rt.streams(device)
         n = len(streams)
         start = next(self._counter) % n
         # start, ..., n - 1, 0, ..., start - 1 (negative indices wrap): no
         # list is made, and the first stream looked at is usually the one
         for i in range(start - n, start):
             s = streams[i]
-            lane = s._lane
-            if not s._syncs and not s._leased and (lane is None or lane.idle()):
+            if not s.leased and s.idle():
                 return s
         if n < self._max:
-            grown = rt.grow(device, self._max)
-            if grown is not None:
-                return grown
-        return _least_loaded(streams, time.monotonic() - self._stall)
+            return rt.grow(device, self._max)
+        return None
+
+    def next_stream(self, device: int, prefer: Stream | None = None) -> Stream:
+        """The stream of ``device`` for the next run: steps 1 and 2
+        (:meth:`idle_stream`), else the least-loaded stream (step 3 for a
+        run that cannot wait)."""
+        s = self.idle_stream(device, prefer)
+        if s is None:
+            s = least_loaded(get_runtime().streams(device), time.monotonic() - self._stall)
+        return s
 
     def __repr__(self) -> str:
         return f"StreamPoolLeastLoaded(max_streams={self._max}, stall_s={self._stall})"
 
 
-def _least_loaded(streams: list[Stream], stalled_before: float) -> Stream:
+def least_loaded(streams: list[Stream], stalled_before: float) -> Stream:
     """The stream with the fewest runs pending, one still moving if any is,
     one no stream lease holds if any is."""
-    best = streams[0]
-    best_key: tuple[bool, bool, int] | None = None
-    for s in streams:
-        lane = s._lane
-        if lane is None:
-            key = (s._leased, False, s._syncs)
-        else:
-            stalled = lane.since < stalled_before and lane.read() <= lane.completed
-            key = (s._leased, stalled, lane.backlog() + s._syncs)
-        if best_key is None or key < best_key:
-            best, best_key = s, key
-    return best
+    return min(streams, key=lambda s: (s.leased, s.stalled(stalled_before), s.load()))
 
 
 class StreamPoolRoundRobin:
@@ -187,10 +190,10 @@ class SingleStream:
     def next_stream(self, device: int) -> Stream:
         # the policy is bound to its device, whatever device is current
         s = self._stream
-        if s is None or not s._runtime.current(s):
+        if s is None or not s.current():
             with self._lock:
                 s = self._stream
-                if s is None or not s._runtime.current(s):
+                if s is None or not s.current():
                     s = self._stream = new_stream(self._device)
         return s
 

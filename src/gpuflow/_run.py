@@ -16,7 +16,6 @@ inside them through a context variable, so that they can wait for it.
 
 from __future__ import annotations
 
-import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,8 +28,8 @@ from ._errors import UsageError, UsageTypeError
 from ._hazards import capture_log
 from ._loops import current_loop, running_loop_name
 from ._pending import has_map, is_pending, resolve
-from ._policy import DEFAULT_POLICY, SchedulingPolicy
-from ._runtime import Runtime, current_device
+from ._policy import DEFAULT_POLICY, SchedulingPolicy, StreamPoolLeastLoaded
+from ._runtime import Runtime, current_device, get_runtime
 from ._stream import Stream
 from ._submission import Submission
 
@@ -110,27 +109,69 @@ def _chosen(policy: SchedulingPolicy, device: int) -> Stream:
     return stream
 
 
+def _choose(
+    op: DeviceOperation[Any], policy: SchedulingPolicy | None, device: int, can_wait: bool
+) -> tuple[Stream | None, SchedulingPolicy]:
+    """The stream of a run of ``op`` on ``device``, and the policy its zip
+    arms fork with: the stream of the innermost stream lease of the device
+    where ``policy`` is None, else what ``policy`` (the default policy
+    where None) gives.  None for the stream where the policy is a
+    :class:`StreamPoolLeastLoaded` with no stream idle (or awaits already
+    waiting for one) and the run ``can_wait``: an await then waits for one
+    (:func:`_idle_stream`)."""
+    if policy is None:
+        for scope in reversed(current_scopes.get()):
+            s = scope.stream
+            # a lease of another device does not apply (a device group's child)
+            if s is not None and s.device == device:
+                return s, _Pinned(s)
+        policy = DEFAULT_POLICY
+    if isinstance(policy, StreamPoolLeastLoaded):
+        home = op._stream_home(device) if op._has_home else None
+        if not can_wait:
+            return policy.next_stream(device, home), policy
+        if get_runtime().dispatcher.stream_waiters(device):
+            return None, policy  # (behind the awaits that came first)
+        return policy.idle_stream(device, home), policy
+    return _chosen(policy, device), policy
+
+
+async def _idle_stream(
+    op: DeviceOperation[Any], policy: StreamPoolLeastLoaded, device: int
+) -> Stream:
+    """Wait, in turn with the other awaits of ``device`` that found every
+    stream busy, for one of its streams to go idle (cancellable: nothing is
+    enqueued yet).  Looked at again at least every ``stall_s`` seconds,
+    whoever was to say that a stream went idle."""
+    d = get_runtime().dispatcher
+    home = op._stream_home(device) if op._has_home else None
+    ticket = d.wait_for_stream(device)
+    used = False
+    try:
+        while True:
+            # (first after joining: a stream that went idle before woke nobody)
+            stream = policy.idle_stream(device, home)
+            if stream is not None:
+                used = True
+                return stream
+            if ticket.handed:  # woken, and a run that could not wait took it: first again
+                d.leave_stream_queue(device, ticket, used=True)
+                ticket = d.wait_for_stream(device, first=True)
+            with anyio.move_on_after(policy.stall_s):
+                await ticket.event.wait()
+    finally:
+        d.leave_stream_queue(device, ticket, used)
+
+
 def _start(
     op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
 ) -> tuple[Runtime, Submission, ExecutionContext]:
     """Begin a run of ``op`` on ``stream``, or where none is given, on the
-    stream of the innermost stream lease of the device, else the one
-    ``policy`` (the default policy where None) gives; the run's zip arms
-    fork with that policy."""
+    one :func:`_choose` gives (that cannot wait); the run's zip arms fork
+    with ``policy`` (the default policy where None)."""
     if stream is None:
-        device = current_device()
-        if policy is None:
-            for scope in reversed(current_scopes.get()):
-                s = scope.stream
-                # a lease of another device does not apply (a device group's child)
-                if s is not None and s.device == device:
-                    stream, policy = s, _Pinned(s)
-                    break
-            else:  # (the default policy is ours: it returns a Stream)
-                home = op._stream_home(device) if op._has_home else None
-                stream, policy = DEFAULT_POLICY.next_stream(device, home), DEFAULT_POLICY
-        else:
-            stream = _chosen(policy, device)
+        stream, policy = _choose(op, policy, current_device(), False)
+        assert stream is not None
     elif not isinstance(stream, Stream):
         raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
     rt, sub = _begin(op, stream)
@@ -162,9 +203,6 @@ def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return _sync(op, stream, None)
 
 
-_syncs_lock = threading.Lock()
-
-
 def _traced(
     op: DeviceOperation[Any], how: str, stream: Stream, sub: Submission
 ) -> _trace.TracedRun:
@@ -181,8 +219,7 @@ def _sync(
     traced = _traced(op, "sync", stream, sub) if _trace.active else None
     # a blocking run is never handed to the dispatcher: count it on its
     # stream, so that the default policy sees that stream as busy meanwhile
-    with _syncs_lock:
-        stream._syncs += 1
+    stream.begin_blocking()
     try:
         out = _sync_run(op, stream, sub, ctx, traced)
     except BaseException as exc:
@@ -190,8 +227,8 @@ def _sync(
             traced.ended(exc)
         raise
     finally:
-        with _syncs_lock:
-            stream._syncs -= 1
+        stream.end_blocking()
+        stream._runtime.dispatcher.stream_freed(stream.device)
     if traced is not None:
         traced.ended(None)
     return out
@@ -286,7 +323,12 @@ async def run_async(op: DeviceOperation[Any], policy: SchedulingPolicy | None = 
                 traced.ended(exc)
             raise
     else:
-        rt, sub, ctx = _start(op, None, policy)
+        device = current_device()
+        chosen, run_policy = _choose(op, policy, device, True)
+        if chosen is None:  # (every stream busy: see StreamPoolLeastLoaded)
+            assert isinstance(run_policy, StreamPoolLeastLoaded)
+            chosen = await _idle_stream(op, run_policy, device)
+        rt, sub, ctx = _start(op, chosen, run_policy)
         stream = ctx.stream
         traced = _traced(op, "await", stream, sub) if _trace.active else None
         try:

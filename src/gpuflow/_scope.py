@@ -9,7 +9,6 @@ held.  Nothing enqueued outlives its scope.
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -20,11 +19,11 @@ import anyio.lowlevel
 
 from . import _points
 from ._errors import UsageError
-from ._loops import current_loop
+from ._handoff import Handoff
 from ._run import current_scopes, ended_by
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
-from ._submission import Submission, post
+from ._submission import Submission
 
 _PRUNE_AT = 64
 
@@ -81,45 +80,36 @@ class _Tracked:
 class _LeasePool:
     """Which pool streams of one device are leased; fair, cross-thread waiting."""
 
-    def __init__(self, streams: list[Stream]) -> None:
+    def __init__(self, streams: list[Stream], freed: Callable[[int], None]) -> None:
         self.free = list(streams)
-        self.waiters: collections.deque[tuple[Any, Any, anyio.Event, list[Stream]]] = (
-            collections.deque()
-        )
+        self.waiters = Handoff()
         self.lock = threading.Lock()
         self.held = 0
+        #: told when a stream goes back to the pool (awaits may wait for one)
+        self._freed = freed
 
     def release(self, stream: Stream) -> None:
         with self.lock:
             self.held -= 1
-            if self.waiters:
-                target, poster, event, slot = self.waiters.popleft()
-                slot.append(stream)
-                self.held += 1
-            else:
-                stream._leased = False
+            ticket = self.waiters.hand(stream)
+            if ticket is None:
+                stream.leased = False
                 self.free.append(stream)
-                return
-        post(target, poster, [event.set])
+            else:
+                self.held += 1
+        if ticket is None:
+            self._freed(stream.device)
+        else:
+            ticket.wake()
 
     def _take(self) -> Stream:
         """The free stream the GPU is least busy with: one with nothing
         pending where there is one (a lease must not start behind work it
         does not depend on, such as what a cancelled await left running).
         Under the lock."""
-        best = 0
-        for i, s in enumerate(self.free):
-            lane = s._lane
-            load = s._syncs + (lane.backlog() if lane is not None else 0)
-            if load == 0:
-                best = i
-                break
-            best_s = self.free[best]
-            best_lane = best_s._lane
-            if load < best_s._syncs + (best_lane.backlog() if best_lane is not None else 0):
-                best = i
+        best = min(range(len(self.free)), key=lambda i: self.free[i].load())
         stream = self.free.pop(best)
-        stream._leased = True
+        stream.leased = True
         return stream
 
     async def acquire(self) -> Stream:
@@ -127,22 +117,17 @@ class _LeasePool:
             if self.free and not self.waiters:
                 self.held += 1
                 return self._take()
-            event = anyio.Event()
-            slot: list[Stream] = []
-            loop = current_loop()
-            entry = (loop.target, loop.post, event, slot)
-            self.waiters.append(entry)
+            ticket = self.waiters.join()
         try:
-            await event.wait()
+            await ticket.event.wait()
         except BaseException:
             with self.lock:
-                if entry in self.waiters:
-                    self.waiters.remove(entry)
-                    slot = []
-            if slot:  # handed over just as we were cancelled: pass it on
-                self.release(slot[0])
+                handed = self.waiters.leave(ticket)
+            if handed:  # handed over just as we were cancelled: pass it on
+                self.release(ticket.value)
             raise
-        return slot[0]
+        stream: Stream = ticket.value
+        return stream
 
 
 def _leave(token: Any) -> None:
@@ -164,7 +149,7 @@ def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
     with _lease_pools_lock:
         pool: _LeasePool | None = rt.lease_pools.get(key)
         if pool is None:
-            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device))
+            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device), rt.dispatcher.stream_freed)
         return pool
 
 

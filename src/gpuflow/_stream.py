@@ -8,6 +8,7 @@ per-device pool that :func:`init_device_contexts` creates, and
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _finalizers
@@ -15,6 +16,8 @@ from . import _finalizers
 if TYPE_CHECKING:
     from ._bridge import _Lane
     from ._runtime import Runtime
+
+_blocking_lock = threading.Lock()
 
 
 class Stream:
@@ -55,6 +58,52 @@ class Stream:
     def device(self) -> int:
         """The ordinal of the stream's device."""
         return self._device
+
+    def current(self) -> bool:
+        """The stream belongs to the runtime in use and to its device's
+        context as it is now (not one that a reset or a new
+        :func:`gpuflow.init_device_contexts` replaced)."""
+        return self._runtime.current(self)
+
+    # -- what a scheduling policy asks (reads without a lock: a race with the
+    # GPU or another thread makes an answer slightly stale, never unsafe)
+    def idle(self) -> bool:
+        """Nothing is pending on the stream: the GPU has reached the end of
+        every run enqueued on it, and no blocking run (``sync``) is in
+        flight there.  A read of its completion word, no driver call."""
+        lane = self._lane
+        return not self._syncs and (lane is None or lane.idle())
+
+    def load(self) -> int:
+        """How many runs on the stream the GPU has not finished (blocking
+        runs in flight included)."""
+        lane = self._lane
+        return self._syncs + (0 if lane is None else lane.backlog())
+
+    def stalled(self, since: float) -> bool:
+        """The stream has runs pending and finished none since ``since``
+        (``time.monotonic``): it is running long work."""
+        lane = self._lane
+        return lane is not None and lane.since < since and lane.read() <= lane.completed
+
+    @property
+    def leased(self) -> bool:
+        """Held by a stream lease: the default policy gives it to no other run."""
+        return self._leased
+
+    @leased.setter
+    def leased(self, held: bool) -> None:
+        self._leased = held
+
+    def begin_blocking(self) -> None:
+        """A blocking run (``sync``) starts on the stream: it counts as busy
+        until :meth:`end_blocking` (the dispatcher never sees such a run)."""
+        with _blocking_lock:
+            self._syncs += 1
+
+    def end_blocking(self) -> None:
+        with _blocking_lock:
+            self._syncs -= 1
 
     def synchronize(self) -> None:
         """Block the calling thread until all work enqueued on the stream is done.
