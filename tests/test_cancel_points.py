@@ -210,6 +210,35 @@ async def test_a_pipeline_that_raises_something_else_when_cancelled_fails() -> N
     assert isinstance(caught.value.__cause__, RuntimeError)
 
 
+async def test_a_pipeline_that_swallows_the_cancellation_fails_naming_the_point() -> None:
+    async def swallow() -> Any:
+        try:
+            return await gf.to_host(gf.ones(4, dtype=F32))  # swallowed here
+        except anyio.get_cancelled_exc_class():
+            return None
+
+    with pytest.raises(AssertionError, match=re.escape(
+        "cancelled at point 1 of 2 (awaiting <gpuflow.DeviceOperation"
+    )) as caught:  # fmt: skip
+        await testing.cancel_at_every_point(swallow)
+    message = str(caught.value)
+    assert f"test_cancel_points.py:{line_of('swallowed here')} (in " in message
+    assert message.endswith(
+        "the pipeline returned None instead of ending with the cancellation: it swallowed "
+        "the event loop's cancellation (an `except` of anyio.get_cancelled_exc_class(), "
+        "BaseException or a bare `except:` that does not raise it again)"
+    )
+
+    # held back by a shield around the pipeline's own code, the cancellation
+    # never reached it: returning normally is then what it should do
+    async def shielded() -> Any:
+        with anyio.CancelScope(shield=True):
+            return await gf.to_host(gf.ones(4, dtype=F32))
+
+    report = await testing.cancel_at_every_point(shielded)
+    assert report.points == 2
+
+
 async def test_a_pipeline_that_fails_uncancelled_says_so() -> None:
     async def pipeline() -> None:
         await gf.zeros(4, F32)

@@ -145,3 +145,38 @@ def test_the_readme_is_a_front_door() -> None:
     for word in ("issue", "target"):  # nothing a user cannot see
         assert not re.search(rf"\b{word}s?\b", README, re.I), word
     assert "python -m sphinx -b html docs docs/_build/html" in README
+
+
+def test_the_readme_anchors_name_its_headings() -> None:
+    """A link to ``#section`` of the README itself names one of its headings
+    (GitHub's anchors: lower case, spaces as hyphens, punctuation dropped)."""
+    anchors = set(re.findall(r"\]\(#([^)]+)\)", README))
+    headings = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", README, re.M)
+    }
+    assert anchors - headings == set()
+
+
+# -- the testing page's example, pasted into a test file of its own ---------------------------------
+
+TESTING = (DOCS / "testing.md").read_text()
+
+
+def test_the_testing_pages_cancellation_example_runs_as_pasted(tmp_path: Path) -> None:
+    """The ledger example of "Cancelling at every point", saved as a test file
+    with nothing added, passes under pytest (gpuflow's plugin gives its
+    fixture): every name it uses is imported."""
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", TESTING, re.M | re.S)
+                if "ledger = " in b]
+    path = tmp_path / "test_ledger_example.py"
+    path.write_text(block)
+    src = str(ROOT / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+               GPUFLOW_BACKEND="sim")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+        capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"\b\d+ passed", proc.stdout) and "failed" not in proc.stdout, proc.stdout

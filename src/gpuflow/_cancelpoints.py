@@ -70,7 +70,7 @@ class CancellationReport:
 class _Attempt:
     """One run of the pipeline: its cancel scope, the points it reached."""
 
-    __slots__ = ("cancel_at", "cancelled", "record", "scope", "seen", "sites")
+    __slots__ = ("cancel_at", "cancelled", "landed", "record", "scope", "seen", "sites")
 
     def __init__(self, cancel_at: int) -> None:
         self.cancel_at = cancel_at  # 0: the run that counts, never cancelled
@@ -80,6 +80,9 @@ class _Attempt:
         self.sites: list[CancellationPoint] = []
         #: the point where this run was cancelled, once it was
         self.cancelled: CancellationPoint | None = None
+        #: the cancellation was raised into the pipeline there (not held
+        #: back by a shield around the pipeline's code)
+        self.landed = False
 
 
 _attempt: ContextVar[_Attempt | None] = ContextVar("gpuflow_cancel_attempt", default=None)
@@ -120,7 +123,11 @@ async def _watch(what: str, op: object = None) -> None:
         attempt.scope.cancel()
         # the cancellation lands here, as the loop's own exception (unless a
         # shield around the pipeline's code holds it back for later)
-        await anyio.lowlevel.checkpoint()
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:
+            attempt.landed = True
+            raise
 
 
 _installed_lock = threading.Lock()
@@ -224,7 +231,7 @@ async def _run(
     total: int,
 ) -> None:
     base = Baseline(leases, use_after_free_count())
-    failure = await _attempt_run(pipeline, attempt)
+    failure, swallowed = await _attempt_run(pipeline, attempt)
     # what the run dropped goes now, while its GPU work may still run: an
     # array freed too early is caught in this run, not in a later one; and
     # a cancelled run's arrays, held by cycles through its traceback, are
@@ -236,6 +243,8 @@ async def _run(
         if attempt.cancel_at:
             raised += " instead of the cancellation"
         raise AssertionError(_failed(attempt, total, "; ".join([raised, *found]))) from failure
+    if swallowed is not None:
+        raise AssertionError(_failed(attempt, total, "; ".join([swallowed, *found])))
     if found:
         raise AssertionError(
             _failed(attempt, total, "gpuflow is not quiescent: " + "; ".join(found))
@@ -253,24 +262,26 @@ async def _run(
 
 async def _attempt_run(
     pipeline: Callable[[], Awaitable[object]], attempt: _Attempt
-) -> BaseException | None:
-    """Run the pipeline once in a cancel scope of its own; what it raised,
-    other than that scope's cancellation."""
+) -> tuple[BaseException | None, str | None]:
+    """Run the pipeline once in a cancel scope of its own: what it raised,
+    other than that scope's cancellation; and, where the cancellation was
+    raised into it and it ended without it, how it ended (it swallowed it)."""
     try:
         awaitable = pipeline()
     except Exception as exc:
-        return exc
+        return exc, None
     if not inspect.isawaitable(awaitable):
         raise UsageTypeError(
             f"the pipeline returned {type(awaitable).__name__}, not an awaitable: "
             "pass an async function (`async def pipeline(): ...`)"
         )
+    result: object = None
     try:
         with anyio.CancelScope() as scope:
             attempt.scope = scope
             token = _attempt.set(attempt)
             try:
-                await awaitable
+                result = await awaitable
             except BaseException as exc:
                 if attempt.cancelled is not None and _is_cancellation(exc):
                     # the event loop may keep the cancellation (asyncio's task
@@ -283,8 +294,18 @@ async def _attempt_run(
     except BaseException as exc:
         if _is_cancellation(exc) or isinstance(exc, KeyboardInterrupt | SystemExit):
             raise  # the caller's own cancellation (the run's own stops at its scope)
-        return exc
-    return None
+        return exc, None
+    if attempt.landed and not scope.cancelled_caught:
+        text = repr(result)
+        if len(text) > _REPR_MAX:
+            text = text[: _REPR_MAX - 3] + "..."
+        return None, (
+            f"the pipeline returned {text} instead of ending with the cancellation: it "
+            "swallowed the event loop's cancellation (an `except` of "
+            "anyio.get_cancelled_exc_class(), BaseException or a bare `except:` that "
+            "does not raise it again)"
+        )
+    return None, None
 
 
 def _clear_frames(exc: BaseException) -> None:

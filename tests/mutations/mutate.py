@@ -264,7 +264,7 @@ MUTATIONS = [
         "M15",
         'the default policy deals streams whatever is pending on them (round robin)',
         '_policy.py',
-        '            if not s._syncs and not s._leased and (lane is None or lane.idle()):\n'
+        '            if not s.leased and s.idle():\n'
         '                return s\n',
         '            if True:\n'
         '                return s\n',
@@ -281,9 +281,9 @@ MUTATIONS = [
     Mutation(
         "M17",
         "the default policy does not see blocking runs in flight",
-        "_run.py",
-        "        stream._syncs += 1\n",
-        "        pass\n",
+        "_stream.py",
+        "            self._syncs += 1\n",
+        "            pass\n",
         ("tests/test_policy.py",),
     ),
     Mutation(
@@ -494,11 +494,8 @@ MUTATIONS = [
         "P1",
         'a stream lease takes the first free stream, however busy',
         '_scope.py',
-        '            if load == 0:\n'
-        '                best = i\n'
-        '                break\n',
-        '            if True:\n'
-        '                break\n',
+        '        best = min(range(len(self.free)), key=lambda i: self.free[i].load())\n',
+        '        best = 0\n',
         ('tests/test_stalls.py',),
     ),
     Mutation(
@@ -735,17 +732,18 @@ MUTATIONS = [
         "C14",
         "the default policy takes a collective's previous stream though it is busy",
         '_policy.py',
-        '                and (lane is None or lane.idle())\n'
-        '                and prefer._device',
-        '                and prefer._device',
+        '                and prefer.idle()\n'
+        '                and prefer.device',
+        '                and prefer.device',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
         "C15",
         "the default policy takes a collective's previous stream though a lease holds it",
         '_policy.py',
-        '                and not prefer._leased\n',
-        '',
+        '                not prefer.leased\n'
+        '                and prefer.idle()\n',
+        '                prefer.idle()\n',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
@@ -762,8 +760,8 @@ MUTATIONS = [
         "C17",
         "the default policy takes a collective's previous stream from a runtime replaced since",
         '_policy.py',
-        '                and prefer in rt._streams.get(device, ())\n',
-        '                and prefer in prefer._runtime._streams.get(device, ())\n',
+        '                and prefer in rt.streams(device)\n',
+        '                and prefer in prefer._runtime.streams(device)\n',
         ('tests/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
     ),
     Mutation(
