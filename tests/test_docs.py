@@ -158,7 +158,7 @@ def test_the_readme_anchors_name_its_headings() -> None:
     assert anchors - headings == set()
 
 
-# -- the testing page's example, pasted into a test file of its own ---------------------------------
+# -- the testing page's example, pasted into a test file of its own ------------------------------
 
 TESTING = (DOCS / "testing.md").read_text()
 

@@ -321,11 +321,16 @@ async def test_awaits_that_find_every_stream_busy_wait_in_turn_and_cancel_cleanl
     order: list[str] = []
     seen: list[gf.Stream] = []
 
+    def note(name: str) -> gf.DeviceOperation[None]:
+        def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[None]:
+            order.append(name)
+            return gf.value(None)
+
+        return gf.with_context(fn)
+
     async def request(name: str, deadline: float) -> None:
         with anyio.move_on_after(deadline):
-            await probe(seen, gf.with_context(lambda ctx: gf.value(order.append(name)))).run(
-                policy
-            )
+            await probe(seen, note(name)).run(policy)
 
     assert policy.idle_stream(0) is None
     async with anyio.create_task_group() as tg:
