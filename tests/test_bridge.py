@@ -826,7 +826,7 @@ async def test_a_run_left_to_the_thread_as_the_loop_sleeps_is_seen_done_at_its_e
     assert after.watched_by_thread - before.watched_by_thread >= 3, (before, after)
     # each within a few milliseconds of its 4 ms, not LOOP_STALL_S (20 ms) later
     assert min(took) < 0.014, took
-    one.stream.synchronize()
+    await gf.wait_stream(one.stream)
 
 
 @pytest.mark.parametrize("busy_poll_us", [0, 200, 50_000])

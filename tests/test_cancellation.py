@@ -206,7 +206,7 @@ async def test_dropping_every_reference_after_cancelling_frees_nothing_early() -
         assert scope.cancelled_caught
         del op  # the arrays now live only in work still running on the GPU
         gc.collect()
-    testing.assert_quiescent(timeout=5)
+    await testing.assert_quiescent_async(timeout=5)
     assert testing.use_after_free_count() == 0
     # and the device is in order: a following run computes the right thing
     np.testing.assert_array_equal(await _pipeline(src, 0.01), src + 2)
@@ -228,7 +228,7 @@ async def test_arrays_dropped_while_a_slow_kernel_still_writes_them() -> None:
     for _ in range(3):
         await _cancel_a_run_over_fresh_arrays()
         gc.collect()
-    testing.assert_quiescent(timeout=5)
+    await testing.assert_quiescent_async(timeout=5)
     assert testing.use_after_free_count() == 0
 
 
@@ -253,7 +253,7 @@ async def test_a_run_failing_half_way_keeps_what_it_enqueued_alive() -> None:
         async with gf.open_stream_lease():
             await gf.zeros(N, F32).then(lambda x: slow_fill(x, 1.0, 0.3)).then(_fail)
     assert time.perf_counter() - t0 >= 0.3 - 0.01
-    testing.assert_quiescent(timeout=5)
+    await testing.assert_quiescent_async(timeout=5)
     await bump(c)  # and the device works on
     assert await count(c) == 1
 

@@ -541,7 +541,7 @@ async def test_a_peer_that_never_calls_is_a_hang_that_the_deadline_ends() -> Non
                     await comm.all_reduce(x)
                 assert refused.value is comm.error
         assert left.value is comm.error  # leaving the scope reports the abort
-    testing.assert_quiescent()  # the aborted collective returned: nothing in flight
+    await testing.assert_quiescent_async()  # the aborted collective returned: nothing in flight
 
 
 async def test_leaving_the_scope_with_an_error_aborts_collectives_left_pending() -> None:
@@ -567,7 +567,7 @@ async def test_leaving_the_scope_with_an_error_aborts_collectives_left_pending()
                     1 / 0  # noqa: B018
         assert comm.error is not None and "ZeroDivisionError" in str(comm.error)
         assert failed == [comm.error]  # the other task's await failed with the abort
-    testing.assert_quiescent()
+    await testing.assert_quiescent_async()
 
 
 async def test_a_cancelled_task_group_aborts_the_collective_its_task_awaited() -> None:

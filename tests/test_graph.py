@@ -262,7 +262,7 @@ async def test_dropping_a_graph_while_a_launch_is_in_flight() -> None:
     del graph
     gc.collect()
     np.testing.assert_array_equal(await gf.to_host(z), np.full(N, 8, F32))
-    testing.assert_quiescent()
+    await testing.assert_quiescent_async()
 
 
 @pytest.mark.anyio
@@ -281,7 +281,7 @@ async def test_a_launch_in_flight_keeps_its_graph_until_the_gpu_is_done() -> Non
     gc.collect()
     assert alive() is not None, "the graph was released while a launch of it was running"
     np.testing.assert_array_equal(await gf.to_host(out), np.full(N, 3, F32))  # waits for it
-    testing.assert_quiescent()
+    await testing.assert_quiescent_async()
     gc.collect()
     assert alive() is None, "the graph outlived its last launch"
 

@@ -1,13 +1,14 @@
 """``gf.testing.assert_quiescent`` and its awaitable form.
 
 Both wait for every run to finish and then say what is not at rest; the
-blocking one stops an event loop it is called from for as long, the
-awaitable one lets the loop run.
+blocking one is refused in an event loop's thread (it would stop the
+loop), the awaitable one lets the loop run.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -58,11 +59,19 @@ async def test_the_awaitable_form_waits_for_the_gpu_and_lets_the_loop_run() -> N
     assert ticks >= 5, f"the loop ran {ticks} times in {took:.2f} s"
 
 
-async def test_the_blocking_form_stops_the_loop_while_it_waits() -> None:
-    # (what its docstring says: the reason the awaitable form exists)
-    ticks, took = await _ticks_while(testing.assert_quiescent)
-    assert took > LONG * 0.8
-    assert ticks <= 1
+async def test_the_blocking_form_is_refused_in_the_loop_and_names_the_awaitable_one() -> None:
+    x = await gf.zeros(256, F32)
+    K.slow_fill(x, 1.0, LONG).enqueue_on(gf.new_stream())
+    t0 = time.monotonic()
+    with pytest.raises(gf.UsageError, match=re.escape(
+        "gf.testing.assert_quiescent() would block the running "
+    )) as refused:  # fmt: skip
+        testing.assert_quiescent()
+    assert time.monotonic() - t0 < LONG / 2  # refused at once, not after the wait
+    assert str(refused.value).endswith("`await gf.testing.assert_quiescent_async()`")
+    # in a worker thread it blocks that thread only, and waits for the GPU
+    await anyio.to_thread.run_sync(testing.assert_quiescent)
+    assert testing.pending_runs() == 0
 
 
 async def test_the_awaitable_form_says_what_is_not_at_rest() -> None:

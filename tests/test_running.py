@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -105,6 +106,46 @@ async def test_sync_inside_an_event_loop_raises_usage_error(anyio_backend_name: 
     # the loop's own thread is refused, not a worker thread of the program
     assert await anyio.to_thread.run_sync(op.sync) == 1
     assert await op == 1
+
+
+def _rank_noop(info: gf.RankInfo) -> int:
+    return info.rank
+
+
+@pytest.mark.anyio
+async def test_every_blocking_call_is_refused_in_the_loop_naming_its_own_alternative(
+    anyio_backend_name: str,
+) -> None:
+    """Each blocking public call raises at once in a thread that runs an
+    event loop, says which loop, and names what does the same without
+    blocking; from a worker thread each still works."""
+
+    x = await gf.zeros(16, np.float32)
+    s = gf.new_stream()
+    K.slow_fill(x, 1.0, 0.5).enqueue_on(s)  # (a blocking call would wait for it)
+    op = gf.value(1)
+    refusals: list[tuple[Callable[[], object], str, str]] = [
+        (op.sync, "op.sync()", "`await op` (or `await op.run(policy)`)"),
+        (lambda: op.sync_on(s), "op.sync_on(stream)",
+         "`op.enqueue_on(stream)` and then `await gf.wait_stream(stream)`"),
+        (s.synchronize, "stream.synchronize()", "`await gf.wait_stream(stream)`"),
+        (lambda: gf.spawn_ranks(_rank_noop, 1), "spawn_ranks()",
+         "`await anyio.to_thread.run_sync(gf.spawn_ranks, fn, nranks)`"),
+        (lambda: x.__dlpack__(dl_device=(1, 0)), "exporting a device array to host memory",
+         "`await gf.to_host(array)`"),
+        (gf.testing.assert_quiescent, "gf.testing.assert_quiescent()",
+         "`await gf.testing.assert_quiescent_async()`"),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    for call, what, instead in refusals:
+        with pytest.raises(gf.UsageError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(what) and f"running {anyio_backend_name} event loop" in message
+        assert message.endswith(instead), message
+    assert time.monotonic() - t0 < 0.25  # none of them waited for the kernel
+    await anyio.to_thread.run_sync(s.synchronize)  # a worker thread may block
+    assert s.idle()
 
 
 def test_sync_refuses_a_bad_policy() -> None:

@@ -76,7 +76,7 @@ async def test_a_serving_path_never_waits_for_unrelated_long_work() -> None:
     took = time.monotonic() - t0
     # the check meant something: the long work was in flight all along
     assert took < LONG / 2 and _still_running([witness.raw]), took
-    testing.assert_quiescent(timeout=LONG * 4)
+    await testing.assert_quiescent_async(timeout=LONG * 4)
 
 
 def test_assert_no_stall_names_a_call_that_blocks() -> None:

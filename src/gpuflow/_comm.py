@@ -57,10 +57,10 @@ from ._array import DeviceArray, _allocate, _dtype, _resolve_array, _shape
 from ._backends._base import COMM_DTYPES, REDUCTIONS, CollectiveCall
 from ._errors import CommunicatorError, UsageError, UsageTypeError
 from ._hazards import Point, hazard_lock, order_after
-from ._loops import current_loop
+from ._loops import current_loop, refuse_blocking
 from ._operation import DeviceOperation
 from ._policy import DEFAULT_POLICY
-from ._run import _refuse_blocking, ended_by
+from ._run import ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
 from ._scope import _Tracked
 from ._submission import Submission, post
@@ -145,7 +145,11 @@ def spawn_ranks(
     ``results`` has the results of the ranks that ended well.  Not from inside an
     event loop (it blocks).
     """
-    _refuse_blocking("spawn_ranks()")
+    refuse_blocking(
+        "spawn_ranks()",
+        "in async code, run it in a worker thread: "
+        "`await anyio.to_thread.run_sync(gf.spawn_ranks, fn, nranks)`",
+    )
     if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
         raise UsageError(f"spawn_ranks() needs a positive int of ranks, not {nranks!r}")
     if not callable(fn):

@@ -39,7 +39,7 @@ import numpy as np
 from . import _dlpack, _foreign
 from ._errors import UsageError, UsageTypeError
 from ._hazards import Allocation, capture_log, hazard_lock, wait_for_uses
-from ._run import _refuse_blocking
+from ._loops import refuse_blocking
 from ._runtime import Runtime
 from ._stream import Stream
 
@@ -181,7 +181,10 @@ def _host_capsule(
     max_version: Any,
 ) -> Any:
     """A NumPy copy of the array, as NumPy's own DLPack capsule (``IS_COPIED``)."""
-    _refuse_blocking("exporting a device array to host memory")
+    refuse_blocking(
+        "exporting a device array to host memory (a DLPack export to the CPU)",
+        "in async code, `await gf.to_host(array)`",
+    )
     device = alloc.buffer.device
     s = rt.interop_stream(device)
     be = rt.backend

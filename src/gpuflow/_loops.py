@@ -436,6 +436,18 @@ def running_loop_name() -> str | None:
     return None if asyncio._get_running_loop() is None else "asyncio"
 
 
+def refuse_blocking(what: str, instead: str) -> None:
+    """Raise :class:`UsageError` where the calling thread runs an event loop:
+    ``what`` (a blocking call) would stop every task of the loop for as long
+    as it waits.  ``instead`` names what does the same without blocking."""
+    lib = running_loop_name()
+    if lib is not None:
+        raise UsageError(
+            f"{what} would block the running {lib} event loop (every task of it would "
+            f"wait): {instead}"
+        )
+
+
 def current_loop() -> Loop:
     """The adapter of the loop running in this thread (UsageError if none)."""
     cache = _cache

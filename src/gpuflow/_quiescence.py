@@ -13,6 +13,7 @@ import anyio
 import anyio.lowlevel
 
 from ._finalizers import run_finalized
+from ._loops import refuse_blocking
 from ._runtime import current_runtime, get_runtime
 from ._scope import leases_held
 
@@ -124,12 +125,14 @@ def assert_quiescent(timeout: float = 5.0) -> None:
     gpuflow's streams, to finish; then assert that no run is pending, no
     stream lease is held and no use after free was seen.
 
-    The wait blocks the calling thread (it sleeps a millisecond at a time):
-    called from a thread running an event loop, it stops the loop for as
-    long, and runs that only the loop would complete are then completed by
-    gpuflow's dispatcher thread, later.  In async code, await
-    :func:`assert_quiescent_async` instead.
+    The wait blocks the calling thread (it sleeps a millisecond at a time),
+    so it is refused (:class:`gpuflow.UsageError`) in a thread that runs an
+    event loop: in async code, await :func:`assert_quiescent_async` instead.
     """
+    refuse_blocking(
+        "gf.testing.assert_quiescent()",
+        "in async code, `await gf.testing.assert_quiescent_async()`",
+    )
     _raise(problems(timeout, pending=settle(timeout)))
 
 

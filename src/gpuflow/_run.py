@@ -26,7 +26,7 @@ from ._capture import refuse_in_capture
 from ._context import ExecutionContext
 from ._errors import UsageError, UsageTypeError
 from ._hazards import capture_log
-from ._loops import current_loop, running_loop_name
+from ._loops import current_loop, refuse_blocking
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy, StreamPoolLeastLoaded
 from ._runtime import Runtime, current_device, get_runtime
@@ -55,15 +55,6 @@ def ended_by(exc: BaseException) -> str:
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return "was cancelled"
     return f"ended by {exc!r}"
-
-
-def _refuse_blocking(what: str) -> None:
-    lib = running_loop_name()
-    if lib is not None:
-        raise UsageError(
-            f"{what} would block the running {lib} event loop: use `await op` "
-            "(or op.run(policy)) inside async code"
-        )
 
 
 class _Pinned:
@@ -194,12 +185,15 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Submissio
 
 
 def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
-    _refuse_blocking("op.sync()")
+    refuse_blocking("op.sync()", "in async code, `await op` (or `await op.run(policy)`)")
     return _sync(op, None, policy)
 
 
 def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
-    _refuse_blocking("op.sync_on(stream)")
+    refuse_blocking(
+        "op.sync_on(stream)",
+        "in async code, `op.enqueue_on(stream)` and then `await gf.wait_stream(stream)`",
+    )
     return _sync(op, stream, None)
 
 

@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _finalizers
+from ._loops import refuse_blocking
 
 if TYPE_CHECKING:
     from ._bridge import _Lane
@@ -102,18 +103,23 @@ class Stream:
             self._syncs += 1
 
     def end_blocking(self) -> None:
+        """The blocking run that :meth:`begin_blocking` counted has ended."""
         with _blocking_lock:
             self._syncs -= 1
 
     def synchronize(self) -> None:
         """Block the calling thread until all work enqueued on the stream is done.
 
-        Raises :class:`DeviceFaultError` if the device faulted.  Do not call it
-        from an event loop's thread: ``await`` the operation instead.  The
-        frees of arrays dropped before the call are enqueued first (on their
-        own streams), so the memory of one dropped on this stream is freed
-        when it returns.
+        Raises :class:`DeviceFaultError` if the device faulted, and
+        :class:`UsageError` in a thread that runs an event loop, which it
+        would stop: there, ``await gf.wait_stream(stream)`` waits for the
+        same work without blocking.  The frees of arrays dropped before the
+        call are enqueued first (on their own streams), so the memory of one
+        dropped on this stream is freed when it returns.
         """
+        refuse_blocking(
+            "stream.synchronize()", "in async code, `await gf.wait_stream(stream)`"
+        )
         _finalizers.run_finalized()  # (at once where nothing is left)
         lane = self._lane
         if lane is not None and lane.unmarked:  # (its runs are done on return)
