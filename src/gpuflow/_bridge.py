@@ -788,13 +788,16 @@ class Dispatcher:
             self._closed = True
             self._cv.notify()
 
-    def drain(self, timeout: float) -> None:
+    def drain(self, timeout: float) -> bool:
         """Close, and wait up to ``timeout`` s for the thread to complete every
-        pending run (and so run their callbacks and release what they kept)."""
+        pending run (and so run their callbacks and release what they kept);
+        whether it did."""
         self.close()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+            return not thread.is_alive()
+        return not self._pending
 
     # -- the dispatcher thread ----------------------------------------------------
     def _run(self) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Generator, Sized
@@ -434,6 +435,60 @@ def running_loop_name() -> str | None:
     # (the running loop, without raising where there is none: every blocking
     # run asks this)
     return None if asyncio._get_running_loop() is None else "asyncio"
+
+
+def _asyncio_interrupted() -> bool:
+    """Whether the asyncio runner of this thread (``asyncio.run``, AnyIO's
+    ``anyio.run``) saw a Ctrl-C: it then cancels its main task, and raises
+    :class:`KeyboardInterrupt` once that task has ended.  Its handler of
+    ``SIGINT`` is its own method, which counts the interrupts (Python
+    3.11+); where asyncio keeps them otherwise, False."""
+    handler = signal.getsignal(signal.SIGINT)
+    runner = getattr(getattr(handler, "func", None), "__self__", None)
+    if not isinstance(runner, asyncio.Runner):
+        return False
+    count = getattr(runner, "_interrupt_count", 0)
+    return isinstance(count, int) and count > 0
+
+
+def _trio_interrupted() -> bool:
+    """Whether a Trio nursery that the current task runs in (directly or
+    further out) holds a :class:`KeyboardInterrupt` raised into its parent
+    task: Trio raises Ctrl-C in the main task, which is most often waiting
+    for a nursery's children, and the children are left by the
+    cancellation that follows.  Read in Trio's record of a nursery's
+    pending errors; where Trio keeps them otherwise, False."""
+    trio = _in_trio()
+    if trio is None:
+        return False
+    try:
+        nursery = trio.lowlevel.current_task().parent_nursery
+        while nursery is not None:
+            for pending in getattr(nursery, "_pending_excs", ()):
+                if isinstance(pending, KeyboardInterrupt):
+                    return True
+            nursery = nursery.parent_task.parent_nursery
+    except Exception:  # (a layout seen only now)
+        return False
+    return False
+
+
+def interrupted(exc: BaseException | None) -> bool:
+    """Whether a scope is left because the user pressed Ctrl-C: ``exc`` is
+    (or a group that holds) :class:`KeyboardInterrupt`, as Trio raises it
+    into the main task, or it is a cancellation of asyncio's runner's
+    answer to ``SIGINT``.  A scope then does not wait for the GPU: the
+    interrupt reaches the program at once, and what the GPU still uses
+    stays alive until it is done, as for a cancelled await."""
+    if exc is None:
+        return False
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if isinstance(exc, BaseExceptionGroup) and exc.split(KeyboardInterrupt)[0] is not None:
+        return True
+    if isinstance(exc, asyncio.CancelledError):
+        return _asyncio_interrupted()
+    return _trio_interrupted()  # (Trio's Cancelled, after a Ctrl-C in a parent task)
 
 
 def refuse_blocking(what: str, instead: str) -> None:

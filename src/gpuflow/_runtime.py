@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -405,6 +406,8 @@ def init_device_contexts(
 
 #: How long a process that exits waits for the GPU work still pending.
 EXIT_DRAIN_S = 5.0
+#: How long it waits before it says so (most work pending at exit is short).
+EXIT_QUIET_S = 0.1
 
 
 @atexit.register
@@ -413,11 +416,28 @@ def _drain_at_exit() -> None:
     # may need a live interpreter) is released by the dispatcher thread when
     # the GPU is done: let it finish before the interpreter goes away, rather
     # than from a daemon thread during finalization (on the H200, PyTorch's
-    # deleter called then aborted the process at exit).
+    # deleter called then aborted the process at exit).  A wait that is not
+    # over at once says so, and a Ctrl-C ends it: the process then exits
+    # with that memory still held, which the driver reclaims with the
+    # process (a leak, never a free under running work).
     rt = _runtime
-    if rt is not None:
+    if rt is None:
+        return
+    try:
         run_finalized()
-        rt.dispatcher.drain(EXIT_DRAIN_S)
+        dispatcher = rt.dispatcher
+        if dispatcher.drain(EXIT_QUIET_S):
+            return
+        print(
+            f"gpuflow: waiting up to {EXIT_DRAIN_S:g} s for {dispatcher.pending} run(s) still "
+            "on the GPU, so that what they use is released in order; press Ctrl-C again "
+            "to exit now (the driver then reclaims that memory with the process)",
+            file=sys.stderr,
+            flush=True,
+        )
+        dispatcher.drain(EXIT_DRAIN_S)
+    except KeyboardInterrupt:
+        pass
 
 
 def get_runtime() -> Runtime:

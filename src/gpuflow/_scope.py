@@ -4,7 +4,10 @@ Every run started inside a scope (in its task or in tasks started from it)
 is tracked by the scope through a context variable.  Leaving the scope —
 normally, by an exception or by cancellation — waits, shielded, until the
 GPU has finished every tracked run, and only then gives back what the scope
-held.  Nothing enqueued outlives its scope.
+held.  Nothing enqueued outlives its scope.  Except for Ctrl-C: a scope
+left by the user's interrupt (:func:`._loops.interrupted`) lets it through
+at once; what the GPU still uses stays alive until it is done, as for a
+cancelled await, and the process's exit waits for it (``_runtime``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import anyio.lowlevel
 from . import _points
 from ._errors import UsageError
 from ._handoff import Handoff
+from ._loops import interrupted
 from ._run import current_scopes, ended_by
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
@@ -201,7 +205,8 @@ class StreamLease:
     ) -> None:
         _leave(self._token)
         try:
-            await self._tracked.drain()
+            if not interrupted(exc):
+                await self._tracked.drain()
         finally:
             stream, self._stream = self._stream, None
             assert self._pool is not None and stream is not None
@@ -220,8 +225,10 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
     the scope, in this task and in tasks it starts, run on ``lease.stream``
     in order (unless given an explicit policy).  Leaving the scope, however
     it is left, waits (shielded) until the GPU has finished what the scope
-    enqueued, then returns the stream.  Two leases never hold the same stream;
-    when every stream is leased, a new lease waits for one (fairly, FIFO).
+    enqueued, then returns the stream; left by Ctrl-C, it lets the
+    interrupt through at once instead (what the GPU still uses stays alive
+    until it is done).  Two leases never hold the same stream; when every
+    stream is leased, a new lease waits for one (fairly, FIFO).
     """
     return StreamLease(current_device() if device is None else device)
 
@@ -285,12 +292,17 @@ class DeviceGroup:
         tb: TracebackType | None,
     ) -> bool | None:
         assert self._tg is not None
+        raised = exc
         try:
             suppressed = await self._tg.__aexit__(exc_type, exc, tb)
+        except BaseException as group_exc:
+            raised = group_exc
+            raise
         finally:
             self._tg = None
             _leave(self._token)
-            await self._tracked.drain()
+            if not interrupted(raised):
+                await self._tracked.drain()
         watcher = _points.watcher
         if watcher is not None and exc_type is None:
             await watcher(_points.LEAVE_GROUP)  # (as a stream lease's)
@@ -303,7 +315,9 @@ def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
     ``async with gf.open_device_group() as group: group.start_soon(fn, device=d)``.
     ``devices=None`` means every initialised device.  The group exits only
     after every child has finished and the GPU work they enqueued on every
-    device is done (a shielded wait, also after a failure or cancellation).
+    device is done (a shielded wait, also after a failure or cancellation;
+    not after Ctrl-C, which reaches the program at once while what the GPU
+    still uses stays alive until it is done).
     """
     rt = get_runtime()
     devs = list(rt.devices) if devices is None else [rt.check_device(d) for d in devices]
