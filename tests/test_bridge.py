@@ -17,6 +17,7 @@ import the private modules that hold them (``_bridge``, ``_runtime``,
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -1582,3 +1583,20 @@ def test_a_run_submitted_on_a_destroyed_stream_is_refused_not_left_pending() -> 
         rt.dispatcher.submit(raw, sub)
     assert rt.dispatcher.pending == before and sub.lane is None
     gf.testing.assert_quiescent(timeout=1.0)
+
+
+@pytest.mark.anyio
+async def test_a_stream_dropped_with_runs_in_flight_leaves_nothing_behind() -> None:
+    """A ``new_stream()`` stream dropped while its runs are in flight is
+    retired: its work completes, and then nothing of it stays in the
+    completion machinery (its backend stream goes with the last run)."""
+    x = await gf.zeros(64, F32)
+    s = gf.new_stream()
+    K.slow_fill(x, 1.0, 0.1).enqueue_on(s)
+    raw = weakref.ref(s.raw)
+    del s, x  # (x's last writer was s: the array kept it)
+    gc.collect()
+    assert raw() is not None  # in flight: the run keeps it
+    await gf.testing.assert_quiescent_async()
+    gc.collect()
+    assert raw() is None, "the dropped stream is still held once its runs completed"

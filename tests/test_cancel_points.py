@@ -279,6 +279,50 @@ async def test_run_left_pending_past_the_timeout_fails_and_the_check_is_sync_or_
     assert calls == ["sync"] * 3 + ["async"] * 3
 
 
+async def test_a_run_that_never_reaches_its_point_fails_rather_than_passes() -> None:
+    """A pipeline whose points differ from run to run leaves a point
+    untested in the run meant to cancel it there: that fails, naming it."""
+    runs = [0]
+
+    async def fewer_later() -> None:
+        runs[0] += 1
+        await gf.zeros(4, F32)
+        if runs[0] == 1:  # (only the run that counts the points)
+            await gf.zeros(4, F32)
+
+    with pytest.raises(AssertionError, match=re.escape(
+        "cancelled at point 3 of 4, which this run never reached (it reached 2: its points "
+        "depend on timing?): it ended uncancelled"
+    )):  # fmt: skip
+        await testing.cancel_at_every_point(fewer_later)
+
+
+async def test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_end() -> None:
+    """Two ``cancel_at_every_point`` running at once, in two tasks: the one
+    that ends first leaves the other counting and cancelling its own points
+    until it ends too."""
+
+    async def short() -> None:
+        await gf.zeros(4, F32)
+
+    async def long() -> None:
+        for _ in range(4):
+            await gf.zeros(4, F32)
+            await anyio.sleep(0.005)  # (so that it outlives the short one)
+
+    reports: dict[str, testing.CancellationReport] = {}
+
+    async def check(name: str, pipeline: Any) -> None:
+        reports[name] = await testing.cancel_at_every_point(pipeline)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check, "short", short)
+        tg.start_soon(check, "long", long)
+    assert (reports["short"].points, reports["long"].points) == (2, 8)
+    assert reports["long"].runs == 9
+    assert _points.watcher is None  # (and none is left installed after both)
+
+
 async def test_the_callers_own_cancellation_is_not_swallowed() -> None:
     async def pipeline() -> None:
         await gf.zeros(4, F32)

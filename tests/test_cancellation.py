@@ -499,3 +499,21 @@ def test_random_pipelines_cancelled_at_random_points(
         assert threading.active_count() <= threads_before + 2, "threads are piling up"
 
     check()
+
+
+@pytest.mark.anyio
+async def test_an_await_cancelled_in_flight_is_not_woken_when_its_run_completes() -> None:
+    """The task of an await cancelled while its run is in flight goes on to
+    wait for something else; the run's completion, later, must not wake it
+    there (Trio's task, rescheduled, would return from that other wait
+    early)."""
+    x = await gf.zeros(N, F32)
+    with anyio.move_on_after(0.02) as scope:
+        await K.slow_fill(x, 1.0, 0.2)
+    assert scope.cancelled_caught
+    nobody_sets = anyio.Event()
+    t0 = time.monotonic()
+    with anyio.move_on_after(0.5):
+        await nobody_sets.wait()  # (the run completes meanwhile)
+    assert time.monotonic() - t0 >= 0.45, "the task was woken by the cancelled await's run"
+    await testing.assert_quiescent_async()

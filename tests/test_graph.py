@@ -94,6 +94,21 @@ async def test_update_refreshes_the_input_before_the_next_launch() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_update_is_applied_once_not_again_at_later_launches() -> None:
+    x, y, z = await aarrays(0.0, 0.0, 0.0)
+    src = await gf.full(N, 2.0, dtype=F32)
+    graph = chain(x, y, z).capture()
+    graph.update(gf.copy(src, out=x))
+    np.testing.assert_array_equal(await gf.to_host(graph.launch()), np.full(N, 8, F32))
+    # the input changed since: a later launch replays on x as it is now,
+    # and does not copy src into it again
+    await gf.copy(await gf.full(N, 5.0, dtype=F32), out=x)
+    await gf.copy(await gf.full(N, 3.0, dtype=F32), out=src)
+    np.testing.assert_array_equal(await gf.to_host(graph.launch()), np.full(N, 20, F32))
+    np.testing.assert_array_equal(await gf.to_host(graph.launch()), np.full(N, 20, F32))
+
+
+@pytest.mark.anyio
 async def test_update_waits_for_a_replay_still_reading_the_input_on_another_stream() -> None:
     # one replay waits, then reads x into acc (acc += x); the update that
     # refreshes x for the next launch must wait for that read, wherever it runs

@@ -114,6 +114,20 @@ def test_read_after_write_across_streams() -> None:
     np.testing.assert_array_equal(gf.to_host(y).sync_on(b), full_f32(6))
 
 
+def test_a_write_waits_for_a_read_on_the_arrays_own_last_writer_stream() -> None:
+    """The read that a write on another stream must wait for may be on the
+    stream that last wrote the array (read there after its write), not only
+    on a third stream: the write waits for it, and the read sees the value
+    from before the write."""
+    a, b = two_streams()
+    x = gf.full(N, 1.0, dtype=F32).sync_on(a)  # last written on a
+    y = gf.zeros(N, F32).sync()
+    late_copy(x, y, SLOW).enqueue_on(a)  # a slow read of x, on its writer's stream
+    fill(x, 7.0).enqueue_on(b)  # a write from another stream
+    np.testing.assert_array_equal(gf.to_host(y).sync_on(a), full_f32(1))
+    np.testing.assert_array_equal(gf.to_host(x).sync_on(b), full_f32(7))
+
+
 def test_write_after_read_across_streams() -> None:
     a, b = two_streams()
     x = gf.full(N, 1.0, dtype=F32).sync()

@@ -416,6 +416,20 @@ def test_copy_true_exports_a_copy() -> None:
     assert (gf.to_host(b).sync() == 2).all() and (gf.to_host(a).sync() == 1).all()
 
 
+def test_an_export_that_copies_is_a_read_a_later_write_waits_for() -> None:
+    """``__dlpack__(copy=True)`` copies on the stream of the array's last
+    write, behind what that stream still runs: a write enqueued on another
+    stream right after the export waits for the copy, which holds the value
+    from before the write."""
+    a = gf.full(N, 1.0, F32).sync()
+    late_fill(gf.zeros(N, F32).sync(), 0.0).enqueue_on(a._alloc.writer)  # (the stream is busy)
+    capsule = a.__dlpack__(copy=True, max_version=(1, 0))
+    late_fill(a, 9.0, 0.0).enqueue_on(gf.new_stream())  # a write, right after the export
+    b = gf.from_dlpack(capsule)
+    assert (gf.to_host(b).sync() == 1).all()
+    assert (gf.to_host(a).sync() == 9).all()
+
+
 @pytest.mark.parametrize("copy", [False, True])
 def test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work(copy: bool) -> None:
     """A capsule asked for with no stream is ordered by its producer before

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import gpuflow as gf
+
+SRC = Path(gf.__file__).resolve().parents[1]
 
 PROGRAM = r'''
 import sys, time, anyio, numpy as np, gpuflow as gf
@@ -82,7 +84,8 @@ def _start(
 ) -> subprocess.Popen[str]:
     program = tmp_path / "interrupted.py"
     program.write_text(PROGRAM)
-    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    # (the gpuflow this process imported: a mutated copy, under the mutation check)
+    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
     proc = subprocess.Popen(
         [sys.executable, str(program), backend, loop, shape, str(seconds)],

@@ -137,3 +137,27 @@ def test_the_check_reports_the_runs_its_last_look_saw(monkeypatch: pytest.Monkey
     testing.assert_quiescent(timeout=5.0)  # (waited for, this time)
     assert testing.pending_runs() == 0
     assert np.all(gf.to_host(x).sync() == 1.0)
+
+
+def test_the_blocking_check_waits_for_work_on_gpuflows_streams_outside_any_run() -> None:
+    """Work enqueued on one of gpuflow's streams outside any run (through
+    the backend, as :mod:`gpuflow.lowlevel` allows) has no run pending to
+    count: "cannot tell yet" is not at rest, and the blocking check waits
+    for that work too (the fixture at every test's end is this check)."""
+    from gpuflow._backends._base import KernelArg
+    from gpuflow.lowlevel import PointerArg
+
+    be = gf.lowlevel.current_backend_object()
+    s = gf.new_stream()
+    kernel = be.load_kernel(0, K.module(), "slow_fill")
+    buf = be.alloc(0, 4 * 256, s.raw)
+    ns = np.int64(LONG * 1e9)
+    args: list[KernelArg] = [PointerArg(buf, np.dtype(F32), 256, True), F32(1.0), np.int32(256), ns]
+    be.launch(kernel, (1, 1, 1), (256, 1, 1), 0, args, s.raw)
+    t0 = time.monotonic()
+    assert testing.pending_runs() == 0 and not be.query(s.raw)
+    testing.assert_quiescent(timeout=5.0)
+    assert time.monotonic() - t0 >= LONG * 0.8, "the check passed while the stream was busy"
+    assert be.query(s.raw)
+    be.free(buf, s.raw)
+    be.synchronize(s.raw)

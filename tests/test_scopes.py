@@ -197,6 +197,27 @@ async def test_lease_exit_after_cancellation_waits_for_the_kernel_and_no_longer(
     np.testing.assert_array_equal(await gf.to_host(x), np.full(N, 4, F32))
 
 
+@pytest.mark.parametrize("scope", ["lease", "group"])
+async def test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one(
+    scope: str,
+) -> None:
+    """A scope keeps a record of every run started in it, and prunes the
+    finished ones once it holds many: a run still pending then (the first
+    one, long) is kept, and the exit waits for it."""
+    x = await gf.zeros(N, F32)
+    c = await gf.zeros(N, np.int32)
+    m = K.module()
+    long_run = 0.3
+    t0 = time.monotonic()
+    async with gf.open_stream_lease() if scope == "lease" else gf.open_device_group():
+        K.slow_fill(x, 4.0, long_run).enqueue_on(gf.new_stream())  # pending throughout
+        for _ in range(150):  # (well past the records it keeps before pruning)
+            await m.add_i32(K.cfg(N), c, 1, N)
+    assert time.monotonic() - t0 >= long_run - EARLY, "the exit did not wait for the long run"
+    assert testing.pending_runs() == 0
+    np.testing.assert_array_equal(await read(x), np.full(N, 4, F32))
+
+
 async def test_lease_exit_waits_for_work_of_its_child_tasks() -> None:
     xs = [await gf.zeros(N, F32) for _ in range(3)]
     slow = 0.15

@@ -13,6 +13,7 @@ every kernel in flight.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from typing import Any
 
@@ -101,3 +102,25 @@ async def test_a_long_await_is_no_stall() -> None:
         with anyio.fail_after(5):
             await K.slow_fill(x, 1.0, 0.3)
     np.testing.assert_array_equal(await gf.to_host(x), np.full(N, 1, F32))
+
+
+def test_the_profile_hook_installed_before_is_restored_after() -> None:
+    """A profiler's or a coverage tool's hook, installed before the block,
+    is the thread's hook again after it, also when the block fails."""
+    calls: list[str] = []
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        calls.append(event)
+
+    previous = sys.getprofile()
+    sys.setprofile(profiler)
+    try:
+        with testing.assert_no_stall(1.0):
+            gf.zeros(8, F32).sync()
+        assert sys.getprofile() is profiler
+        with pytest.raises(RuntimeError), testing.assert_no_stall(1.0):
+            raise RuntimeError("the block failed")
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(previous)
+    assert calls  # (it was the thread's hook outside the blocks)

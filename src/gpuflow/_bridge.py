@@ -826,33 +826,41 @@ class Dispatcher:
                     # and each run would wake this thread, which takes the GIL
                     idle_since = None
                 active = list(self._active)
-            now = time.monotonic()
             try:
-                # marks that failed are owed until now: one a stream
-                owed = [x for x in active if x.unmarked and self._mine(x, now) is not None]
-                marked = any([self.mark_owed(lane) for lane in owed])
-                moved = [
-                    (x, n)
-                    for x in active
-                    if (n := self._mine(x, now)) is not None and n > x.completed
-                ]
-                done = self._advance(moved, now)
-                self.by_thread += len(done)
-                self._complete(done)
-                if self._fast:
-                    with self._lock:
-                        for lane in [
-                            x for x in self._fast if not x.subs or x.completed >= x.fast_for
-                        ]:
-                            del self._fast[lane]
-                if now - last_check >= WATCHDOG_S:
-                    last_check = now
-                    self._watch(active)
-                    self._reap()
-                    self._poll_comms()
+                marked, last_check = self._tick(active, last_check)
             except BaseException as exc:  # pragma: no cover - never kills the thread
                 warnings.warn(f"gpuflow: the dispatcher thread failed: {exc!r}", stacklevel=1)
                 time.sleep(WATCHDOG_S)
+            # (the thread may sleep long now: it must not hold what it saw,
+            # such as a retired stream's lane or a finished run, meanwhile)
+            del active
+
+    def _tick(self, active: list[_Lane], last_check: float) -> tuple[bool, float]:
+        """One tick of the dispatcher thread over the lanes with runs
+        pending; whether it enqueued marks that runs owed, and when the
+        watchdog's checks last ran."""
+        now = time.monotonic()
+        # marks that failed are owed until now: one a stream
+        owed = [x for x in active if x.unmarked and self._mine(x, now) is not None]
+        marked = any([self.mark_owed(lane) for lane in owed])
+        moved = [
+            (x, n)
+            for x in active
+            if (n := self._mine(x, now)) is not None and n > x.completed
+        ]
+        done = self._advance(moved, now)
+        self.by_thread += len(done)
+        self._complete(done)
+        if self._fast:
+            with self._lock:
+                for lane in [x for x in self._fast if not x.subs or x.completed >= x.fast_for]:
+                    del self._fast[lane]
+        if now - last_check >= WATCHDOG_S:
+            last_check = now
+            self._watch(active)
+            self._reap()
+            self._poll_comms()
+        return marked, last_check
 
     @staticmethod
     def _mine(lane: _Lane, now: float) -> int | None:

@@ -245,6 +245,9 @@ async def _run(
         raise AssertionError(_failed(attempt, total, "; ".join([raised, *found]))) from failure
     if swallowed is not None:
         raise AssertionError(_failed(attempt, total, "; ".join([swallowed, *found])))
+    if attempt.cancel_at and attempt.cancelled is None:
+        # (a point never reached was never tested: fail rather than pass)
+        raise AssertionError(_failed(attempt, total, "; ".join(["it ended uncancelled", *found])))
     if found:
         raise AssertionError(
             _failed(attempt, total, "gpuflow is not quiescent: " + "; ".join(found))

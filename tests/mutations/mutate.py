@@ -980,6 +980,134 @@ MUTATIONS = [
         '    slept = cpu - loop.slept_cpu < since / 2\n',
         ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
     ),
+    # -- what the suite let through before (each with the test that pins it down)
+    Mutation(
+        "N1",
+        "a stream retired with runs in flight keeps its lane for ever",
+        "_bridge.py",
+        "                        if lane.retired:\n"
+        "                            self._lanes.pop(lane.raw, None)\n"
+        "                        waiters",
+        "                        waiters",
+        ("tests/test_bridge.py::test_a_stream_dropped_with_runs_in_flight_leaves_nothing_behind",),
+    ),
+    Mutation(
+        "N2",
+        "a scope that prunes its records of runs forgets the pending ones",
+        "_scope.py",
+        "            subs[:] = [s for s in subs if not s.done]\n",
+        "            subs.clear()\n",
+        ("tests/test_scopes.py::test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one",),
+    ),
+    Mutation(
+        "N3",
+        "the first of two cancel_at_every_point to end removes the other's watcher",
+        "_cancelpoints.py",
+        "            if not _installed:\n"
+        "                _points.watcher = None\n",
+        "            _points.watcher = None\n",
+        ("tests/test_cancel_points.py::test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_end",),
+    ),
+    Mutation(
+        "N4",
+        "the blocking quiescence wait takes \"cannot tell yet\" for at rest",
+        "_quiescence.py",
+        "    while (pending := look()) != 0 and time.monotonic() < deadline:\n"
+        "        time.sleep(_POLL_S)\n",
+        "    while (pending := look()) and time.monotonic() < deadline:\n"
+        "        time.sleep(_POLL_S)\n",
+        ("tests/test_quiescence.py::test_the_blocking_check_waits_for_work_on_gpuflows_streams_outside_any_run",),
+    ),
+    Mutation(
+        "N5",
+        "assert_no_stall removes the profile hook that was there before it",
+        "_stalls.py",
+        "        sys.setprofile(previous)\n",
+        "        sys.setprofile(None)\n",
+        ("tests/test_stalls.py::test_the_profile_hook_installed_before_is_restored_after",),
+    ),
+    Mutation(
+        "N6",
+        "a graph update is applied again at every later launch",
+        "_operation.py",
+        "            updates, g._updates = g._updates, []\n",
+        "            updates = list(g._updates)\n",
+        ("tests/test_graph.py::test_an_update_is_applied_once_not_again_at_later_launches",),
+    ),
+    Mutation(
+        "N7",
+        "a write waits for reads on other streams only, not on the array's last writer's",
+        "_hazards.py",
+        "    for s, point in uses.readers.items():\n"
+        "        order_after(backend, stream, s, point)\n",
+        "    for s, point in uses.readers.items():\n"
+        "        if s is not uses.writer:\n"
+        "            order_after(backend, stream, s, point)\n",
+        ("tests/test_hazards.py::test_a_write_waits_for_a_read_on_the_arrays_own_last_writer_stream",),
+    ),
+    Mutation(
+        "N8",
+        "a Trio await cancelled in flight is rescheduled when its run completes",
+        "_loops.py",
+        "        self.parked = False  # cancelled: a later wake-up must not reschedule\n",
+        "        pass\n",
+        ("tests/test_cancellation.py::test_an_await_cancelled_in_flight_is_not_woken_when_its_run_completes",),
+    ),
+    Mutation(
+        "N9",
+        "an export that copies (DLPack copy=True) is not a read of the array",
+        "_export.py",
+        "            alloc.before_read(s)\n"
+        "            be.copy_device(copy.buffer",
+        "            be.copy_device(copy.buffer",
+        ("tests/test_interop.py::test_an_export_that_copies_is_a_read_a_later_write_waits_for",),
+    ),
+    # -- the defects fixed with them
+    Mutation(
+        "N10",
+        "an await that finds every stream busy at the bound queues behind the least loaded",
+        "_run.py",
+        "        if not can_wait:\n",
+        "        if True:\n",
+        ("tests/test_policy.py::test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work",),
+    ),
+    Mutation(
+        "N11",
+        "cancel_at_every_point passes a pipeline that swallows the cancellation",
+        "_cancelpoints.py",
+        "    if attempt.landed and not scope.cancelled_caught:\n",
+        "    if False:\n",
+        ("tests/test_cancel_points.py::test_a_pipeline_that_swallows_the_cancellation_fails_naming_the_point",),
+    ),
+    Mutation(
+        "N12",
+        "stream.synchronize() blocks a running event loop",
+        "_stream.py",
+        "        refuse_blocking(\n"
+        "            \"stream.synchronize()\", \"in async code, `await gf.wait_stream(stream)`\"\n"
+        "        )\n",
+        "",
+        ("tests/test_running.py::test_every_blocking_call_is_refused_in_the_loop_naming_its_own_alternative",),
+    ),
+    Mutation(
+        "N13",
+        "a stream lease left by Ctrl-C holds the interrupt until its GPU work ends",
+        "_scope.py",
+        "            if not interrupted(exc):\n"
+        "                await self._tracked.drain()\n",
+        "            await self._tracked.drain()\n",
+        ("tests/test_interrupts.py",),
+    ),
+    Mutation(
+        "N14",
+        "a second Ctrl-C during the exit's wait prints a traceback",
+        "_runtime.py",
+        "    except KeyboardInterrupt:\n"
+        "        pass\n",
+        "    except ZeroDivisionError:\n"
+        "        pass\n",
+        ("tests/test_interrupts.py",),
+    ),
 ]
 
 
