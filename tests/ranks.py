@@ -80,6 +80,21 @@ def fails_on_the_last(info: gf.RankInfo, loop: str) -> str:
     return f"rank {info.rank} ok on {loop}"
 
 
+def prints_in_pieces(info: gf.RankInfo, lines: int) -> str:
+    """Lines written a piece at a time, the ranks' pieces interleaved in
+    time, and a last line with no newline; an error line on stderr."""
+    import time
+
+    for i in range(lines):
+        for piece in (f"line {i} ", "of ", f"rank {info.rank}", "\n"):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            time.sleep(0.002)
+    print(f"warning from rank {info.rank}", file=sys.stderr)
+    sys.stdout.write("unfinished")
+    return "printed"
+
+
 def sleeps(info: gf.RankInfo, seconds: float) -> None:
     import time
 

@@ -785,6 +785,21 @@ def test_spawn_ranks_kills_ranks_still_running_at_its_timeout() -> None:
         gf.spawn_ranks(ranks.sleeps, 2, 60.0, timeout=3)
 
 
+@pytest.mark.sim_only
+def test_what_ranks_print_arrives_in_whole_lines_prefixed_by_the_rank(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    assert gf.spawn_ranks(ranks.prints_in_pieces, 2, 20, timeout=60) == ["printed"] * 2
+    out, err = capfd.readouterr()
+    lines = out.splitlines()
+    for r in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {r}] ")]
+        assert mine == [f"[rank {r}] line {i} of rank {r}" for i in range(20)] + [
+            f"[rank {r}] unfinished"]
+    assert len(lines) == 42  # nothing cut by another rank's pieces
+    assert sorted(err.splitlines()) == [f"[rank {r}] warning from rank {r}" for r in (0, 1)]
+
+
 def test_spawn_ranks_is_refused_inside_an_event_loop() -> None:
     async def inside() -> None:
         gf.spawn_ranks(ranks.every_collective, 1, "asyncio")

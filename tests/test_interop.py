@@ -1261,6 +1261,9 @@ def test_info_reports_backend_devices_and_libraries(tmp_path: Path) -> None:
     else:
         assert "backend: sim" in out and "no CUDA device" in out
         assert "gpuflow sim device 0" in out
+        # how many it simulates, and how to choose (the demo simulates two)
+        assert "devices: 1 (the simulation makes as many as asked for: " in out
+        assert "gf.init_device_contexts(num_devices=N)" in out and "--devices N" in out
     for name, module in (("PyTorch", "torch"), ("CuPy", "cupy")):
         installed = find_spec(module) is not None
         assert (f"{name}: not installed" in out) != installed

@@ -242,20 +242,35 @@ async def test_argument_checks_name_the_kernel_and_the_parameter() -> None:
         ((2.0, x32, x32, 4, 5), "takes 4 arguments, got 5"),
         ((2.0, x64, x32, 4), r"const float\* x.*float32.*float64"),
         ((2.0, x32, x64, 4), r"float\* y.*float32.*float64"),
-        ((2.0, x32, x32, 4.0), r"int n.*expected a int scalar, got float"),
+        ((2.0, x32, x32, 4.0), r"int n.*expected an int scalar, got float"),
         ((2.0, x32, x32, 2**31), r"int n.*out of range"),
         ((2.0, x32, x32, -(2**31) - 1), r"int n.*out of range"),
         ((2.0, x32, x32, True), r"int n.*bool"),
         (("2", x32, x32, 4), r"float a.*str"),
         ((2.0, np.zeros(4, F32), x32, 4), r"const float\* x.*needs a DeviceArray.*ndarray"),
         ((2.0, x32, 7, 4), r"float\* y.*needs a DeviceArray.*int"),
+        # an operation whose output is known before it runs is checked at once too
+        ((2.0, gf.ones(4), x32, 4), r"const float\* x': needs a float32 array, got an "
+         r"operation \(<gpuflow.DeviceOperation full \(4,\) float64 = 1.0>\), which makes a "
+         r"float64 one"),
+        ((2.0, x32, gf.copy(x64), 4), r"float\* y.*needs a float32 array.*makes a float64"),
+        ((2.0, x32, gf.from_host(np.zeros(4, np.int32)), 4), r"float\* y.*makes a int32"),
+        ((2.0, x32, x32, gf.zeros(1, np.int32)), r"int n': expected an int scalar, got an "
+         r"operation .*which makes an array"),
     ]
     for args, pattern in cases:
         with pytest.raises(gf.UsageError, match=pattern) as info:
             m.saxpy(c, *args)
         assert "saxpy" in str(info.value)
-    with pytest.raises(gf.UsageError, match=r"must be a gf\.LaunchConfig, got tuple"):
+    with pytest.raises(gf.UsageError, match=r"must be a gf\.LaunchConfig .*, got tuple"):
         m.saxpy((1, 4), 2.0, x32, x32, 4)  # type: ignore[arg-type]
+    with pytest.raises(gf.UsageError, match=re.escape(
+        "the first argument must be a gf.LaunchConfig (e.g. gf.LaunchConfig.for_num_elems(n)), "
+        "got an operation (<gpuflow.DeviceOperation full (8,) float64 = 1.0>)"
+    )):  # fmt: skip
+        m.saxpy(gf.ones(8), 2.0, x32, x32, 4)  # type: ignore[arg-type]
+    # what an operation makes is not known before it runs: checked then, as before
+    assert m.saxpy(c, 2.0, x32, gf.value(x32).then(gf.value), 4) is not None
 
 
 async def test_bad_arguments_enqueue_nothing() -> None:

@@ -52,3 +52,30 @@ def test_marks_set_the_word_in_stream_order() -> None:
     s.synchronize()
     assert read() == be.mark(s.raw) - 1 >= second  # (the enqueue_on runs are marked too)
     s.synchronize()
+
+
+@pytest.mark.faults_device
+def test_a_reference_slicing_past_its_array_is_an_out_of_bounds_fault() -> None:
+    """``y[:n] = ...`` with ``n`` past the end of ``y``: NumPy would clip the
+    slice and hide the bad launch; the simulator reports it as the device
+    does an illegal address, a sticky fault that names the access."""
+    m = K.module()
+    x = gf.full(4, 1.0, dtype=F32).sync()
+    y = gf.full(4, 1.0, dtype=F32).sync()
+    m.saxpy(K.cfg(4), 2.0, x, y, 4).sync()  # within bounds: as before
+    np.testing.assert_array_equal(gf.to_host(y).sync(), np.full(4, 3, F32))
+    try:
+        with pytest.raises(gf.DeviceFaultError) as fault:
+            m.saxpy(K.cfg(8), 2.0, x, y, 8).sync()  # 8 elements of arrays of 4
+        assert fault.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+        assert "out of bounds: [:8] of an array of 4 elements" in str(fault.value)
+    finally:
+        gf.reset_device(0)
+        gf.reset_device(1)
+    # arrays computed from a kernel's arrays check their own bounds too
+    from gpuflow._backends._sim import Bounded
+
+    a = np.arange(6, dtype=F32).view(Bounded)
+    assert list((a[:3] * 2)[:-1]) == [0.0, 2.0]
+    with pytest.raises(IndexError, match="out of bounds"):
+        (a * 2)[2:7]

@@ -264,8 +264,11 @@ class _Fill(DeviceOperation[DeviceArray]):
             ctx.backend.fill(out._alloc.buffer, self._value, out.size, ctx.stream._raw)
         return out
 
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        return self._dtype
+
     def _label(self) -> str:
-        return f"full {self._shape} {self._dtype} = {self._value!r}"
+        return f"full {self._shape} {self._dtype} = {self._value}"
 
     def _kind(self) -> str:
         return "alloc"
@@ -295,6 +298,9 @@ class _Arange(DeviceOperation[DeviceArray]):
         self._start = start
         self._step = step
         self._dtype = dtype
+
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        return self._dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         out = _allocate(ctx, (self._n,), self._dtype)
@@ -327,6 +333,10 @@ class _FromHost(DeviceOperation[DeviceArray]):
 
     def __init__(self, host: np.ndarray[Any, Any]) -> None:
         self._host = host
+
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        dtype: np.dtype[Any] = self._host.dtype
+        return dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         # ascontiguousarray makes a 0-d array 1-d: keep the shape
@@ -457,6 +467,15 @@ class _Copy(DeviceOperation[DeviceArray]):
         if stream is not ctx.stream:
             ctx.wait_for(stream)
         return dst
+
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        # (the copy's dtype is its source's, or that of the array it fills)
+        for x in (self._out, self._src):
+            if isinstance(x, DeviceArray):
+                return x.dtype
+        if self._out is None and isinstance(self._src, DeviceOperation):
+            return self._src._output_dtype()
+        return None
 
     def _check_out(self, src: DeviceArray, dst: DeviceArray) -> int:
         """Refuse an ``out`` that does not fit ``src``; the bytes to copy."""

@@ -23,9 +23,53 @@ ROWS: list[dict[str, Any]] = []
 LOOPS = ("asyncio", "uvloop", "trio")
 
 
+#: One condition of a target: ``<= 2x`` (the ratio to the baseline, or a
+#: row's own value where its unit is ``x``), ``>= 70,000``, ``<= 15 us``,
+#: ``<= 5 %`` (the row's value, in its unit), ``<= driver's first report +
+#: 20 ms`` (the value against the baseline plus a margin); words after the
+#: number (``beyond``) and a note in parentheses are the reader's.
+_AIM = re.compile(
+    r"(?P<op><=|>=)\s*(?:(?P<base>[^+,()]*?)\s*\+\s*)?(?P<number>[\d,]*\.?\d+)\s*"
+    r"(?P<unit>x\b|[^\s,()]+)?"
+)
+
+
+def verdict(target: str, value: float, unit: str, base: float | None) -> str | None:
+    """``"met"`` or ``"missed"`` for a row with an aim (every condition of
+    ``target``, comma-separated, holds), None for a row without one (no
+    condition, or a target in parentheses: a note on a row with no aim).
+
+    A condition that the row's figures cannot decide (a ratio with no
+    baseline, another unit than the row's) is a bug of the bench, refused."""
+    text = target.strip()
+    if not text or text.startswith("("):
+        return None
+    met = True
+    for clause in re.split(r",\s*(?=[<>]=)", text):
+        m = _AIM.match(clause.strip())
+        if m is None:
+            raise ValueError(f"bench target {target!r}: cannot read the aim {clause!r}")
+        number = float(m["number"].replace(",", ""))
+        aim_unit = m["unit"]
+        if m["base"]:  # "<= the baseline + N unit"
+            if base is None or aim_unit != unit:
+                raise ValueError(f"bench target {target!r}: needs a baseline in {unit}")
+            measured, number = value, base + number
+        elif aim_unit == "x" and unit != "x":
+            if base is None or base == 0:
+                raise ValueError(f"bench target {target!r}: a ratio needs a baseline")
+            measured = value / base
+        else:
+            if aim_unit not in (None, unit) and not (aim_unit == "x" and unit == "x"):
+                raise ValueError(f"bench target {target!r}: in {aim_unit}, the row in {unit}")
+            measured = value
+        met = met and (measured <= number if m["op"] == "<=" else measured >= number)
+    return "met" if met else "missed"
+
+
 def row(name: str, value: float, unit: str, base_name: str = "", base: float | None = None,
         target: str = "", lower_is_better: bool = True) -> None:
-    """Print and keep one row.
+    """Print and keep one row, and say whether it met its aim (:func:`verdict`).
 
     A row measured under one event loop names it (``"... (uvloop)"``), and
     a target set for one loop names that loop (``">= 70,000 (asyncio)"``):
@@ -42,12 +86,23 @@ def row(name: str, value: float, unit: str, base_name: str = "", base: float | N
             f"not for the loop it was measured under ({loop or 'none named'})"
         )
     ratio = None if base is None or base == 0 else value / base
+    met = verdict(target, value, unit, base)
     ROWS.append(dict(name=name, value=value, unit=unit, base_name=base_name, base=base,
-                     ratio=ratio, target=target, loop=loop))
+                     ratio=ratio, target=target, loop=loop, verdict=met))
     digits = 3 if unit == "ms" else 1
     b = "" if base is None else f"{base:10.{digits}f} {unit} ({base_name})"
     r = "" if ratio is None else f"{ratio:6.2f}x"
-    print(f"  {name:<46}{value:10.{digits}f} {unit:<6} {b:<44} {r:>8}  {target}", flush=True)
+    said = "" if met is None else f": {met}"
+    print(f"  {name:<46}{value:10.{digits}f} {unit:<6} {b:<44} {r:>8}  {target}{said}",
+          flush=True)
+
+
+def summary() -> str:
+    """The rows with an aim: how many met it, and the names of those that missed."""
+    aimed = [r for r in ROWS if r["verdict"] is not None]
+    missed = [r["name"] for r in aimed if r["verdict"] == "missed"]
+    text = f"{len(aimed)} row(s) with an aim: {len(aimed) - len(missed)} met, {len(missed)} missed"
+    return text + (": " + "; ".join(missed) if missed else "")
 
 
 def median_us(samples: list[float]) -> float:

@@ -39,10 +39,13 @@ error when it is left with no other exception.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import multiprocessing
 import operator
+import os
+import sys
 import threading
 import time
 import traceback
@@ -112,6 +115,44 @@ def bootstrap_mpi(comm: Any = None, *, root: int = 0) -> RankInfo:
     return RankInfo(c.Get_rank(), c.Get_size(), uid)
 
 
+class _RankLines(io.TextIOBase):
+    """A rank's ``sys.stdout`` or ``sys.stderr``: whole lines, each prefixed
+    with the rank and written to the file descriptor in one ``write`` (the
+    ranks share the parent's terminal or pipe, and a line written in two
+    pieces is cut by another rank's)."""
+
+    def __init__(self, rank: int, fd: int) -> None:
+        super().__init__()
+        self._prefix = f"[rank {rank}] "
+        self._fd = fd
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+            if lines:
+                out = "".join(f"{self._prefix}{line}\n" for line in lines)
+                os.write(self._fd, out.encode(errors="replace"))
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # (a line goes out whole, once it ends: a flush must not cut it)
+
+    def end(self) -> None:
+        """The rank ends: a last line with no newline goes out."""
+        with self._lock:
+            if self._partial:
+                os.write(self._fd, f"{self._prefix}{self._partial}\n".encode(errors="replace"))
+                self._partial = ""
+
+
 def _rank_main(
     fn: Callable[..., Any],
     info: RankInfo,
@@ -120,6 +161,14 @@ def _rank_main(
     conn: Any,
     args: tuple[Any, ...],
 ) -> None:
+    outputs = []
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None:
+            stream.flush()
+            lines = _RankLines(info.rank, stream.fileno())
+            setattr(sys, name, lines)
+            outputs.append(lines)
     try:
         init_device_contexts(
             backend=backend, num_devices=num_devices, default_device=info.rank % num_devices
@@ -128,6 +177,9 @@ def _rank_main(
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
+    finally:
+        for lines in outputs:
+            lines.end()
 
 
 def spawn_ranks(
@@ -135,7 +187,10 @@ def spawn_ranks(
 ) -> list[Any]:
     """Run ``fn(info, *args)`` in ``nranks`` new processes, one a rank; their results.
 
-    Each process is started fresh (multiprocessing's ``spawn``), initialises
+    What a rank prints (``sys.stdout``, ``sys.stderr``) reaches this
+    process's output a whole line at a time, each line prefixed with
+    ``[rank N]``.  Each process is started fresh (multiprocessing's
+    ``spawn``), initialises
     the backend of this process with device ``rank % device_count`` current,
     and gets its :class:`RankInfo` (a new id, made here).  ``fn`` and
     ``args`` must be picklable (a module-level function).  Blocks until every

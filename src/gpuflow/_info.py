@@ -47,7 +47,20 @@ def _backend_lines() -> list[str]:
         chosen = os.environ.get(BACKEND_ENV)
         why = f"; {BACKEND_ENV}={chosen!r}" if chosen else ""
         lines = [f"backend: {be.name} (what init_device_contexts() picks here{why})"]
-        lines.append("devices:")
+        n = be.device_count
+        if be.name == "sim":
+            how = (
+                "the simulation makes as many as asked for: "
+                "gf.init_device_contexts(num_devices=N); `python -m gpuflow demo` asks for 2, "
+                "`python -m gpuflow bench --devices N` and pytest's --gpuflow-devices N "
+                "choose; 1 unless asked"
+            )
+        else:
+            how = (
+                "every device by default; gf.init_device_contexts(num_devices=N) takes "
+                "the first N"
+            )
+        lines.append(f"devices: {n} ({how})")
         for d in range(be.device_count):
             desc = be.describe_device(d)
             cc = "simulated" if desc.compute_capability is None else (

@@ -317,6 +317,12 @@ def compile(
 
         def saxpy(a: float, x: np.ndarray, y: np.ndarray, n: int) -> None:
             y[:n] = a * x[:n] + y[:n]
+
+    Index the views with the bounds the kernel uses (``y[:n]``, not
+    ``y[:]`` or the whole array): a view's slice that reaches past the end
+    of its array (``n`` larger than ``y``) is then reported as the
+    out-of-bounds access it is on a GPU, a sticky fault naming the slice,
+    where NumPy alone would clip the slice and hide the bad launch.
     """
     if not isinstance(source, str):
         raise UsageTypeError(
@@ -391,8 +397,8 @@ def _scalar(kernel: str, p: Param, v: Any) -> np.generic:
         ok = False
     if not ok:
         raise UsageTypeError(
-            f"kernel {kernel!r}, parameter {p.describe()!r}: expected a {p.ctype} scalar, "
-            f"got {type(v).__name__} {v!r:.60}"
+            f"kernel {kernel!r}, parameter {p.describe()!r}: expected {_a(p.ctype)} scalar, "
+            f"got {described(v)}"
         )
     if kind in "iu":
         info = np.iinfo(p.dtype)
@@ -401,6 +407,21 @@ def _scalar(kernel: str, p: Param, v: Any) -> np.generic:
                 f"kernel {kernel!r}, parameter {p.describe()!r}: {v} is out of range for {p.ctype}"
             )
     return p.dtype.type(v)  # type: ignore[no-any-return]
+
+
+def _a(word: str) -> str:
+    """``word`` with its indefinite article: "an int", "a float"."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def described(value: object) -> str:
+    """A value as an error message names it: what the user passed, not a
+    class of gpuflow's internals."""
+    if isinstance(value, DeviceOperation):
+        return f"an operation ({value!r})"
+    if isinstance(value, DeviceArray):
+        return f"a DeviceArray ({value.shape} {value.dtype})"
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 def _check_array(kernel: str, p: Param, a: DeviceArray) -> None:
@@ -434,8 +455,8 @@ class Kernel:
         """
         if not isinstance(config, LaunchConfig):
             raise UsageTypeError(
-                f"kernel {self.name!r}: the first argument must be a gf.LaunchConfig, "
-                f"got {type(config).__name__}"
+                f"kernel {self.name!r}: the first argument must be a gf.LaunchConfig "
+                f"(e.g. gf.LaunchConfig.for_num_elems(n)), got {described(config)}"
             )
         if len(args) != len(self.params):
             raise UsageTypeError(
@@ -444,12 +465,24 @@ class Kernel:
         checked: list[Any] = []
         for p, a in zip(self.params, args, strict=True):
             if isinstance(a, DeviceOperation):
+                dtype = a._output_dtype()  # (what it produces, where known already)
+                if dtype is not None:
+                    if not p.pointer:
+                        raise UsageTypeError(
+                            f"kernel {self.name!r}, parameter {p.describe()!r}: expected "
+                            f"{_a(p.ctype)} scalar, got {described(a)}, which makes an array"
+                        )
+                    if p.dtype is not None and dtype != p.dtype:
+                        raise UsageError(
+                            f"kernel {self.name!r}, parameter {p.describe()!r}: needs a "
+                            f"{p.dtype} array, got {described(a)}, which makes a {dtype} one"
+                        )
                 checked.append(a)
             elif p.pointer:
                 if not isinstance(a, DeviceArray):
                     raise UsageTypeError(
                         f"kernel {self.name!r}, parameter {p.describe()!r}: needs a DeviceArray "
-                        f"(or an operation producing one), got {type(a).__name__}"
+                        f"(or an operation producing one), got {described(a)}"
                     )
                 _check_array(self.name, p, a)
                 checked.append(a)

@@ -30,6 +30,8 @@ from ._errors import UsageError, UsageTypeError
 from ._pending import PendingMap, is_pending
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ._context import ExecutionContext
     from ._policy import SchedulingPolicy
     from ._stream import Stream
@@ -174,6 +176,13 @@ class DeviceOperation(Generic[T]):
 
     #: a run of it under the default policy asks :meth:`_stream_home` first
     _has_home = False
+
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        """The dtype of the :class:`DeviceArray` every run of this operation
+        produces, where that is known before it runs (None: not known, or
+        not an array): a launch taking the operation as an argument checks
+        it when the launch is built, not when it runs."""
+        return None
 
     def _stream_home(self, device: int) -> Stream | None:
         """The stream of ``device`` the default policy looks at first for a
@@ -441,6 +450,9 @@ class SharedOperation(DeviceOperation[T]):
         if st.stream != ctx.stream:
             ctx.backend.wait_event(ctx.stream._raw, st.event)
         return st.output  # type: ignore[return-value]
+
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        return self._state.source._output_dtype()
 
     def _label(self) -> str:
         return "shared"

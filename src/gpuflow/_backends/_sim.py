@@ -15,6 +15,9 @@ CI, with the real concurrency of the real thing:
 * a stream's worker sleeps on a condition of its own: an item enqueued on one
   stream wakes that stream only, so that many streams scale as many CUDA
   streams do (one condition for all woke every stream at every item);
+* a kernel's reference gets its arrays as :class:`Bounded` views: a slice
+  past an array's end is an out-of-bounds access, not one NumPy clips
+  silently;
 * a kernel whose reference raises is a *sticky fault*: as on CUDA after an
   illegal address, the device stops, nothing queued runs, host signals never
   fire and every query reports the fault until :meth:`reset_device`; as
@@ -46,6 +49,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import operator
 import threading
 import time
 import warnings
@@ -266,6 +270,37 @@ class SimStream:
             for record in records:
                 if any(record is r for r in self.backend._records):
                     record.append(activity)
+
+
+def _check_bounds(a: np.ndarray[Any, Any], key: Any) -> None:
+    for axis, k in enumerate(key if isinstance(key, tuple) else (key,)):
+        if not isinstance(k, slice) or axis >= a.ndim:
+            continue  # (an int or an index array: NumPy checks those itself)
+        n = a.shape[axis]
+        for end in (k.start, k.stop):
+            if end is not None and not -n <= operator.index(end) <= n:
+                raise IndexError(
+                    f"out of bounds: [{k.start if k.start is not None else ''}:"
+                    f"{k.stop if k.stop is not None else ''}] of an array of {n} elements "
+                    "(a kernel that reads or writes past the end of its array)"
+                )
+
+
+class Bounded(np.ndarray):
+    """A kernel's array as its reference sees it: a slice that reaches past
+    the end of the array (``y[:n]`` with ``n`` larger than ``y``) is an
+    out-of-bounds access, an :class:`IndexError` (a sticky fault of the
+    device, as an illegal address is on a GPU), not NumPy's silent
+    clipping of the slice to the array.  Arrays computed from it check
+    their own bounds the same way."""
+
+    def __getitem__(self, key: Any) -> Any:
+        _check_bounds(self, key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _check_bounds(self, key)
+        super().__setitem__(key, value)
 
 
 class SimBackend(Backend):
@@ -681,9 +716,9 @@ class SimBackend(Backend):
                 if isinstance(a, PointerArg):
                     self._check(a.buffer)  # type: ignore[arg-type]
                     buf: SimBuffer = a.buffer  # type: ignore[assignment]
-                    view = buf.data[: a.count * a.dtype.itemsize].view(a.dtype)
+                    view = buf.data[: a.count * a.dtype.itemsize].view(a.dtype).view(Bounded)
                     if not a.writes:
-                        view = view.view()
+                        view = view.view(Bounded)
                         view.flags.writeable = False
                     values.append(view)
                 else:
