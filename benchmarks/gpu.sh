@@ -146,7 +146,7 @@ demo() {
 bench() {
     local args=()
     eval "args=(${BENCH_ARGS:-})"
-    OUT=$dir run bench bench.log 400 python3 -m gpuflow bench "${args[@]}"
+    run bench bench.log 400 python3 -m gpuflow bench --json "$dir/bench.json" "${args[@]}"
 }
 
 probes() {

@@ -662,6 +662,12 @@ class Dispatcher:
                 waiters = self._stream_waiters[device] = Handoff()
             return waiters.join(first)
 
+    def stream_turn(self, device: int, ticket: Ticket) -> bool:
+        """Whether it is ``ticket``'s turn to take a stream of ``device`` (it
+        was woken, or every await that came before it has one)."""
+        with self._lock:
+            return self._stream_waiters[device].first(ticket)
+
     def leave_stream_queue(self, device: int, ticket: Ticket, used: bool) -> None:
         """``ticket``'s task stops waiting: it found a stream (``used``), or
         it was cancelled, and then a wake-up it was given goes to the next."""

@@ -71,6 +71,11 @@ class Handoff:
         ticket.value = value
         return ticket
 
+    def first(self, ticket: Ticket) -> bool:
+        """Whether it is ``ticket``'s turn: it was handed something, or it is
+        at the head of the queue."""
+        return ticket.handed or (bool(self._queue) and self._queue[0] is ticket)
+
     def leave(self, ticket: Ticket) -> bool:
         """Take ``ticket`` out of the queue; whether it was handed something
         first (which its owner, leaving, must then pass on)."""

@@ -132,8 +132,8 @@ async def _idle_stream(
 ) -> Stream:
     """Wait, in turn with the other awaits of ``device`` that found every
     stream busy, for one of its streams to go idle (cancellable: nothing is
-    enqueued yet).  Looked at again at least every ``stall_s`` seconds,
-    whoever was to say that a stream went idle."""
+    enqueued yet).  The first in turn looks again at least every
+    ``stall_s`` seconds, whoever was to say that a stream went idle."""
     d = get_runtime().dispatcher
     home = op._stream_home(device) if op._has_home else None
     ticket = d.wait_for_stream(device)
@@ -141,13 +141,14 @@ async def _idle_stream(
     try:
         while True:
             # (first after joining: a stream that went idle before woke nobody)
-            stream = policy.idle_stream(device, home)
-            if stream is not None:
-                used = True
-                return stream
-            if ticket.handed:  # woken, and a run that could not wait took it: first again
-                d.leave_stream_queue(device, ticket, used=True)
-                ticket = d.wait_for_stream(device, first=True)
+            if d.stream_turn(device, ticket):
+                stream = policy.idle_stream(device, home)
+                if stream is not None:
+                    used = True
+                    return stream
+                if ticket.handed:  # woken, and a run that could not wait took it
+                    d.leave_stream_queue(device, ticket, used=True)
+                    ticket = d.wait_for_stream(device, first=True)  # (first again)
             with anyio.move_on_after(policy.stall_s):
                 await ticket.event.wait()
     finally:

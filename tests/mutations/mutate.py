@@ -617,9 +617,9 @@ MUTATIONS = [
         "B20",
         "the dispatcher thread never enqueues the marks that runs whose mark failed owe",
         '_bridge.py',
-        '                owed = [x for x in active if x.unmarked and self._mine(x, now) '
+        '        owed = [x for x in active if x.unmarked and self._mine(x, now) '
         'is not None]\n',
-        '                owed: list[_Lane] = []\n',
+        '        owed: list[_Lane] = []\n',
         ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
          'dispatcher_thread',),
     ),
