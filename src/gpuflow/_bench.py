@@ -524,6 +524,45 @@ def bench_deadlines(mod: gf.Module, quick: bool) -> None:
     row("deadline misses, round robin", rr, "%", target=f"({fast_rr} fast requests)")
     row("deadline misses, default (least loaded)", ll, "%", "round robin", rr,
         f"<= 5 % ({fast_ll} fast requests, {grown} streams)")
+    burst = 200
+    print(f"a burst of {burst} requests at once, past the pool's bound of 32 streams: 1 in 10 "
+          "runs 500 ms of GPU work, the others 5 ms, 300 ms deadline each")
+    for name, policy in (("round robin", gf.StreamPoolRoundRobin()), ("default", None)):
+        fast_n, missed = burst_deadline_load(mod, policy, burst)
+        share = 100 * missed / max(fast_n, 1)
+        if policy is not None:
+            row(f"burst: deadline misses, {name}", share, "%", target=f"({fast_n} fast requests)")
+            base = share
+        else:
+            row(f"burst: deadline misses, {name}", share, "%", "round robin", base,
+                f"<= 1 % ({fast_n} fast requests)")
+
+
+def burst_deadline_load(
+    mod: gf.Module, policy: gf.SchedulingPolicy | None, requests: int
+) -> tuple[int, int]:
+    """``requests`` started at once, every tenth 500 ms of GPU work, the
+    others 5 ms, each abandoned at 300 ms: ``(fast requests, fast ones that
+    missed)``, once every run of the burst has finished on the device."""
+    counts = [0, 0]
+
+    async def request(ms: int) -> None:
+        op = mod.spin(gf.LaunchConfig(1, 1), ms * 1_000_000)
+        with anyio.move_on_after(0.3) as scope:
+            await op.run(policy)
+        if ms < 500:
+            counts[0] += 1
+            counts[1] += scope.cancelled_caught
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(requests):
+                tg.start_soon(request, 500 if i % 10 == 0 else 5)
+        while gf.testing.pending_runs():  # abandoned work, still on the device
+            await anyio.sleep(0.01)
+
+    anyio.run(main)
+    return counts[0], counts[1]
 
 
 def _driver_first_report(stream: gf.Stream, since: float, stop: threading.Event) -> float:
@@ -647,7 +686,8 @@ BENCHES = {
     "lease": "a task in a stream lease cancelled 5 ms into 20 ms of GPU work: how long "
              "after the work's end the lease is left",
     "deadlines": "a service with per-request deadlines: the fast requests that miss, "
-                 "round robin against the default policy",
+                 "round robin against the default policy, with 16 requests in flight and "
+                 "in a burst of 200 at once (past the pool's 32 streams)",
     "fanout": "a device group over two devices against one device (needs two)",
     "torch": "a PyTorch request (an MLP forward) awaited with gf.wait_stream, one and 64 in "
              "flight, against to_thread(torch.cuda.synchronize) (needs PyTorch and cuda)",
