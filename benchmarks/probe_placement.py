@@ -20,13 +20,12 @@ usage: python benchmarks/probe_placement.py [CPU ...]   (a CUDA device; default:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 TASKS, PER = 64, 100
@@ -36,7 +35,7 @@ def child(cpu: int | None, calls: bool = False) -> None:
     if cpu is not None:  # before any thread starts: the driver's inherit it
         os.sched_setaffinity(0, {cpu})
     import anyio
-    from cuda.bindings import driver as cu
+    from plain_loop import STREAMS, PlainLoop
 
     import gpuflow as gf
     from gpuflow._bench import EMPTY, Raw, _refs
@@ -44,15 +43,7 @@ def child(cpu: int | None, calls: bool = False) -> None:
     gf.init_device_contexts(backend="cuda")
     mod = gf.compile(EMPTY, references=_refs())
     op = mod.empty(gf.LaunchConfig(1, 1))
-    raws = [Raw(gf.new_stream()) for _ in range(4)]
-    (err, host) = cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP)
-    assert not err, err
-    (err, dev_ptr) = cu.cuMemHostGetDevicePointer(host, 0)
-    assert not err, err
-    words = [ctypes.c_uint64.from_address(int(host) + 64 * i) for i in range(4)]
-    for w in words:
-        w.value = 0
-    seqs = [0] * 4
+    plain = PlainLoop([Raw(gf.new_stream()) for _ in range(STREAMS)])
 
     async def gpuflow_row() -> float:
         async def worker() -> None:
@@ -65,45 +56,8 @@ def child(cpu: int | None, calls: bool = False) -> None:
                 tg.start_soon(worker)
         return TASKS * PER / (time.perf_counter() - t0)
 
-    async def plain_row() -> float:
-        loop = asyncio.get_running_loop()
-        pending: list[list[tuple[int, asyncio.Future[None]]]] = [[] for _ in range(4)]
-        armed = [False]
-
-        def poll() -> None:
-            left = 0
-            for i, queue in enumerate(pending):
-                reached, k = words[i].value, 0
-                while k < len(queue) and queue[k][0] <= reached:
-                    if not queue[k][1].done():  # (its task may have failed)
-                        queue[k][1].set_result(None)
-                    k += 1
-                del queue[:k]
-                left += len(queue)
-            if left:
-                loop.call_soon(poll)
-            else:
-                armed[0] = False
-
-        async def one(i: int) -> None:
-            raws[i].launch()
-            seqs[i] += 1
-            (rc,) = cu.cuStreamWriteValue64(raws[i].stream, int(dev_ptr) + 64 * i, seqs[i], 0)
-            assert not rc, rc
-            fut = loop.create_future()
-            pending[i].append((seqs[i], fut))
-            if not armed[0]:
-                armed[0] = True
-                loop.call_soon(poll)
-            await fut
-
-        async def worker(j: int) -> None:
-            for _ in range(PER):
-                await one(j % 4)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(j) for j in range(TASKS)))
-        return TASKS * PER / (time.perf_counter() - t0)
+    def plain_row() -> Coroutine[Any, Any, float]:
+        return plain.row(TASKS, PER)
 
     anyio.run(gpuflow_row)  # warm: streams, lanes, the poller
     asyncio.run(plain_row())
@@ -124,11 +78,11 @@ def child(cpu: int | None, calls: bool = False) -> None:
             total = sum(v[1] for v in stats.stats.values())
             print(f"{name}: {total / (TASKS * PER):.1f} calls a run")
         return
-    ours, plain = [], []
+    ours, theirs = [], []
     for _ in range(5):  # in turns: both see the same CPU at the same time
         ours.append(anyio.run(gpuflow_row))
-        plain.append(asyncio.run(plain_row()))
-    a, b = statistics.median(ours), statistics.median(plain)
+        theirs.append(asyncio.run(plain_row()))
+    a, b = statistics.median(ours), statistics.median(theirs)
     print(f"{a:.0f} {b:.0f}", flush=True)
 
 

@@ -24,20 +24,27 @@ bench's PyTorch request: ``gf.wait_stream`` of one of 8 torch streams right
 after an MLP forward on it (its median includes the forward; its steps are
 the wait's alone, which run after the forward's Python, as in a service).
 
-``--stand-in LIB`` runs the same rows on the ``cuda`` backend against a
-stand-in libcuda, which does each item at once and kernels not at all
+``--stand-in LIB`` runs the ``cuda`` backend against a stand-in libcuda,
+which does each item at once and kernels not at all
 (``tests/stand_in/libcuda.c``; build it with ``cc -shared -fPIC -O2
 -Wl,-soname,libcuda.so.1 -o LIB tests/stand_in/libcuda.c``): the cuda
-backend's Python and cuda-bindings' calls without the driver's own cost,
-with the raw launch loop of the bench's chain row beside the chain, an
-await of ``gf.wait_stream`` on another library's stream, and the 64-task
-throughput.  Beside the bench on the same host, the difference is
-what the driver and the GPU add.
+backend's Python and cuda-bindings' calls without the driver's own cost.
+It prints the run path's rows, each beside its baseline measured in the
+same process, in turns (``--quick``: fewer turns, for CI, which checks that
+the rows print, never a figure): the 64-task throughput under asyncio,
+uvloop and Trio beside the plain loop of ``plain_loop.py`` (asyncio,
+uvloop), and the function calls a run of each makes; the 132-kernel chain
+beside the raw launch loop of the bench's chain row; an await of
+``gf.wait_stream`` on another library's stream beside an await of an empty
+kernel; ``enqueue_on`` of an empty kernel; and the default policy's
+``next_stream`` beside round robin's.  Beside the bench on the same host,
+the difference is what the driver and the GPU add.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import ctypes
 import gc
@@ -62,7 +69,7 @@ import gpuflow as gf
 # a null backend (below) and the default policy measure the front end alone
 from gpuflow._backends import _base
 from gpuflow._bench_poll import mlp_forward
-from gpuflow._bench_rows import Completions
+from gpuflow._bench_rows import Completions, row, summary
 from gpuflow._policy import DEFAULT_POLICY
 
 
@@ -329,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: 64 tasks x 100 awaits against ModelBackend (marks reached "
                         "5, 10 and 30 us apart), medians of 5 runs per loop")
     p.add_argument("--stand-in", metavar="LIB",
-                   help="the cuda backend against this stand-in libcuda.so.1 (see above)")
+                   help="the cuda backend against this stand-in libcuda.so.1: the run path's "
+                        "rows beside their baselines (see above)")
+    p.add_argument("--quick", action="store_true",
+                   help="with --stand-in: fewer turns (CI checks that the rows print)")
     p.add_argument("--pieces", action="store_true",
                    help="instead, on a GPU (or with --stand-in): the steps of an await of an "
                         "empty kernel, of gf.wait_stream and of an all-reduce, each timed")
@@ -368,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     op = mod.empty(gf.LaunchConfig(1, 1))
     if args.pieces:
         return pieces(op, with_torch=not args.stand_in)
+    if args.stand_in:
+        return stand_in_rows(op, args.quick)
     k = op
     chain = k
     for _ in range(131):
@@ -376,12 +388,6 @@ def main(argv: list[str] | None = None) -> int:
     for lib in ("asyncio", "trio"):
         per_await, per_step = anyio.run(awaits_and_chain, op, chain, pol, backend=lib)
         print(f"{lib} await us/op {per_await:.2f}, chain us/step {per_step:.2f}")
-    if args.stand_in:
-        raw_launch_loop(op, pol)
-        for lib in ("asyncio", "trio"):
-            print(f"{lib} await gf.wait_stream(another library's stream) us/op "
-                  f"{anyio.run(foreign_waits, backend=lib):.2f}")
-
     # the chain's own Python: execute() alone, no run set-up, no await, in a
     # context kept from a run (valid here: the null backend enqueues nothing)
     kept: list[gf.ExecutionContext] = []
@@ -405,19 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(20000):
         op.enqueue_on(s)
     print(f"enqueue_on us/op {(time.perf_counter() - t0) / 20000 * 1e6:.2f}")
-
-    if args.stand_in:
-        gf.testing.assert_quiescent(timeout=5.0)  # (the enqueued runs, completed first)
-        for lib in ("asyncio", "uvloop", "trio"):
-            if lib == "uvloop" and not find_spec("uvloop"):
-                continue
-            seen = Completions()
-            marks = _marks_made()
-            rate = statistics.median(throughput(lib, op, 64, 100) for _ in range(5))
-            runs = 5 * (64 + 4) * 100  # (the warm-up's 4 tasks included)
-            print(f"64 tasks x 100 awaits, {lib:<7} {rate:>9,.0f} op/s, "
-                  f"{(_marks_made() - marks) / runs:.2f} completion marks a run")
-            seen.show()
     if args.profile:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "frontend.prof")
@@ -432,10 +425,124 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _marks_made() -> int:
-    """The completion marks enqueued so far on the current device's pool
-    streams (runs on a busy stream share one)."""
-    return sum(s.raw.issued for s in gf.lowlevel.pool_streams())
+def stand_in_rows(op: gf.DeviceOperation[Any], quick: bool) -> int:
+    """The run path's rows against the stand-in driver, each beside its
+    baseline measured in this process, in turns (``--stand-in``)."""
+    from plain_loop import STREAMS, PlainLoop
+
+    from gpuflow._bench import Raw
+
+    turns, tasks, per = (2, 64, 20) if quick else (5, 64, 100)
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
+    plain = PlainLoop([Raw(gf.new_stream()) for _ in range(STREAMS)])
+
+    def plain_row(lib: str) -> float:
+        if lib == "uvloop":
+            import uvloop
+
+            return uvloop.run(plain.row(tasks, per))
+        return asyncio.run(plain.row(tasks, per))
+
+    print(f"the run path on the stand-in driver ({'quick: ' if quick else ''}{turns} turns; "
+          "each row beside its baseline, measured in this process in turns)")
+    print(f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
+          f" {'ratio':>8}  target")
+    ours: dict[str, list[float]] = {lib: [] for lib in loops}
+    theirs: dict[str, list[float]] = {lib: [] for lib in loops if lib != "trio"}
+    for lib in loops:  # warm: streams, lanes, pollers
+        throughput(lib, op, tasks, per)
+        if lib in theirs:
+            plain_row(lib)
+    for _ in range(turns):
+        for lib in loops:
+            ours[lib].append(throughput(lib, op, tasks, per))
+            if lib in theirs:
+                theirs[lib].append(plain_row(lib))
+    rate = {lib: statistics.median(r) for lib, r in ours.items()}
+    for lib in loops:
+        if lib == "trio":
+            row(f"{tasks} tasks x {per} awaits (trio)", rate[lib], "op/s",
+                "gpuflow's own, asyncio", rate["asyncio"], ">= 0.8x")
+        else:
+            row(f"{tasks} tasks x {per} awaits ({lib})", rate[lib], "op/s",
+                f"plain loop {lib}", statistics.median(theirs[lib]), ">= 0.6x")
+    calls_ours = calls_per_run("asyncio", op, tasks, per)
+    calls_plain = _calls(lambda: plain_row("asyncio")) / (tasks * per)
+    row("calls a run, 64-task row (asyncio)", calls_ours, "calls", "plain loop asyncio",
+        calls_plain, "<= 35 calls")
+
+    # the 132-kernel chain, one step, against the raw launch loop, in turns
+    k = op
+    chain = k
+    for _ in range(131):
+        chain = chain.then(lambda _o: k)
+    pol = gf.SingleStream(0)
+    n_chain = 20 if quick else 100
+
+    async def chain_steps() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n_chain):
+            await chain.run(pol)
+        return (time.perf_counter() - t0) / n_chain / 132 * 1e6
+
+    raw_steps = raw_launch_loop(op, pol)
+    chained, raw = [], []
+    for _ in range(turns):
+        chained.append(anyio.run(chain_steps))
+        raw.append(raw_steps(n_chain))
+    row("132-kernel chain, a step", statistics.median(chained), "us",
+        "raw cuLaunchKernel x132 + sync", statistics.median(raw), "<= 1.4x")
+
+    # an await of gf.wait_stream on another library's stream, against an
+    # await of an empty kernel, in turns
+    n_await = 500 if quick else 2000
+
+    async def kernel_awaits() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n_await):
+            await op
+        return (time.perf_counter() - t0) / n_await * 1e6
+
+    foreign, kernel = [], []
+    for _ in range(turns):
+        foreign.append(anyio.run(foreign_waits, n_await))
+        kernel.append(anyio.run(kernel_awaits))
+    row("await gf.wait_stream(another library's stream)", statistics.median(foreign), "us",
+        "await of an empty kernel", statistics.median(kernel), "<= 1.05x")
+
+    # enqueue_on of an empty kernel (the Python of a run no loop awaits)
+    s = gf.new_stream(0)
+    n_enqueue = 2000 if quick else 20000
+    spent = []
+    for _ in range(turns):
+        t0 = time.perf_counter()
+        for _ in range(n_enqueue):
+            op.enqueue_on(s)
+        spent.append((time.perf_counter() - t0) / n_enqueue * 1e6)
+    row("enqueue_on of an empty kernel", statistics.median(spent), "us", target="<= 4 us")
+    gf.testing.assert_quiescent(timeout=5.0)  # (the enqueued runs, completed first)
+
+    # the default policy's choice with every stream idle, against round robin's
+    rr = gf.StreamPoolRoundRobin()
+    chooses = {"default": [], "rr": []}
+    for _ in range(turns):
+        for name, chooser in (("default", DEFAULT_POLICY), ("rr", rr)):
+            best = min(timeit.repeat(lambda c=chooser: c.next_stream(0), number=5000, repeat=3))
+            chooses[name].append(best / 5000 * 1e6)
+    row("default policy next_stream", statistics.median(chooses["default"]), "us",
+        "round robin", statistics.median(chooses["rr"]), "<= 2x")
+    print(summary())
+    return 0
+
+
+def _calls(fn: Callable[[], object]) -> float:
+    """The function calls (Python and built-in, as cProfile counts them) ``fn()`` makes."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats: Any = pstats.Stats(prof)
+    return float(sum(v[1] for v in stats.stats.values()))
 
 
 def objects_in_flight(lib: str, tasks: int = 1000) -> float:
@@ -471,18 +578,15 @@ def objects_in_flight(lib: str, tasks: int = 1000) -> float:
     return anyio.run(main, backend=lib)
 
 
-def calls_per_run(lib: str, op: gf.DeviceOperation[Any]) -> float:
+def calls_per_run(
+    lib: str, op: gf.DeviceOperation[Any], tasks: int = 64, per: int = 100
+) -> float:
     """Function calls (Python and built-in, as cProfile counts them) per
     awaited run of the 64-task row: what the run path costs, in a unit
     that no machine's speed moves."""
-    throughput(lib, op, 64, 100)  # (warm: every stream and lane made)
-    prof = cProfile.Profile()
-    prof.enable()
-    throughput(lib, op, 64, 100)
-    prof.disable()
-    stats: Any = pstats.Stats(prof)
-    runs = (64 + 4) * 100  # (the row's warm-up tasks included)
-    return float(sum(v[1] for v in stats.stats.values())) / runs
+    throughput(lib, op, tasks, per)  # (warm: every stream and lane made)
+    runs = (tasks + 4) * per  # (the row's warm-up tasks included)
+    return _calls(lambda: throughput(lib, op, tasks, per)) / runs
 
 
 def _torch_like_stream() -> Any:
@@ -516,22 +620,29 @@ async def foreign_waits(n: int = 2000) -> float:
     return statistics.median(batches)
 
 
-def raw_launch_loop(op: gf.DeviceOperation[Any], pol: gf.SingleStream) -> None:
+def raw_launch_loop(
+    op: gf.DeviceOperation[Any], pol: gf.SingleStream
+) -> Callable[[int], float]:
     """The bench's chain row's baseline: 132 cuLaunchKernel calls of
-    cuda-bindings and a synchronize, on the stream the chain ran on."""
+    cuda-bindings and a synchronize, on the stream the chain ran on; the
+    function that times ``n`` of those loops (median µs a launch)."""
     from cuda.bindings import driver as cu
 
     op.sync(pol)
     raw = op._cache[1]  # type: ignore[attr-defined]  # (the loaded kernel)
-    stream = pol.stream._raw
-    loops = []
-    for _ in range(300):
-        t0 = time.perf_counter()
-        for _ in range(132):
-            cu.cuLaunchKernel(raw.obj, 1, 1, 1, 1, 1, 1, 0, stream.obj, 0, 0)
-        cu.cuStreamSynchronize(stream.obj)
-        loops.append(time.perf_counter() - t0)
-    print(f"raw cuLaunchKernel x132 + sync us/step {statistics.median(loops) / 132 * 1e6:.2f}")
+    stream = pol.stream.raw
+
+    def steps(n: int) -> float:
+        loops = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            for _ in range(132):
+                cu.cuLaunchKernel(raw.obj, 1, 1, 1, 1, 1, 1, 0, stream.obj, 0, 0)
+            cu.cuStreamSynchronize(stream.obj)
+            loops.append(time.perf_counter() - t0)
+        return statistics.median(loops) / 132 * 1e6
+
+    return steps
 
 
 def _timer(real: Callable[..., Any], tally: list[float]) -> Callable[..., Any]:

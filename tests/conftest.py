@@ -134,6 +134,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # (before the plugins' summaries: Hypothesis's asks the collector who
+    # refers to a random generator, and a frozen referrer is not seen)
+    gc.unfreeze()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sim_only: runs on the sim backend only")
     config.addinivalue_line("markers", "cuda_only: runs on a CUDA device only")

@@ -53,3 +53,37 @@ def test_the_cuda_backend_runs_a_program_against_a_stand_in_driver(tmp_path: Pat
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().endswith("stand-in program done")
+
+
+def test_the_run_path_rows_print_against_the_stand_in(tmp_path: Path) -> None:
+    """``benchmarks/profile_frontend.py --stand-in LIB`` prints each of the
+    run path's rows beside its baseline measured in the same process (a
+    benchmark: what is checked is that it runs and prints its rows, never a
+    figure)."""
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
+         str(HERE / "libcuda.c")],
+        check=True,
+    )  # fmt: skip
+    bench = HERE.parents[1] / "benchmarks"
+    done = subprocess.run(
+        [sys.executable, str(bench / "profile_frontend.py"), "--stand-in", str(lib), "--quick"],
+        capture_output=True, text=True, timeout=300, cwd=bench,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if importlib.util.find_spec(m)]
+    for lib_name in loops:
+        baseline = "gpuflow's own, asyncio" if lib_name == "trio" else f"plain loop {lib_name}"
+        assert f"64 tasks x 20 awaits ({lib_name})" in out and baseline in out, out
+    for name, baseline in [
+        ("calls a run, 64-task row (asyncio)", "plain loop asyncio"),
+        ("132-kernel chain, a step", "raw cuLaunchKernel x132 + sync"),
+        ("await gf.wait_stream(another library's stream)", "await of an empty kernel"),
+        ("enqueue_on of an empty kernel", ""),
+        ("default policy next_stream", "round robin"),
+    ]:
+        (line,) = [ln for ln in out.splitlines() if ln.strip().startswith(name)]
+        assert baseline in line and line.endswith(("met", "missed")), line
+    assert out.splitlines()[-1].startswith(f"{len(loops) + 5} row(s) with an aim: ")
