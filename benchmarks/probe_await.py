@@ -36,7 +36,7 @@ def instrument(marks: dict[str, float]) -> None:
     """Note in ``marks`` when a run is submitted (its mark enqueued), and
     when the loop has completed it and woken its task."""
     disp = get_runtime().dispatcher
-    orig_submit, orig_deliver = disp.submit, disp._deliver
+    orig_submit, orig_deliver = disp.submit, disp.deliver
 
     def submit(raw: Any, sub: Any) -> None:
         marks["submit0"] = pc()
@@ -50,7 +50,7 @@ def instrument(marks: dict[str, float]) -> None:
 
     # instance attributes: the bridge looks these up on the dispatcher at each call
     disp.submit = submit  # type: ignore[method-assign, assignment]
-    disp._deliver = deliver  # type: ignore[method-assign, assignment]
+    disp.deliver = deliver  # type: ignore[method-assign, assignment]
 
 
 async def segments(

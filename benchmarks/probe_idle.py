@@ -22,9 +22,9 @@ in turns, with the awaits that yielded counted: as is (a lone await owes
 its loop a turn after 1 ms without one, unless the loop's thread slept
 meanwhile), owed a turn after 1 ms however the thread spent it (as before
 gpuflow looked whether it slept), and with no fairness yield at all
-(``_submission.YIELD_EVERY_S`` set past any gap): what that yield costs
+(``_run.YIELD_EVERY_S`` set past any gap): what that yield costs
 after a gap, in the piece and in the whole.  Timers wrap the dispatcher's
-``submit`` and ``_advance``, which adds a little to each await.
+``submit`` and ``advance``, which adds a little to each await.
 
 usage: python benchmarks/probe_idle.py [--pieces]   (a CUDA device)
 """
@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 
 import gpuflow as gf
-from gpuflow import _bridge, _submission
+from gpuflow import _bridge, _run
 from gpuflow._bench import EMPTY, _refs
 from gpuflow._bench_rows import event_loops
 
@@ -125,7 +125,7 @@ def main() -> None:
 def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None:
     # when the await's submission ended, and when its run was first seen done
     marks: dict[str, float] = {}
-    submit, advance = _bridge.Dispatcher.submit, _bridge.Dispatcher._advance
+    submit, advance = _bridge.Dispatcher.submit, _bridge.Dispatcher.advance
 
     def timed_submit(self: Any, *args: Any, **kw: Any) -> Any:
         out = submit(self, *args, **kw)
@@ -139,7 +139,7 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
         return done
 
     _bridge.Dispatcher.submit = timed_submit  # type: ignore[method-assign]
-    _bridge.Dispatcher._advance = timed_advance  # type: ignore[method-assign]
+    _bridge.Dispatcher.advance = timed_advance  # type: ignore[method-assign]
     yielded = [0]
     checkpoint = anyio.lowlevel.checkpoint
 
@@ -148,7 +148,7 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
         await checkpoint()
 
     anyio.lowlevel.checkpoint = counted
-    owed, usage = _submission.YIELD_EVERY_S, _submission._thread_usage
+    owed, usage = _run.YIELD_EVERY_S, _run._thread_usage
 
     async def awaited(gap: float, out: dict[str, list[float]]) -> None:
         for _ in range(RUNS):
@@ -185,12 +185,12 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
         for _ in range(2):  # (in turns)
             _blocking(empty, stream, raw, gap, time.sleep, raw_out)
             for way, (every, measure) in ways.items():
-                _submission.YIELD_EVERY_S = every
-                _submission._thread_usage = measure
+                _run.YIELD_EVERY_S = every
+                _run._thread_usage = measure
                 yielded[0] = 0
                 anyio.run(awaited, gap, outs[way])
                 yields[way] += yielded[0]
-        _submission.YIELD_EVERY_S, _submission._thread_usage = owed, usage
+        _run.YIELD_EVERY_S, _run._thread_usage = owed, usage
         show("raw: enqueue_on, then cuStreamSynchronize, after time.sleep", raw_out)
         for way, out in outs.items():
             show(f"gpuflow await, {way}: {yields[way]} of {2 * RUNS} awaits yielded", out)

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,8 @@ import pytest
 import gpuflow as gf
 from gpuflow import _loops
 from gpuflow._loops import current_loop
+from gpuflow._run import Run
 from gpuflow._runtime import get_runtime
-from gpuflow._submission import Submission
 
 F32 = np.float32
 
@@ -84,13 +84,13 @@ def count_turns(monkeypatch: pytest.MonkeyPatch, lone_awaits: bool = True) -> li
     from gpuflow import _bridge  # the poller itself
 
     turns: list[float] = []
-    poll = _bridge._Poller.poll
+    poll = _bridge.Poller.poll
 
     def counted_poll(self: Any) -> bool:
         turns.append(time.monotonic())
         return poll(self)
 
-    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)
+    monkeypatch.setattr(_bridge.Poller, "poll", counted_poll)
     if not lone_awaits:
         return turns
     loop = current_loop()
@@ -158,7 +158,7 @@ def seen_by_the_loop_alone(before: Any, pipes: list[Any]) -> Any:
 def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every wake-up posted to a loop from another thread."""
     from gpuflow import _bridge  # the post the dispatcher thread makes
-    from gpuflow._submission import post as real_post
+    from gpuflow._loops import post as real_post
 
     posts: list[Any] = []
 
@@ -172,13 +172,13 @@ def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 def completing_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen_on: list[int] = []
-    finish = Submission._finish
+    complete = Run.complete
 
-    def noted(sub: Submission, err: BaseException | None) -> Any:
+    def noted(run: Run, err: BaseException | None, here: Any, posts: Any) -> None:
         seen_on.append(threading.get_ident())
-        return finish(sub, err)
+        complete(run, err, here, posts)
 
-    monkeypatch.setattr(Submission, "_finish", noted)
+    monkeypatch.setattr(Run, "complete", noted)
     return seen_on
 
 
@@ -235,7 +235,7 @@ async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
     turns: list[int] = []
     reads: list[int] = [0]  # the reads of words made by the poller (not by hazards)
     polling = [False]
-    poll = _bridge._Poller.poll
+    poll = _bridge.Poller.poll
 
     def counted_poll(self: Any) -> bool:
         for lane in self.lanes:
@@ -248,7 +248,7 @@ async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
         finally:
             polling[0] = False
 
-    monkeypatch.setattr(_bridge._Poller, "poll", counted_poll)  # (before the loop's first await)
+    monkeypatch.setattr(_bridge.Poller, "poll", counted_poll)  # (before the loop's first await)
     counters = [await gf.zeros(1, np.int32) for _ in range(32)]
 
     async def worker(c: gf.DeviceArray) -> None:
@@ -277,16 +277,16 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     yet, a spin would hold that task, which would submit its next work only
     after it: awaits of short kernels from many tasks reached the GPU one at
     a time."""
-    from gpuflow import _bridge  # the inline spin itself
+    from gpuflow import _run  # the inline spin itself
 
     reinit(busy_poll_us=2_000_000)
     x = await gf.zeros(64, F32)
     spins: list[bool] = []  # per call of spin: was the other task resumed by then
     inline_reads: list[bool] = []
     resumed = anyio.Event()
-    real_spin = _bridge.Dispatcher.spin
+    real_spin = _run._spin
 
-    def spying(self: Any, loop: Any, lane: Any, number: int) -> bool:
+    def spying(run: Any, loop: Any, lane: Any) -> bool:
         spins.append(resumed.is_set())
         read = lane.read
 
@@ -296,12 +296,12 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
 
         lane.read = counted
         try:
-            return bool(real_spin(self, loop, lane, number))
+            return real_spin(run, loop, lane)
         finally:
             lane.read = read
 
-    monkeypatch.setattr(_bridge.Dispatcher, "spin", spying)
-    other = Submission(0)  # never submitted: finished by hand below
+    monkeypatch.setattr(_run, "_spin", spying)
+    other = Run(0)  # never submitted: finished by hand below
 
     async def other_await() -> None:
         await other.wait()
@@ -336,25 +336,25 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
     The thread's CPU time and waits are the system's where it slept; where
     it ran or was kept from running they are made up (that much CPU time,
     no wait), for a machine's other load would make them so only by chance."""
-    from gpuflow import _bridge, _submission
+    from gpuflow import _run
 
     reinit(busy_poll_us=2_000_000)
     x = await gf.zeros(64, F32)
-    real_spin = _bridge.Dispatcher.spin
+    real_spin = _run._spin
 
-    def spin_once_done(self: Any, loop: Any, lane: Any, number: int) -> bool:
+    def spin_once_done(run: Any, loop: Any, lane: Any) -> bool:
         # sim's device is a thread of this process: the spin, holding the
         # GIL, would see it done only by chance; here it always does
-        while lane.read() < number:
+        while lane.read() < run.number:
             time.sleep(1e-4)
-        return bool(real_spin(self, loop, lane, number))
+        return real_spin(run, loop, lane)
 
-    monkeypatch.setattr(_bridge.Dispatcher, "spin", spin_once_done)
+    monkeypatch.setattr(_run, "_spin", spin_once_done)
     if between != "sleeps":
         share = 1.0 if between == "computes" else 0.1  # (of the time, the thread ran)
         t0 = time.perf_counter()
         monkeypatch.setattr(
-            _submission, "_thread_usage", lambda: ((time.perf_counter() - t0) * share, 0)
+            _run, "_thread_usage", lambda: ((time.perf_counter() - t0) * share, 0)
         )
     yields = [0]
     counting = [False]
@@ -416,18 +416,18 @@ async def test_a_lone_await_hands_its_word_to_the_poller_when_another_await_star
     """A lone await that reads its own word stops once another await of its
     loop starts: the poller reads both words once a turn from then on, for
     what is left of the budget; neither waits for the other."""
-    from gpuflow import _bridge
+    from gpuflow import _run
 
     reinit(busy_poll_us=2_000_000)
     handed: list[tuple[float, bool]] = []
-    poll_alone = _bridge.Dispatcher.poll_alone
+    poll_alone = _run._poll_alone
 
-    async def spied(self: Any, loop: Any, sub: Submission) -> float:
-        left = await poll_alone(self, loop, sub)
-        handed.append((left, sub.done))
+    def spied(run: Run, loop: Any, lane: Any) -> Generator[Any, None, float]:
+        left = yield from poll_alone(run, loop, lane)
+        handed.append((left, run.done))
         return left
 
-    monkeypatch.setattr(_bridge.Dispatcher, "poll_alone", spied)
+    monkeypatch.setattr(_run, "_poll_alone", spied)
     x = await gf.zeros(64, F32)
     y = await gf.zeros(64, F32)
     handed.clear()
@@ -772,16 +772,17 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
             if behind == "marked":
                 K.slow_fill(y, 2.0, 1.5).enqueue_on(one.stream)
             else:
+                lane = one.stream._lane
+                assert lane is not None
                 with monkeypatch.context() as m:
 
-                    def refuse(raw: Any, polled: bool = True) -> int:
+                    def refuse(polled: bool = True) -> int:
                         raise RuntimeError("the mark was refused")
 
-                    m.setattr(backend, "mark", refuse)
+                    m.setattr(lane, "mark", refuse)  # (the stream's marks, made once)
                     with pytest.raises(RuntimeError, match="the mark was refused"):
                         K.slow_fill(y, 2.0, 1.5).enqueue_on(one.stream)
-                lane = one.stream._lane
-                assert lane is not None and lane.unmarked
+                assert lane.unmarked
     assert idle_after == {"short": False}
     # woken at its own end: the dispatcher thread watched its word, since a
     # host function armed once the long run was queued would wait for it
@@ -991,6 +992,7 @@ class _StoppedLoop:
         self.may_be_cancelled: Any = lambda: True
         self.ready_check_s = 0.0
         self.target: Any = self
+        self.poller: Any = None
 
     def others_ready(self) -> bool:
         return True
@@ -1019,7 +1021,7 @@ class _StoppedLoop:
         raise AssertionError("nothing parks on this loop")
 
 
-def _wait_done(sub: Submission, timeout: float = 5.0) -> None:
+def _wait_done(sub: Run, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not sub.done:
         assert time.monotonic() < deadline, "the run never completed"
@@ -1053,7 +1055,7 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     before = open_fds()
     sentinel = _Sentinel()
     alive = weakref.ref(sentinel)
-    sub = Submission(0)
+    sub = Run(0)
     sub.hold((sentinel,))
     del sentinel
     # the run's stream waits for slow work elsewhere (so that the run is the
@@ -1084,7 +1086,7 @@ def test_a_stream_whose_runs_the_gpu_finished_is_idle_before_anyone_looks() -> N
     dispatcher = get_runtime().dispatcher
     pool = gf.lowlevel.pool_streams()
     x = gf.zeros(16, F32).sync()
-    sub = Submission(0)
+    sub = Run(0)
     dispatcher.submit(pool[0].raw, sub)
     wait_until(sub.reached, "the GPU never reached the mark")
     for s in pool[1:]:
@@ -1102,7 +1104,7 @@ def test_runs_no_loop_awaits_hold_their_stream_for_no_host_function() -> None:
     subs = []
     with gf.testing.record_activity() as activity:
         for i in range(30):
-            sub = Submission(0)
+            sub = Run(0)
             K.slow_fill(x, float(i), 0.002).enqueue_on(stream)
             get_runtime().dispatcher.submit(stream.raw, sub)
             subs.append(sub)
@@ -1142,17 +1144,17 @@ async def test_silent_marks_and_marks_a_loop_reads_share_a_stream(
     marks a loop reads, in one numbering on one stream: a use on another
     stream waits for the run it uses, whichever kind its mark is, and never
     for a long kernel enqueued after it; the awaits see their runs done."""
-    backend: Any = get_runtime().backend
     kinds: list[bool] = []
-    mark = backend.mark
-
-    def spy(raw: Any, polled: bool = True) -> int:
-        kinds.append(polled)
-        return int(mark(raw, polled))
-
-    monkeypatch.setattr(backend, "mark", spy)
     one = gf.SingleStream()
     stream = one.stream
+    lane: Any = stream._lane
+    mark = lane.mark  # (the stream's marks, made once)
+
+    def spy(polled: bool = True) -> int:
+        kinds.append(polled)
+        return int(mark(polled))
+
+    monkeypatch.setattr(lane, "mark", spy)
     x, y, z, junk = [await gf.zeros(16, F32) for _ in range(4)]
     sevens = await gf.full(16, 7.0, F32)
     kinds.clear()
@@ -1174,18 +1176,19 @@ async def test_silent_marks_and_marks_a_loop_reads_share_a_stream(
     await gf.testing.assert_quiescent_async(timeout=5.0)
 
 
-def _submit_owing(raw: Any, sub: Submission) -> None:
+def _submit_owing(raw: Any, sub: Run) -> None:
     """Submit ``sub`` on the raw stream ``raw`` with its mark refused once (a
     failure that is no device's fault): raised, and the run, pending, owes
     the stream's next mark.  (Given the raw stream: the frames the error
     keeps do not keep a :class:`gpuflow.Stream` alive.)"""
     dispatcher = get_runtime().dispatcher
-    backend: Any = dispatcher._backend
+    lane: Any = dispatcher.lane(raw, 0)
+    mark = lane.mark  # (the stream's marks, made once)
 
-    def refuse(raw: Any, polled: bool = True) -> int:
+    def refuse(polled: bool = True) -> int:
         raise RuntimeError("the mark was refused")
 
-    backend.mark = refuse
+    lane.mark = refuse
     try:
         dispatcher.submit(raw, sub)
     except RuntimeError as exc:
@@ -1193,7 +1196,7 @@ def _submit_owing(raw: Any, sub: Submission) -> None:
     else:
         raise AssertionError("the refused mark was not raised")
     finally:
-        del backend.mark
+        lane.mark = mark
     assert sub.lane is not None and sub.lane.raw is raw and sub.lane.unmarked
 
 
@@ -1219,7 +1222,7 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)  # marked at once: the stream was idle
     lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
     try:
-        sub = Submission(0)
+        sub = Run(0)
         K.slow_fill(x, 2.0, 0.001).enqueue_on(stream)
         _submit_owing(stream.raw, sub)
         with anyio.fail_after(10):
@@ -1242,7 +1245,7 @@ def test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_dispatcher_thr
     assert lane is not None
     x = gf.zeros(16, F32).sync()
     K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)  # marked at once: the stream was idle
-    sub = Submission(0)
+    sub = Run(0)
     K.slow_fill(x, 2.0, 0.05).enqueue_on(stream)
     _submit_owing(stream.raw, sub)
     assert sub.number == lane.issued + 1
@@ -1261,7 +1264,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
     lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
     try:
         K.slow_fill(x, 2.0, 0.001).enqueue_on(stream)
-        _submit_owing(stream.raw, Submission(0))
+        _submit_owing(stream.raw, Run(0))
         owed = lane.issued + 1
         stream.synchronize()
         assert not lane.unmarked and lane.read() >= owed
@@ -1278,7 +1281,7 @@ def test_a_stream_dropped_with_a_mark_owed_enqueues_it_first() -> None:
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
     lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
     try:
-        sub = Submission(0)
+        sub = Run(0)
         _submit_owing(stream.raw, sub)
         ref = weakref.ref(stream)
         del stream, x
@@ -1315,7 +1318,7 @@ def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None
 def test_a_stream_dropped_right_after_its_runs_still_completes_them() -> None:
     x = gf.zeros(16, F32).sync()
     stream = gf.new_stream()
-    subs = [Submission(0) for _ in range(3)]
+    subs = [Run(0) for _ in range(3)]
     for i, sub in enumerate(subs):
         K.slow_fill(x, float(i), 0.05).enqueue_on(stream)
         get_runtime().dispatcher.submit(stream.raw, sub)
@@ -1365,12 +1368,12 @@ def test_a_process_that_exits_completes_its_pending_runs_first() -> None:
     # interpreter goes away, not from a daemon thread during finalization
     code = r"""
 import gpuflow as gf, kernels as K
-from gpuflow.lowlevel import Submission
+from gpuflow.lowlevel import Run
 gf.init_device_contexts(backend="sim")
 x = gf.zeros(16, "float32").sync()
 stream = gf.new_stream()
 K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
-sub = Submission(0)
+sub = Run(0)
 sub.add_done_callback(lambda err: print("released before exit", flush=True))
 from gpuflow._runtime import get_runtime
 get_runtime().dispatcher.submit(stream.raw, sub)
@@ -1468,7 +1471,7 @@ async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
     loop's poller) or finished by hand, as a blocking run or a fault is."""
     stream = gf.new_stream()
     x = await gf.zeros(16, F32)
-    sub = Submission(0)
+    sub = Run(0)
     if ended_by == "the GPU":
         K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
         get_runtime().dispatcher.submit(stream.raw, sub)
@@ -1512,7 +1515,7 @@ async def test_a_task_does_not_park_on_a_run_finished_as_it_parks(
     (the dispatcher thread completes it meanwhile): the await then goes on
     at once; it must not park, since nobody would wake it."""
     loop = current_loop()
-    sub = Submission(0)  # never submitted: finished by hand, as the task parks
+    sub = Run(0)  # never submitted: finished by hand, as the task parks
     real_park = type(loop).park
 
     def finishing_park(self: Any) -> Any:
@@ -1578,7 +1581,7 @@ def test_a_run_submitted_on_a_destroyed_stream_is_refused_not_left_pending() -> 
     raw = rt.backend.create_stream(0)
     rt.backend.destroy_stream(raw)
     before = rt.dispatcher.pending
-    sub = Submission(0)
+    sub = Run(0)
     with pytest.raises(gf.UsageError, match="destroyed"):
         rt.dispatcher.submit(raw, sub)
     assert rt.dispatcher.pending == before and sub.lane is None

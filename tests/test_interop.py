@@ -987,9 +987,9 @@ class _Tracker:
     stream = None
 
     def __init__(self) -> None:
-        self.runs: list[gf.lowlevel.Submission] = []
+        self.runs: list[gf.lowlevel.Run] = []
 
-    def track(self, sub: gf.lowlevel.Submission) -> None:
+    def track(self, sub: gf.lowlevel.Run) -> None:
         self.runs.append(sub)
 
 

@@ -73,7 +73,7 @@ def test_help_lists_the_api() -> None:
     doc = gf.__doc__ or ""
     assert [n for n in gf.__all__ if n not in doc] == []
     lowlevel_text = pydoc.plain(pydoc.render_doc(lowlevel))
-    assert "current_backend_object(" in lowlevel_text and "class Submission" in lowlevel_text
+    assert "current_backend_object(" in lowlevel_text and "class Run" in lowlevel_text
 
 
 def test_a_traceback_names_the_public_error() -> None:

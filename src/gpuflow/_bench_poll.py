@@ -31,7 +31,7 @@ import numpy as np
 import gpuflow as gf
 
 from ._bench_rows import Completions, event_loops, interleaved, median_us, row
-from ._bridge import _Poller
+from ._bridge import Poller
 from ._loops import current_loop
 from ._runtime import get_runtime
 
@@ -131,7 +131,7 @@ def bench_poll_turn(mod: gf.Module, quick: bool, cuda: bool) -> None:
             while not all(s._lane is not None and s._lane.subs for s in streams):
                 await anyio.sleep(0.001)  # (the awaits submitted)
             # a poller of its own, polled directly: the loop's would stop after its budget
-            poller = _Poller(get_runtime().dispatcher, current_loop())
+            poller = Poller(get_runtime().dispatcher, current_loop())
             for s in streams:
                 assert s._lane is not None
                 poller.lanes[s._lane] = None

@@ -23,7 +23,7 @@ no driver call, no thread, no host function on the way.
   wakes their tasks directly.  One read per stream per turn, however many
   runs are pending.  An await alone in its loop reads its own word instead:
   inline for a few microseconds, then once per turn of the loop, so that
-  the turn that sees its run done resumes it (:meth:`Dispatcher.poll_alone`).
+  the turn that sees its run done resumes it (``_run``).
 * **Sleep when idle.**  When no run completes within the busy-poll budget
   (``busy_poll_s``; see :func:`gpuflow.init_device_contexts`), the poller
   stops and arms a wake-up for the oldest pending run of each stream: a
@@ -61,14 +61,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from ._backends._base import Backend
 from ._errors import DeviceError, DeviceFaultError
 from ._handoff import Handoff, Ticket
-from ._loops import Loop
+from ._loops import Loop, Posts, post
 from ._statistics import CompletionStatistics
-from ._submission import Communicating, Posts, Submission, post
 
 #: How often the dispatcher thread reads the words and watches for faults
 #: while anything is pending.
@@ -104,7 +103,40 @@ _IDLE_GRACE_S = 1.0
 MAX_FD_SIGNALS = 256
 _EPOLL = getattr(select, "epoll", None)  # Linux; elsewhere the thread wakes loops
 
-class _Lane:
+
+class Completable(Protocol):
+    """A run, as the completion side sees it (:class:`gpuflow.lowlevel.Run`):
+    where its work ends (its stream's lane, its mark's number), and how it
+    is finished once the GPU has got there."""
+
+    device: int
+    lane: Lane | None
+    number: int
+
+    def complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
+        """The run's work is done (or failed with ``error``): release what it
+        kept, run its callbacks, and wake the tasks parked on it, those of
+        loop ``here`` (the loop running this) at once, the others added to
+        ``posts`` (one post a loop, made once every run given is complete)."""
+
+
+class Communicating(Protocol):
+    """A communicator, as the completion side sees it (:class:`gpuflow.Communicator`)."""
+
+    @property
+    def busy(self) -> bool:
+        """Collectives of it are in flight."""
+
+    def failure(self) -> BaseException | None:
+        """Why the runs that used it fail, once it was aborted."""
+
+    def poll(self) -> None:
+        """Ask the backend for its asynchronous error; abort on one."""
+
+    def abort(self, reason: str) -> None:
+        """Make its collectives in flight return (and fail)."""
+
+class Lane:
     """One stream: its marks, and its runs the GPU has not been seen to finish.
 
     ``issued`` is the number of its last mark; ``read()`` the last one the
@@ -123,6 +155,7 @@ class _Lane:
         "dispatcher",
         "fast_for",
         "issued",
+        "mark",
         "polled_until",
         "raw",
         "reached_at",
@@ -135,13 +168,21 @@ class _Lane:
     )  # fmt: skip
 
     def __init__(
-        self, dispatcher: Dispatcher, raw: Any, device: int, read: Callable[[], int]
+        self,
+        dispatcher: Dispatcher,
+        raw: Any,
+        device: int,
+        read: Callable[[], int],
+        mark: Callable[[bool], int],
     ) -> None:
         self.dispatcher = dispatcher
         self.raw = raw
         self.device = device
+        #: the number the GPU wrote last into the stream's word (a read, no lock)
         self.read = read
-        self.subs: collections.deque[Submission] = collections.deque()
+        #: enqueue the stream's next mark; its number (``Backend.marker``)
+        self.mark = mark
+        self.subs: collections.deque[Completable] = collections.deque()
         self.issued = self.completed = read()
         self.unmarked = False  # runs since the last mark owe it one
         #: when a completion of the stream was last seen (or the lane made)
@@ -166,9 +207,51 @@ class _Lane:
         counted (no lock)."""
         return self.issued + self.unmarked - self.read()
 
+    def submit(self, run: Completable, foreign: bool = False, polled: bool = True) -> None:
+        """Complete ``run`` when the work enqueued so far on the stream is
+        done: mark it, right after that work, and hand it to whoever reads
+        the word first.  A run no task awaits (``polled`` False) gets a
+        silent mark (:meth:`Backend.mark`): the dispatcher thread, or a
+        scope that waits for it, reads it.  A failure to mark fails the
+        device where it is a device error, and is raised (the run then owes
+        its mark: the next one enqueued on the stream covers it).  On a
+        destroyed stream, which takes no mark ever again, ``run`` is
+        refused (raised, and not pending); so it is where ``foreign``,
+        another library's stream, is not marked (nothing of the run is
+        there)."""
+        d = self.dispatcher
+        error: BaseException | None = None
+        with d._lock:
+            try:
+                self.issued = number = self.mark(polled)
+                self.unmarked = False  # (that mark covers one owed)
+            except BaseException as exc:
+                if not isinstance(exc, DeviceError) and (
+                    foreign or d._backend.stream_destroyed(self.raw)
+                ):
+                    if not self.subs:
+                        d._lanes.pop(self.raw, None)
+                    raise
+                number = self.issued + 1  # covered by the next mark
+                self.unmarked = True
+                error = exc
+            run.lane = self
+            run.number = number
+            subs = self.subs
+            if not subs:
+                d._active[self] = None
+            subs.append(run)
+            d._pending += 1
+            if not d._armed or d._thread is None:
+                d._arm_locked()
+        if error is not None:
+            if isinstance(error, DeviceError):
+                d.fail_device(run.device, error)
+            raise error
+
 
 #: Runs whose marks were reached, in the order of their streams' marks.
-Done = list[Submission]
+Done = list[Completable]
 
 
 class _FdSignal:
@@ -176,7 +259,7 @@ class _FdSignal:
 
     __slots__ = ("fd", "lane", "seen")
 
-    def __init__(self, fd: int, lane: _Lane) -> None:
+    def __init__(self, fd: int, lane: Lane) -> None:
         self.fd = fd  # the read end: open until the signal is handled
         self.lane = lane
         self.seen = False  # the dispatcher saw it fired and unhandled once
@@ -199,7 +282,7 @@ def _turns_slowed() -> bool:
     return any(get_tool(tool) is not None for tool in range(6))
 
 
-class _BusyPoll:
+class BusyPoll:
     """The budget of one busy poll: it runs out after ``budget`` seconds of
     turns in which the loop ran nothing else.
 
@@ -236,20 +319,21 @@ class _BusyPoll:
         self.turned = now
 
 
-class _Poller:
+class Poller:
     """One event loop's side of the bridge: its busy poll, and the epoll set
     of its pipes (one registration with the loop, however many pipes are in
     flight).  Used in the loop's thread only."""
 
     __slots__ = (
-        "busy", "dispatcher", "epoll", "kick", "lanes", "loop", "signals", "spares",
+        "busy", "dispatcher", "epoll", "kick", "lanes", "loop", "polling", "signals", "spares",
     )  # fmt: skip
 
     def __init__(self, dispatcher: Dispatcher, loop: Loop) -> None:
         self.dispatcher = dispatcher
         self.loop = loop
-        self.lanes: dict[_Lane, None] = {}  # the streams this loop waits on (ordered)
-        self.busy = _BusyPoll()
+        self.lanes: dict[Lane, None] = {}  # the streams this loop waits on (ordered)
+        self.busy = BusyPoll()
+        self.polling = False  # the loop runs poll() at every turn now
         self.kick = loop.start_poller(self.poll)
         self.epoll: Any = None
         self.signals: dict[int, _FdSignal] = {}  # read end -> pipe in flight
@@ -264,7 +348,7 @@ class _Poller:
             else:
                 self.epoll = epoll
 
-    def add(self, lane: _Lane, budget: float) -> None:
+    def add(self, lane: Lane, budget: float) -> None:
         """A task of this loop waits for a run of ``lane``, to be polled for
         ``budget`` seconds more (or the poll under way, if that is longer)."""
         polling = bool(self.lanes)
@@ -278,6 +362,7 @@ class _Poller:
         elif budget > 0:
             busy.start(now, budget)
             lane.polled_until = busy.held_until(now)
+            self.polling = True
             self.kick()
         else:
             self.arm()
@@ -298,22 +383,26 @@ class _Poller:
                 if lane.unmarked:  # (a mark that failed, among its runs': no one else would)
                     d.mark_owed(lane)
             if moved:
-                done = d._advance(moved, now)
+                done = d.advance(moved, now)
                 d.polled += len(done)
-                d._complete(done, self.loop.target)
+                d.complete(done, self.loop.target)
                 busy.deadline = now + d.busy_poll_s
             for lane in [lane for lane in self.lanes if not lane.subs]:
                 del self.lanes[lane]
             if not self.lanes:
+                self.polling = False
                 return False
             if now < busy.deadline:
                 held = busy.held_until(now)
                 for lane in self.lanes:
                     lane.polled_until = held
+                self.polling = True
                 return True
+            self.polling = False
             self.arm()
         except BaseException as exc:
             warnings.warn(f"gpuflow: completing runs in the loop failed: {exc!r}", stacklevel=1)
+        self.polling = False
         return False
 
     def arm(self) -> None:
@@ -334,7 +423,7 @@ class _Poller:
             else:
                 d.pipes_armed += 1
 
-    def _pipe(self, lane: _Lane, number: int) -> bool:
+    def _pipe(self, lane: Lane, number: int) -> bool:
         """A pipe closed right after mark ``number``, the last of ``lane``'s
         stream; False where none can be had (past the limit, out of file
         descriptors, a loop that cannot watch one, a stream being captured)."""
@@ -413,18 +502,21 @@ class Dispatcher:
         self.busy_poll_s = busy_poll_s
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)  # the thread sleeps on it
-        self._lanes: dict[Any, _Lane] = {}  # every stream marked, until retired
-        self._active: dict[_Lane, None] = {}  # the lanes with runs pending
-        self._fast: dict[_Lane, None] = {}  # lanes the thread watches for a loop
+        self._lanes: dict[Any, Lane] = {}  # every stream marked, until retired
+        self._active: dict[Lane, None] = {}  # the lanes with runs pending
+        self._fast: dict[Lane, None] = {}  # lanes the thread watches for a loop
         self._pending = 0
         self._fd_signals = 0  # pipes whose read end is open
-        self._pollers: dict[Any, _Poller] = {}  # per loop (its target)
+        self._pollers: dict[Any, Poller] = {}  # per loop (its target)
         self._closed = False
         self._armed = False  # the thread is ticking
         self._thread: threading.Thread | None = None
         #: per device: awaits waiting for one of its streams to go idle (every
         #: stream busy at the default policy's bound), woken one a stream
         self._stream_waiters: dict[int, Handoff] = {}
+        #: how many wait so, over every device (an await of the common case
+        #: does not take a stream ahead of them)
+        self.waiting = 0
         #: communicators whose async errors the watchdog asks for while busy
         self._comms: weakref.WeakSet[Communicating] = weakref.WeakSet()
         # how completions were seen (CompletionStatistics)
@@ -437,64 +529,31 @@ class Dispatcher:
             self.spun, self.polled, self.by_thread, self.pipes_armed, self.watched_by_thread
         )
 
-    def lane(self, raw: Any, device: int) -> _Lane:
+    def lane(self, raw: Any, device: int) -> Lane:
         """The lane of ``raw`` (made on first use)."""
         with self._lock:
             return self._lane_locked(raw, device)
 
-    def _lane_locked(self, raw: Any, device: int) -> _Lane:
+    def _lane_locked(self, raw: Any, device: int) -> Lane:
         lane = self._lanes.get(raw)
         if lane is None:
-            lane = self._lanes[raw] = _Lane(
-                self, raw, device, self._backend.completion_reader(raw)
+            be = self._backend
+            lane = self._lanes[raw] = Lane(
+                self, raw, device, be.completion_reader(raw), be.marker(raw)
             )
         return lane
 
     def submit(
-        self, raw_stream: Any, sub: Submission, foreign: bool = False, polled: bool = True
+        self, raw_stream: Any, run: Completable, foreign: bool = False, polled: bool = True
     ) -> None:
-        """Complete ``sub`` when the work enqueued so far on ``raw_stream`` is
-        done: marks it, right after that work, and hands it to whoever reads
-        the word first.  A run no task awaits (``polled`` False) gets a
-        silent mark (:meth:`Backend.mark`): the dispatcher thread, or a
-        scope that waits for it, reads it.  A failure to mark fails the device where it is a
-        device error, and is raised (the run then owes its mark: the next
-        one enqueued on the stream covers it).  On a destroyed stream, which
-        takes no mark ever again, ``sub`` is refused (raised, and not
-        pending); so it is where ``foreign``, another library's stream, is
-        not marked (nothing of the run is there)."""
-        with self._lock:
-            lane = self._lanes.get(raw_stream)
-            if lane is None:
-                lane = self._lane_locked(raw_stream, sub.device)
-            error: BaseException | None = None
-            try:
-                lane.issued = number = self._backend.mark(raw_stream, polled)
-                lane.unmarked = False  # (that mark covers one owed)
-            except BaseException as exc:
-                if not isinstance(exc, DeviceError) and (
-                    foreign or self._backend.stream_destroyed(raw_stream)
-                ):
-                    if not lane.subs:
-                        self._lanes.pop(raw_stream, None)
-                    raise
-                number = lane.issued + 1  # covered by the next mark
-                lane.unmarked = True
-                error = exc
-            sub.lane = lane
-            sub.number = number
-            if not lane.subs:
-                self._active[lane] = None
-            lane.subs.append(sub)
-            self._pending += 1
-            if not self._armed or self._thread is None:
-                self._arm_locked()
-        if error is not None:
-            if isinstance(error, DeviceError):
-                self.fail_device(sub.device, error)
-            raise error
+        """:meth:`Lane.submit` of ``run`` on ``raw_stream``'s lane (made
+        on first use)."""
+        lane = self._lanes.get(raw_stream)
+        if lane is None:
+            lane = self.lane(raw_stream, run.device)
+        lane.submit(run, foreign, polled)
 
-    def mark_owed(self, lane: _Lane) -> bool:
+    def mark_owed(self, lane: Lane) -> bool:
         """Enqueue the mark ``lane``'s latest runs owe (nothing where none
         does); whether one was enqueued.  Any thread.  Never raises: a
         device error fails the device's runs; any other failure is warned
@@ -516,93 +575,36 @@ class Dispatcher:
             warnings.warn(f"gpuflow: enqueueing a completion mark failed: {error!r}", stacklevel=2)
         return False
 
-    def finish(self, sub: Submission, error: BaseException | None = None) -> None:
+    def finish(self, sub: Completable, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
         waking whoever waits for it (a scope's exit, from its loop)."""
-        self._deliver([sub], None, error)
+        self.deliver([sub], None, error)
 
-    def spin(self, loop: Loop, lane: _Lane, number: int) -> bool:
-        """A lone await (no other await of ``loop`` in progress, nothing else
-        of it pending): read the word for up to :data:`INLINE_SPIN_S` (within
-        the busy-poll budget), and complete the run here if it is reached.
-        True where the await is alone and its run was not seen done (it
-        may go on reading the word at its loop's turns: :meth:`poll_alone`).
-
-        Never where other awaits of the loop are in progress, parked or
-        woken and not yet resumed: their tasks would wait for the spin, and
-        submit their next work only after it (awaits of short kernels from
-        many tasks would reach the GPU one at a time).  The caller (the
-        await) asks that first, from ``loop.awaiting``, before the call."""
-        limit = min(INLINE_SPIN_S, self.busy_poll_s)
-        if limit <= 0 or self._others_polled(loop):
-            return False
-        if lane.unmarked:  # (a run's mark failed: the next one covers it)
-            self.mark_owed(lane)
-        read = lane.read
-        clock = time.perf_counter
-        deadline = clock() + limit
-        reached = read()
-        while reached < number:
-            if clock() > deadline:
-                return True
-            reached = read()
-        done = self._advance([(lane, reached)], time.monotonic())
-        self.spun += len(done)
-        self._complete(done, loop.target)
-        return False
-
-    def _alone(self, loop: Loop) -> bool:
-        return loop.awaiting <= 1 and not self._others_polled(loop)
-
-    def _others_polled(self, loop: Loop) -> bool:
+    def others_polled(self, loop: Loop) -> bool:
         """Other runs of ``loop`` are pending: its poller reads them all, once a turn."""
-        poller = self._pollers.get(loop.target)
-        return poller is not None and bool(poller.lanes)
+        poller = loop.poller
+        return poller is not None and poller.dispatcher is self and bool(poller.lanes)
 
-    async def poll_alone(self, loop: Loop, sub: Submission) -> float:
-        """A lone await past its inline spin: read the word once per loop
-        turn from the task itself, within the busy-poll budget, while no
-        other await of the loop is in progress.  The turn that sees the run
-        done resumes the task: no future, no wake-up, no turn more.
-
-        Returns when the run is done, or with the budget left (the task then
-        parks, and the loop's poller polls for the rest of it: the await
-        spins at most the budget in all).  Cancellation is the loop's own,
-        at a turn; the run stays pending, and the dispatcher thread takes it
-        over :data:`LOOP_STALL_S` after the last turn that read its word."""
-        lane = sub.lane
-        assert lane is not None
-        clock = time.monotonic
-        busy = _BusyPoll()
-        now = clock()
-        busy.start(now, self.busy_poll_s)
-        lane.polled_until = busy.held_until(now)
-        checkpoint = loop.checkpoint
-        while True:
-            await checkpoint()
-            loop.yielded = time.perf_counter()  # (others ran: no yield is owed when done)
-            if sub.done:
-                return 0.0
-            now = clock()
-            busy.turn(now)
-            lane.polled_until = busy.held_until(now)
-            reached = lane.read()
-            if reached > lane.completed:
-                done = self._advance([(lane, reached)], now)
-                self.polled += len(done)
-                self._complete(done, loop.target)
-                if sub.done:
-                    return 0.0
-            if now >= busy.deadline or not self._alone(loop):
-                return max(0.0, busy.deadline - now)
-
-    def watch(self, loop: Loop, lane: _Lane, budget: float | None = None) -> None:
+    def watch(self, loop: Loop, lane: Lane, budget: float | None = None) -> None:
         """A task of ``loop`` (running this) waits for a run of ``lane``;
         the loop polls for it for ``budget`` more (the busy-poll budget
         when None)."""
-        poller = self._pollers.get(loop.target)
-        if poller is None:
-            poller = _Poller(self, loop)
+        poller = loop.poller
+        if (
+            poller is not None
+            and poller.polling
+            and lane in poller.lanes
+            and poller.dispatcher is self
+        ):
+            # (read at every turn already: the poll goes on for the budget
+            # past its last turn, which is as good as now and costs no clock)
+            busy = poller.busy
+            limit = busy.turned + (self.busy_poll_s if budget is None else budget)
+            if limit > busy.deadline:
+                busy.deadline = limit
+            return
+        if poller is None or poller.dispatcher is not self:
+            poller = loop.poller = Poller(self, loop)
             with self._lock:
                 self._pollers[loop.target] = poller
         poller.add(lane, self.busy_poll_s if budget is None else budget)
@@ -626,7 +628,7 @@ class Dispatcher:
             )
             self._thread.start()
 
-    def _fast_watch(self, lane: _Lane, number: int) -> None:
+    def _fast_watch(self, lane: Lane, number: int) -> None:
         """The thread watches ``lane`` until its mark ``number`` is reached."""
         with self._lock:
             lane.fast_for = number
@@ -641,7 +643,7 @@ class Dispatcher:
 
     @property
     def pending(self) -> int:
-        """Submissions handed over whose work has not been seen to finish."""
+        """Runs handed over whose work has not been seen to finish."""
         return self._pending
 
     # -- completing -------------------------------------------------------------
@@ -660,6 +662,7 @@ class Dispatcher:
             waiters = self._stream_waiters.get(device)
             if waiters is None:
                 waiters = self._stream_waiters[device] = Handoff()
+            self.waiting += 1
             return waiters.join(first)
 
     def stream_turn(self, device: int, ticket: Ticket) -> bool:
@@ -673,6 +676,7 @@ class Dispatcher:
         it was cancelled, and then a wake-up it was given goes to the next."""
         with self._lock:
             handed = self._stream_waiters[device].leave(ticket)
+            self.waiting -= 1
         if handed and not used:
             self.stream_freed(device)
 
@@ -686,7 +690,7 @@ class Dispatcher:
         if ticket is not None:
             ticket.wake()
 
-    def _advance(self, lanes: Iterable[tuple[_Lane, int]], now: float) -> Done:
+    def advance(self, lanes: Iterable[tuple[Lane, int]], now: float) -> Done:
         """Take the runs whose marks the GPU has reached: ``(lane, the
         number its word was read to have reached)``; an await waiting for
         an idle stream is woken for each stream left with nothing pending."""
@@ -716,39 +720,32 @@ class Dispatcher:
             ticket.wake()
         return done
 
-    def _complete(self, done: Done, here: Any = None) -> None:
+    def complete(self, done: Done, here: Any = None) -> None:
         """Finish runs whose marks were reached (outside the lock)."""
         if not done:
             return
         backend = self._backend
-        last = None  # (_advance gives each lane's runs together: once a lane)
+        last = None  # (advance gives each lane's runs together: once a lane)
         for sub in done:
             lane = sub.lane
             if lane is not None and lane is not last:
                 last = lane
                 backend.complete_transfers(lane.raw)
-        self._deliver(done, here)
+        self.deliver(done, here)
 
-    def _deliver(
+    def deliver(
         self, done: Done, here: Any = None, error: BaseException | None = None
     ) -> None:
-        """Finish ``done`` (failed with ``error`` where given) and wake their
+        """Complete ``done`` (failed with ``error`` where given) and wake their
         tasks: those of loop ``here`` (the loop running this) directly, the
-        others with one post per loop."""
-        woken: list[Submission] | None = None  # (most runs seen done inline have none)
-        for sub in done:  # (all finished before any task resumes)
-            if sub._finish(error):
-                if woken is None:
-                    woken = [sub]
-                else:
-                    woken.append(sub)
-        if woken is None:
-            return
+        others with one post per loop.  (No task resumes before all are
+        complete: a wake-up only schedules its task.)"""
         posts: Posts = {}
-        for sub in woken:
-            sub._wake(here, posts)
-        for target, poster, fns in posts.values():
-            post(target, poster, fns)
+        for run in done:
+            run.complete(error, here, posts)
+        if posts:
+            for target, poster, fns in posts.values():
+                post(target, poster, fns)
 
     def fail_device(self, device: int, error: BaseException) -> None:
         """Fail every pending submission of ``device`` (a fault, a reset).
@@ -773,7 +770,7 @@ class Dispatcher:
                     dropped.append(fd)
         for fd in dropped:
             os.close(fd)
-        self._deliver(done, None, error)
+        self.deliver(done, None, error)
 
     def retire_stream(self, raw: Any) -> None:
         """``raw`` is about to be destroyed: its lane goes once its runs are
@@ -841,7 +838,7 @@ class Dispatcher:
             # such as a retired stream's lane or a finished run, meanwhile)
             del active
 
-    def _tick(self, active: list[_Lane], last_check: float) -> tuple[bool, float]:
+    def _tick(self, active: list[Lane], last_check: float) -> tuple[bool, float]:
         """One tick of the dispatcher thread over the lanes with runs
         pending; whether it enqueued marks that runs owed, and when the
         watchdog's checks last ran."""
@@ -854,9 +851,9 @@ class Dispatcher:
             for x in active
             if (n := self._mine(x, now)) is not None and n > x.completed
         ]
-        done = self._advance(moved, now)
+        done = self.advance(moved, now)
         self.by_thread += len(done)
-        self._complete(done)
+        self.complete(done)
         if self._fast:
             with self._lock:
                 for lane in [x for x in self._fast if not x.subs or x.completed >= x.fast_for]:
@@ -869,7 +866,7 @@ class Dispatcher:
         return marked, last_check
 
     @staticmethod
-    def _mine(lane: _Lane, now: float) -> int | None:
+    def _mine(lane: Lane, now: float) -> int | None:
         """How far the dispatcher thread completes ``lane``'s runs now (the
         mark its word was read to have reached), or None: not while a loop
         polls it every turn, nor, for a tick, those a loop's pipe will wake
@@ -899,7 +896,7 @@ class Dispatcher:
             except Exception as exc:  # never kills the dispatcher
                 warnings.warn(f"gpuflow: watching {comm!r} failed: {exc!r}", stacklevel=1)
 
-    def _watch(self, lanes: list[_Lane]) -> None:
+    def _watch(self, lanes: list[Lane]) -> None:
         """Fail the runs of a device that faulted (it reaches no mark).
 
         Any other failure of a query is warned about and ignored: failing the

@@ -29,6 +29,7 @@ import anyio.lowlevel
 from . import _points
 from ._errors import UsageError, UsageTypeError
 from ._quiescence import Baseline, problems, settle_async, use_after_free_count
+from ._unusual import UNUSUAL
 
 #: Modules whose frames are not the user's: where a point is reported is the
 #: first frame outside them (the line of the pipeline that awaited).
@@ -142,9 +143,11 @@ def _watching() -> Iterator[None]:
     with _installed_lock:
         _installed += 1
         _points.watcher = _watch
+    UNUSUAL.begin()  # (runs take the long path, which reports to the watcher)
     try:
         yield
     finally:
+        UNUSUAL.end()
         with _installed_lock:
             _installed -= 1
             if not _installed:

@@ -27,9 +27,10 @@ from ._context import ExecutionContext
 from ._errors import UsageError
 from ._hazards import Allocation, capture_log, hazard_lock
 from ._pending import is_pending
+from ._run import Run
 from ._runtime import Runtime, current_device, get_runtime, new_stream
 from ._stream import Stream
-from ._submission import Submission
+from ._unusual import UNUSUAL
 
 if TYPE_CHECKING:
     from ._operation import DeviceOperation
@@ -80,21 +81,24 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     # (nothing to wait for first: every replay is ordered after the work that
     # made its inputs by the hazards the capture logs, and only after that)
     be = rt.backend
-    sub = Submission(device)
+    sub = Run(device)
     ctx = ExecutionContext(rt, cap_stream, policy, sub, capturing=True)
     log: dict[int, tuple[Allocation, bool]] = {}
     lane = cap_stream._lane
     if lane is not None and lane.unmarked:  # (a mark cannot be enqueued while it captures)
         lane.dispatcher.mark_owed(lane)
     token = capture_log.set(log)
+    UNUSUAL.begin()  # (runs take the long path, which refuses them in a capture)
     be.begin_capture(cap_stream._raw)
     try:
         out = op.execute(ctx)
     except BaseException:
         capture_log.reset(token)
+        UNUSUAL.end()
         be.end_capture(cap_stream._raw)
         raise
     capture_log.reset(token)
+    UNUSUAL.end()
     raw = be.end_capture(cap_stream._raw)
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
@@ -126,9 +130,3 @@ def replay(rec: Recording[T], ctx: ExecutionContext) -> T:
                 alloc.before_read(ctx.stream, ctx._submission)
         ctx.backend.launch_graph(rec.raw, ctx.stream._raw)
     return rec.output
-
-
-def refuse_in_capture(what: object) -> None:
-    """Running another operation from inside a capture would not be captured."""
-    if capture_log.get() is not None:
-        raise UsageError(f"{what} inside a graph capture: compose the operation instead")

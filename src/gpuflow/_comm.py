@@ -60,13 +60,12 @@ from ._array import DeviceArray, _allocate, _dtype, _resolve_array, _shape
 from ._backends._base import COMM_DTYPES, REDUCTIONS, CollectiveCall
 from ._errors import CommunicatorError, UsageError, UsageTypeError
 from ._hazards import Point, hazard_lock, order_after
-from ._loops import current_loop, refuse_blocking
+from ._loops import current_loop, post, refuse_blocking
 from ._operation import DeviceOperation
 from ._policy import DEFAULT_POLICY
-from ._run import ended_by
+from ._run import Run, ended_by
 from ._runtime import Runtime, current_device, get_runtime, init_device_contexts
 from ._scope import _Tracked
-from ._submission import Submission, post
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext
@@ -336,7 +335,7 @@ class Communicator:
         self._lock = threading.Lock()
         #: the last run that used it on each stream: runs of one stream end in
         #: order, so these are what the scope's end waits for
-        self._last: dict[Stream, Submission] = {}
+        self._last: dict[Stream, Run] = {}
         #: the stream of each local rank's latest collective, and the run that
         #: issued it: the next one, on any stream, is ordered after it (under
         #: the hazard lock)
@@ -427,7 +426,7 @@ class Communicator:
         for raw in raws:
             self._rt.backend.comm_abort(raw)
 
-    # -- for the bridge: Submission.comms and the dispatcher's watchdog ------------------
+    # -- for the bridge: Run.comms and the dispatcher's watchdog ------------------
     @property
     def busy(self) -> bool:
         """Collectives of it are in flight (the watchdog asks while they are)."""
@@ -463,7 +462,7 @@ class Communicator:
             )
         return self._raw
 
-    def _started(self, stream: Stream, sub: Submission) -> None:
+    def _started(self, stream: Stream, sub: Run) -> None:
         """``sub`` enqueued collectives of this communicator, ending on ``stream``."""
         self._last[stream] = sub
         comms = sub.comms
@@ -683,6 +682,7 @@ class _Collective(DeviceOperation[Any]):
         return self._what in ("send", "recv")
 
     _has_home = True
+    _ordinary = False
 
     def _stream_home(self, device: int) -> Stream | None:
         # the stream of the rank's previous collective, which the default

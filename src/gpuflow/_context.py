@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._backends._base import Backend
     from ._policy import SchedulingPolicy
+    from ._run import Run
     from ._runtime import Runtime
     from ._stream import Stream
-    from ._submission import Submission
 
 
 class ExecutionContext:
@@ -34,7 +34,7 @@ class ExecutionContext:
         runtime: Runtime,
         stream: Stream,
         policy: SchedulingPolicy | None,
-        submission: Submission,
+        submission: Run,
         capturing: bool = False,
     ) -> None:
         self._runtime = runtime

@@ -15,8 +15,7 @@ from typing import Any
 
 import anyio
 
-from ._loops import current_loop
-from ._submission import post
+from ._loops import current_loop, post
 
 
 class Ticket:

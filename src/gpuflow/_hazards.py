@@ -42,6 +42,7 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from ._errors import UsageError
 from ._finalizers import finalize_later
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 class Point(Protocol):
     """Where on a stream a use of an allocation happened (a run's
-    :class:`Submission`, an :class:`EventPoint`)."""
+    :class:`gpuflow.lowlevel.Run`, an :class:`EventPoint`)."""
 
     def order(self, backend: Backend, stream: Any, on: Any) -> bool:
         """Make later work on raw ``stream`` wait for this point of raw
@@ -87,6 +88,12 @@ def order_after(backend: Backend, stream: Stream, on: Stream, point: Point | Non
 capture_log: ContextVar[dict[int, tuple[Allocation, bool]] | None] = ContextVar(
     "gpuflow_capture_log", default=None
 )
+
+def refuse_in_capture(what: object) -> None:
+    """Running another operation from inside a capture would not be captured."""
+    if capture_log.get() is not None:
+        raise UsageError(f"{what} inside a graph capture: compose the operation instead")
+
 
 #: Ordering a use after an allocation's hazards and enqueueing that use must be
 #: one step: another thread recording the allocation's last write in between

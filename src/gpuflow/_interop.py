@@ -59,9 +59,9 @@ from ._hazards import (
     wait_for_uses,
 )
 from ._operation import DeviceOperation, _fn_name
+from ._run import Run
 from ._runtime import Runtime, current_device, get_runtime
 from ._stream import Stream
-from ._submission import Submission
 
 #: Owners whose release could not be ordered after gpuflow's uses: kept for
 #: the life of the process (a leak is better than memory freed under the GPU).
@@ -109,7 +109,7 @@ def _release(owner: object, uses: Uses) -> None:
             stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]
         stream = usable_stream(uses.backend, stream)
         wait_for_uses(uses, stream)
-        release = Submission(stream.device)
+        release = Run(stream.device)
         release.hold((owner,))
         rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)
     except Exception as exc:
@@ -324,6 +324,7 @@ class _WaitStream(DeviceOperation[None]):
     # stream would wait for it too, and the GPU would hop streams to say it
     # is done).
     _awaited_alone = True
+    _ordinary = False
 
     def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
         """The stream waited for, and whether it is gpuflow's own: on the

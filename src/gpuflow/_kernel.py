@@ -495,12 +495,13 @@ class Kernel:
 
 
 class _Launch(DeviceOperation[Any]):
-    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain")
+    __slots__ = ("_args", "_cache", "_config", "_direct", "_kernel", "_plain")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
         self._kernel = kernel
         self._config = config
         self._args = args
+        self._direct: tuple[object, Callable[[Any], None]] | None = None
         # scalars only: nothing to resolve, no hazards, the arguments are final
         self._plain = not any(
             p.pointer or isinstance(a, DeviceOperation)
@@ -523,6 +524,8 @@ class _Launch(DeviceOperation[Any]):
                 else None
             )
             c = self._cache = (life, raw, launch_on)
+            if launch_on is not None:  # (prepared once: the common await calls it)
+                self._direct = (life, launch_on)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:

@@ -32,6 +32,8 @@ import functools
 import signal
 import sys
 import threading
+import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Sized
 from typing import Any, Protocol
 
@@ -41,6 +43,11 @@ from ._errors import UsageError
 
 #: A call a loop runs for gpuflow: a wake-up, a flush.
 Call = Callable[[], object]
+#: A loop's non-blocking post (``Loop.post``).
+Poster = Callable[[Call], object]
+#: Wake-ups for other loops, gathered to post once per loop: by ``id`` of
+#: the loop's target, that target, its post, and the wake-ups.
+Posts = dict[int, tuple[Any, Poster, list[Call]]]
 
 #: How often a task awaiting short kernels back to back asks Trio whether
 #: other tasks are ready (they wait at most this long, as they do for a
@@ -59,10 +66,10 @@ class Loop(Protocol):
     """The running event loop, as gpuflow uses it."""
 
     #: When a task of this loop last let the others run at one of gpuflow's
-    #: awaits (``time.perf_counter``): see ``_submission.YIELD_EVERY_S``.
+    #: awaits (``time.perf_counter``): see ``_run.YIELD_EVERY_S``.
     yielded: float
     #: The loop thread's CPU time and count of voluntary context switches
-    #: when an await last asked whether it slept: see ``_submission._slept``.
+    #: when an await last asked whether it slept: see ``_run._slept``.
     slept_cpu: float
     slept_waits: int
     #: When such an await last asked :meth:`others_ready`.
@@ -70,11 +77,13 @@ class Loop(Protocol):
     #: How many of its tasks are inside a gpuflow await now (parked, or
     #: woken and not yet resumed): only a lone await spins.
     awaiting: int
+    #: The completion side's poller of this loop (``_bridge``), once it has one.
+    poller: Any
 
     #: How long a task may run gpuflow's awaits back to back before it asks
     #: :meth:`others_ready` again (0 under asyncio, where asking and yielding
     #: cost little; Trio: :data:`READY_CHECK_S`; a loop that cannot tell:
-    #: :data:`BLIND_YIELD_S`; see ``_submission.YIELD_EVERY_S``).
+    #: :data:`BLIND_YIELD_S`; see ``_run.YIELD_EVERY_S``).
     ready_check_s: float
 
     #: AnyIO's ``checkpoint_if_cancelled`` for this loop (Trio's own under
@@ -101,12 +110,14 @@ class Loop(Protocol):
     def post(self, fn: Call) -> object:
         """Run ``fn`` in the loop soon; callable from any thread, never blocks."""
 
-    def park(self) -> Awaitable[None]:
+    def park(self) -> Any:
         """A park of the current task: ``await park`` suspends it until
         :meth:`wake` of the park runs in the loop, or until the task is
         cancelled, which raises the loop's own cancellation.  Awaited at
-        most once; may be dropped unawaited.  (One object: a run in flight
-        holds it for its task.)"""
+        most once; may be dropped unawaited.  In the loop's thread, a park
+        also answers ``done()`` (woken, or its task cancelled) and
+        ``set_result(None)`` (:meth:`wake`), as an asyncio future does.
+        (One object: a run in flight holds it for its task.)"""
 
     def wake(self, park: Any) -> None:
         """Resume the task parked on ``park``.  In the loop's own thread only
@@ -129,33 +140,58 @@ class Loop(Protocol):
         from any thread."""
 
 
+def post(target: Any, poster: Poster, fns: list[Call]) -> None:
+    """Run ``fns`` in ``target``'s loop, without blocking; a finished loop is skipped."""
+
+    def run_all() -> None:
+        for fn in fns:
+            fn()
+
+    try:
+        poster(fns[0] if len(fns) == 1 else run_all)
+    except RuntimeError:
+        pass  # the loop is closed (trio.RunFinishedError is one too): nobody waits
+    except Exception as exc:
+        warnings.warn(f"gpuflow: could not wake the event loop {target!r}: {exc!r}", stacklevel=1)
+
+
 def _true() -> bool:
     return True
 
 
-def _anyio_asyncio_scopes() -> Callable[[], bool]:
+def _anyio_asyncio_scopes(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
     """``may_be_cancelled`` under asyncio: AnyIO's own record of the current
     task's cancel scopes, read as its ``checkpoint_if_cancelled`` reads it
     (the innermost scope out to the first shielded one), without a
     coroutine.  Where AnyIO keeps it otherwise, always True: the checkpoint
-    is then awaited at every run, as before."""
+    is then awaited at every run, as before.  Every await asks, so the
+    current task and its record are looked up as asyncio and AnyIO keep
+    them (the dictionaries behind ``asyncio.current_task`` and AnyIO's
+    weak one), where they can be."""
     try:
         from anyio._backends import _asyncio as anyio_asyncio
 
         states = anyio_asyncio._task_states
         probe = anyio_asyncio.CancelScope()
         probe._cancel_called, probe._shield, probe._parent_scope  # noqa: B018
-        get_state = states.get
+        by_ref = states.data.get  # type: ignore[attr-defined]  # (a WeakKeyDictionary's own)
     except Exception:
         return _true
-    current_task = asyncio.current_task
+    current_tasks = getattr(asyncio.tasks, "_current_tasks", None)
+    if isinstance(current_tasks, dict) and not isinstance(
+        asyncio.current_task, type(len)
+    ):  # (asyncio's own dictionary, where current_task is Python that reads it)
+        current_task: Callable[[], Any] = functools.partial(current_tasks.get, loop)
+    else:
+        current_task = functools.partial(asyncio.current_task, loop)
+    ref = weakref.ref
 
     def may_be_cancelled() -> bool:
         task = current_task()
         if task is None:
             return False
         try:
-            state = get_state(task)
+            state = by_ref(ref(task))
             if state is None:  # a task AnyIO did not start: no scope of it
                 return False
             scope = state.cancel_scope
@@ -197,12 +233,13 @@ def _wake_future(fut: asyncio.Future[None]) -> None:
 class _Asyncio:
     __slots__ = (
         "_loop", "_new_future", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
-        "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s", "slept_cpu",
-        "slept_waits", "target", "yielded",
+        "checkpoint_if_cancelled", "may_be_cancelled", "poller", "post", "ready_check_s",
+        "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = self.target = loop
+        self.poller: Any = None
         self.yielded = self.asked = self.slept_cpu = 0.0
         self.slept_waits = 0
         self.awaiting = 0
@@ -211,7 +248,7 @@ class _Asyncio:
         self._ready: Any = getattr(loop, "_ready", None)
         self.ready_check_s = 0.0 if self._ready is not None else BLIND_YIELD_S
         self.checkpoint_if_cancelled = _backend_checkpoint_if_cancelled()
-        self.may_be_cancelled = _anyio_asyncio_scopes()
+        self.may_be_cancelled = _anyio_asyncio_scopes(loop)
         self.checkpoint: Callable[[], Awaitable[None]] = _sleep0
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
@@ -273,6 +310,14 @@ class _TrioPark:
             self.parked = False
             self.lowlevel.reschedule(self.task)
 
+    # (what a woken park and an asyncio future have in common: whoever
+    # completes a run in the loop's thread wakes either the same way)
+    def done(self) -> bool:
+        return not self.parked
+
+    def set_result(self, _value: None) -> None:
+        self.wake()
+
     def _abort(self, _raise_cancel: Any) -> Any:
         self.parked = False  # cancelled: a later wake-up must not reschedule
         return self.lowlevel.Abort.SUCCEEDED
@@ -321,12 +366,13 @@ def _trio_run_queue() -> Sized | None:
 class _Trio:
     __slots__ = (
         "_ended", "_runq", "_statistics", "_trap", "_trio", "asked", "awaiting", "call_soon",
-        "checkpoint", "checkpoint_if_cancelled", "may_be_cancelled", "post", "ready_check_s",
-        "slept_cpu", "slept_waits", "target", "yielded",
+        "checkpoint", "checkpoint_if_cancelled", "may_be_cancelled", "poller", "post",
+        "ready_check_s", "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
         self._trio = trio
+        self.poller: Any = None
         self._ended = False
         self.yielded = self.asked = self.slept_cpu = 0.0
         self.slept_waits = 0

@@ -154,15 +154,25 @@ class DeviceOperation(Generic[T]):
 
         Cancelling the awaiting task raises the loop's cancellation at once;
         work already enqueued finishes on the GPU, and what it uses is kept
-        alive until then.
+        alive until then.  (Below the class, this is the run's own
+        generator, with no call between: every await makes one.)
         """
-        return _run.run_async(self).__await__()
+        return _run.await_run(self)
 
     async def run(self, policy: SchedulingPolicy | None = None) -> T:
         """``await op`` with an explicit scheduling policy."""
-        return await _run.run_async(self, policy)  # type: ignore[no-any-return]
+        return await _run.RunAwaitable(self, policy)  # type: ignore[no-any-return]
 
     # -- for the run path ----------------------------------------------------------------
+    #: nothing about it takes an ``await`` off the straight line (an
+    #: operation that sets :attr:`_awaited_alone` or :attr:`_has_home` says
+    #: False): see ``_run.await_run``
+    _ordinary = True
+    #: where its work was prepared once (a launch whose arguments are final):
+    #: the device context's life it is valid in (``Stream._life``), and the
+    #: call that enqueues it on a raw stream of that context; else None
+    _direct: tuple[object, Callable[[Any], None]] | None = None
+
     #: an ``await`` of it alone asks :meth:`_stream_alone` where it completes
     _awaited_alone = False
 
@@ -214,6 +224,10 @@ class DeviceOperation(Generic[T]):
 
     def __repr__(self) -> str:
         return f"<gpuflow.DeviceOperation {self._label()}>"
+
+
+# ``await op`` makes the run's generator itself (see DeviceOperation.__await__)
+DeviceOperation.__await__ = _run.await_run  # type: ignore[method-assign,assignment]
 
 
 class _Value(DeviceOperation[T]):

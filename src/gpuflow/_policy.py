@@ -13,7 +13,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from ._errors import UsageError
-from ._runtime import MAX_POOL_STREAMS, get_runtime, new_stream
+from ._runtime import CURRENT, MAX_POOL_STREAMS, get_runtime, new_stream
 from ._stream import Stream
 
 
@@ -85,7 +85,7 @@ class StreamPoolLeastLoaded:
     is submitted.
     """
 
-    __slots__ = ("_counter", "_max", "_stall")
+    __slots__ = ("_max", "_stall", "_turn")
 
     def __init__(self, max_streams: int = MAX_POOL_STREAMS, stall_s: float = 0.02) -> None:
         if not isinstance(max_streams, int) or isinstance(max_streams, bool) or max_streams < 1:
@@ -94,7 +94,7 @@ class StreamPoolLeastLoaded:
             raise UsageError(f"stall_s must be a positive number of seconds, not {stall_s!r}")
         self._max = max_streams
         self._stall = float(stall_s)
-        self._counter = itertools.count()
+        self._turn = -1
 
     @property
     def max_streams(self) -> int:
@@ -113,24 +113,26 @@ class StreamPoolLeastLoaded:
         is looked at first, where it is one of the device's streams
         (gpuflow's runs of a collective pass their rank's previous
         stream)."""
-        rt = get_runtime()
+        rt = CURRENT.runtime or get_runtime()
+        try:
+            streams = rt.device_streams[device]
+        except KeyError:
+            streams = rt.streams(device)  # (which says why)
         if prefer is not None:
             # step 1's test, made on that stream alone first (a collective
             # run again after an awaited one: no loop, no rotation); never a
             # stream of a runtime replaced since, nor one a reset retired
-            if (
-                not prefer.leased
-                and prefer.idle()
-                and prefer.device == device
-                and prefer in rt.streams(device)
-            ):
+            if not prefer.leased and prefer.idle() and prefer in streams:
                 return prefer
-        streams = rt.streams(device)
         n = len(streams)
-        start = next(self._counter) % n
-        # start, ..., n - 1, 0, ..., start - 1 (negative indices wrap): no
-        # list is made, and the first stream looked at is usually the one
-        for i in range(start - n, start):
+        # (a counter of the policy's own, not thread-safe and needing none: two
+        # runs that start at the same stream only look at it first both)
+        self._turn = start = (self._turn + 1) % n
+        s = streams[start]  # (usually the one: looked at before any loop)
+        if not s.leased and s.idle():
+            return s
+        # start + 1, ..., n - 1, 0, ..., start - 1 (negative indices wrap)
+        for i in range(start + 1 - n, start):
             s = streams[i]
             if not s.leased and s.idle():
                 return s

@@ -27,7 +27,10 @@ from ._finalizers import finalize_later, run_finalized, start_reaper
 from ._hazards import MemoryLedger
 from ._stream import Stream
 
-_current_device: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
+#: The device current in this task or thread (None: the runtime's default):
+#: :func:`current_device` and :func:`use_device` read and set it.
+current_device_var: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
+_current_device = current_device_var
 
 #: The most streams a device's pool grows to under the default policy: as
 #: many as CUDA's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which
@@ -92,8 +95,9 @@ class Runtime:
         #: checks (the same object for the backend's life)
         self._states = {d: backend._device_state(d) for d in devices}
         self._pools: dict[int, list[Stream]] = {}
-        #: per device: the pool, then the streams grow() added (append only)
-        self._streams: dict[int, list[Stream]] = {}
+        #: per device: the pool, then the streams grow() added (append only):
+        #: what :meth:`streams` gives, read directly where a run starts
+        self.device_streams: dict[int, list[Stream]] = {}
         #: stream-lease bookkeeping per (device, generation), owned by _scope
         self.lease_pools: dict[tuple[int, int], Any] = {}
         #: every live stream of this runtime, by its handle (__cuda_stream__):
@@ -130,7 +134,7 @@ class Runtime:
             self.adopt(device, self.new_raw_stream(device)) for _ in range(self.streams_per_device)
         ]
         self._pools[device] = pool
-        self._streams[device] = list(pool)
+        self.device_streams[device] = list(pool)
 
     def new_raw_stream(self, device: int) -> Any:
         """A backend stream of ``device``: one made ahead, while there is one."""
@@ -242,7 +246,7 @@ class Runtime:
         """The pool followed by the streams :meth:`grow` added; the list only
         grows (in place), until a reset of the device replaces it."""
         try:
-            return self._streams[device]
+            return self.device_streams[device]
         except KeyError:
             self.check_device(device)
             raise
@@ -251,12 +255,23 @@ class Runtime:
         """Add a stream to ``device``'s streams unless it has ``limit`` already;
         the new stream, or None.  Added streams live as long as the pool."""
         with self._lock:
-            streams = self._streams.get(device)
+            streams = self.device_streams.get(device)
             if streams is None or len(streams) >= limit or not self.live:
                 return None
             s = self.adopt(device, self.new_raw_stream(device))
             streams.append(s)
             return s
+
+    def startable(self, stream: Stream) -> bool:
+        """Whether a run may start on ``stream`` (:meth:`check_startable`
+        says why not)."""
+        state = self._states.get(stream._device)
+        return (
+            state is not None
+            and state.fault is None
+            and self.live
+            and stream._life is self._lives[stream._device]
+        )
 
     def check_startable(self, stream: Stream) -> None:
         """A run may start on ``stream``: it is :meth:`current`, and its
@@ -299,7 +314,7 @@ class Runtime:
             self.backend.reset_device(device)
             self._spares.pop(device, None)  # gone with the context
             self._pools.pop(device, None)
-            old = self._streams.pop(device, [])
+            old = self.device_streams.pop(device, [])
             self._generations[device] += 1
             self._lives[device] = object()
             self._make_pool(device)
@@ -321,7 +336,7 @@ class Runtime:
         be = self.backend
         with self._lock:
             made = [raw for spares in self._spares.values() for raw in spares]
-            made += [s._raw for streams in self._streams.values() for s in streams]
+            made += [s._raw for streams in self.device_streams.values() for s in streams]
             made += [s._raw for s in self._interop.values()]
             self._spares.clear()
         for raw in made:
@@ -331,7 +346,17 @@ class Runtime:
             be.close()
 
 
-_runtime: Runtime | None = None
+class _Current:
+    """The runtime in use: an attribute every run reads where it starts (no
+    call); :func:`get_runtime` makes one where there is none yet."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+
+
+CURRENT = _Current()
 _runtime_lock = threading.Lock()
 
 #: Called with each new runtime, before it is used (``gpuflow._kernel`` loads
@@ -376,7 +401,6 @@ def init_device_contexts(
     microseconds more but no CPU.  ``0`` turns polling off.  A loop busy with
     other tasks reads the words once per turn either way.
     """
-    global _runtime
     poll_s = _busy_poll_s(busy_poll_us)
     if not isinstance(streams_per_device, int) or streams_per_device < 1:
         raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
@@ -398,7 +422,7 @@ def init_device_contexts(
     for started in runtime_started:
         started(rt)
     with _runtime_lock:
-        old, _runtime = _runtime, rt
+        old, CURRENT.runtime = CURRENT.runtime, rt
     if old is not None:
         old.close(backend=old.backend is not be)
     return be.name
@@ -420,7 +444,7 @@ def _drain_at_exit() -> None:
     # over at once says so, and a Ctrl-C ends it: the process then exits
     # with that memory still held, which the driver reclaims with the
     # process (a leak, never a free under running work).
-    rt = _runtime
+    rt = CURRENT.runtime
     if rt is None:
         return
     try:
@@ -441,20 +465,20 @@ def _drain_at_exit() -> None:
 
 
 def get_runtime() -> Runtime:
-    rt = _runtime
+    rt = CURRENT.runtime
     if rt is None:
         with _runtime_lock:
-            rt = _runtime
+            rt = CURRENT.runtime
         if rt is None:
             init_device_contexts()
-            rt = _runtime
+            rt = CURRENT.runtime
             assert rt is not None
     return rt
 
 
 def current_runtime() -> Runtime | None:
     """The runtime in use, or None before the first use (never makes one)."""
-    return _runtime
+    return CURRENT.runtime
 
 
 def current_device() -> int:

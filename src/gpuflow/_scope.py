@@ -24,10 +24,10 @@ from . import _points
 from ._errors import UsageError
 from ._handoff import Handoff
 from ._loops import interrupted
-from ._run import current_scopes, ended_by
+from ._run import Run, Scope, current_scopes, ended_by
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
-from ._submission import Submission
+from ._unusual import UNUSUAL
 
 _PRUNE_AT = 64
 
@@ -38,9 +38,9 @@ class _Tracked:
     __slots__ = ("_subs",)
 
     def __init__(self) -> None:
-        self._subs: list[Submission] = []
+        self._subs: list[Run] = []
 
-    def track(self, sub: Submission) -> None:
+    def track(self, sub: Run) -> None:
         subs = self._subs
         if len(subs) >= _PRUNE_AT:
             subs[:] = [s for s in subs if not s.done]
@@ -134,10 +134,20 @@ class _LeasePool:
         return stream
 
 
+def _enter(scope: Scope) -> Any:
+    """Put a scope on ``current_scopes``: runs take the long path from now on
+    (:mod:`._unusual`), which gives it each run started in it; the token
+    that :func:`_leave` takes."""
+    token = current_scopes.set((*current_scopes.get(), scope))
+    UNUSUAL.begin()
+    return token
+
+
 def _leave(token: Any) -> None:
     """Take a scope off ``current_scopes``.  An async generator holding the
     scope may be closed from another task, whose context never had it: then
     there is nothing to take off, and the scope must still be left."""
+    UNUSUAL.end()
     try:
         current_scopes.reset(token)
     except ValueError:
@@ -183,7 +193,7 @@ class StreamLease:
             raise UsageError("the stream lease is not held (use it inside `async with`)")
         return self._stream
 
-    def track(self, sub: Submission) -> None:
+    def track(self, sub: Run) -> None:
         self._tracked.track(sub)
 
     async def __aenter__(self) -> StreamLease:
@@ -194,7 +204,7 @@ class StreamLease:
         rt.check_device(self.device)
         self._pool = _lease_pool(rt, self.device)
         self._stream = await self._pool.acquire()
-        self._token = current_scopes.set((*current_scopes.get(), self))
+        self._token = _enter(self)
         return self
 
     async def __aexit__(
@@ -247,7 +257,7 @@ class DeviceGroup:
     def stream(self) -> Stream | None:
         return None
 
-    def track(self, sub: Submission) -> None:
+    def track(self, sub: Run) -> None:
         self._tracked.track(sub)
 
     def start_soon(
@@ -280,7 +290,7 @@ class DeviceGroup:
         watcher = _points.watcher
         if watcher is not None:
             await watcher(_points.ENTER_GROUP)
-        self._token = current_scopes.set((*current_scopes.get(), self))
+        self._token = _enter(self)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self

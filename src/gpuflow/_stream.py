@@ -15,7 +15,7 @@ from . import _finalizers
 from ._loops import refuse_blocking
 
 if TYPE_CHECKING:
-    from ._bridge import _Lane
+    from ._bridge import Lane
     from ._runtime import Runtime
 
 _blocking_lock = threading.Lock()
@@ -34,8 +34,8 @@ class Stream:
     """
 
     __slots__ = (
-        "__weakref__", "_device", "_final", "_generation", "_lane", "_leased", "_life", "_raw",
-        "_runtime", "_syncs",
+        "__weakref__", "_device", "_final", "_generation", "_lane", "_life", "_raw",
+        "_runtime", "_syncs", "leased",
     )  # fmt: skip
 
     def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
@@ -48,9 +48,9 @@ class Stream:
         #: dispatcher never sees them, a scheduling policy should
         self._syncs = 0
         #: the dispatcher's record of the stream's marks (set by the runtime)
-        self._lane: _Lane | None = None
+        self._lane: Lane | None = None
         #: held by a stream lease: the default policy gives it to no other run
-        self._leased = False
+        self.leased = False
         #: once the stream is destroyed, an event recorded after all its work
         #: (what a free still ordered after a use on it waits for)
         self._final: list[Any] = []
@@ -73,7 +73,10 @@ class Stream:
         every run enqueued on it, and no blocking run (``sync``) is in
         flight there.  A read of its completion word, no driver call."""
         lane = self._lane
-        return not self._syncs and (lane is None or lane.idle())
+        # (what lane.idle() says, without the call: every run asks this)
+        return not self._syncs and (
+            lane is None or (not lane.unmarked and lane.read() >= lane.issued)
+        )
 
     def load(self) -> int:
         """How many runs on the stream the GPU has not finished (blocking
@@ -86,15 +89,6 @@ class Stream:
         (``time.monotonic``): it is running long work."""
         lane = self._lane
         return lane is not None and lane.since < since and lane.read() <= lane.completed
-
-    @property
-    def leased(self) -> bool:
-        """Held by a stream lease: the default policy gives it to no other run."""
-        return self._leased
-
-    @leased.setter
-    def leased(self, held: bool) -> None:
-        self._leased = held
 
     def begin_blocking(self) -> None:
         """A blocking run (``sync``) starts on the stream: it counts as busy

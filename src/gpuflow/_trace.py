@@ -71,6 +71,7 @@ from typing import Any
 
 from ._backends._base import Activity, Backend, activity_tag
 from ._errors import DeviceFaultError, UsageError, UsageTypeError
+from ._unusual import UNUSUAL
 
 #: The environment variable that records a whole program into the file it names.
 ENV = "GPUFLOW_TRACE"
@@ -488,6 +489,7 @@ def start(path: str | os.PathLike[str]) -> Recorder:
     with _lock:
         _load_nvtx()
         active = (*active, rec)
+    UNUSUAL.begin()  # (runs take the long path, which reports to the trace)
     return rec
 
 
@@ -495,7 +497,10 @@ def stop(rec: Recorder) -> None:
     """Stop recording into ``rec`` and write its file."""
     global active
     with _lock:
+        stopped = rec in active
         active = tuple(r for r in active if r is not rec)
+    if stopped:
+        UNUSUAL.end()
     rec.write()
 
 

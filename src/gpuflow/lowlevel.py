@@ -16,14 +16,14 @@ from ._interop import ImportedAllocation as ImportedAllocation
 from ._interop import StreamAdapter as StreamAdapter
 from ._interop import register_stream_adapter as register_stream_adapter
 from ._operation import Graph
+from ._run import Run as Run
 from ._runtime import current_device, get_runtime
 from ._statistics import CompletionStatistics as CompletionStatistics
 from ._stream import Stream
-from ._submission import Submission as Submission
 
 __all__ = [
     "Backend", "CollectiveCall", "PointerArg", "register_backend", "current_backend_object",
-    "ExecutionContext", "Submission", "pool_streams", "graph_exec_handle",
+    "ExecutionContext", "Run", "pool_streams", "graph_exec_handle",
     "ImportedAllocation", "StreamAdapter", "register_stream_adapter",
     "current_completion_statistics", "CompletionStatistics",
 ]

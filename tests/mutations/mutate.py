@@ -50,22 +50,34 @@ MUTATIONS = [
         "M3",
         'a cancelled await releases what its enqueued work uses',
         '_run.py',
-        '            traced.ended(exc)\n'
-        '        if sub.comms is not None and not sub.done:\n',
-        '            traced.ended(exc)\n'
-        '        sub._keep = None\n'
-        '        if sub.comms is not None and not sub.done:\n',
+        '    finally:\n'
+        '        loop.awaiting -= 1\n'
+        '    if run.error is not None:\n'
+        '        raise run.error\n',
+        '    except BaseException:\n'
+        '        run._keep = None\n'
+        '        raise\n'
+        '    finally:\n'
+        '        loop.awaiting -= 1\n'
+        '    if run.error is not None:\n'
+        '        raise run.error\n',
         ('tests/test_lifetimes.py',),
     ),
     Mutation(
         "M3b",
         'a cancelled await marks its run finished at once',
         '_run.py',
-        '            traced.ended(exc)\n'
-        '        if sub.comms is not None and not sub.done:\n',
-        '            traced.ended(exc)\n'
-        '        sub._finish(None)\n'
-        '        if sub.comms is not None and not sub.done:\n',
+        '    finally:\n'
+        '        loop.awaiting -= 1\n'
+        '    if run.error is not None:\n'
+        '        raise run.error\n',
+        '    except BaseException:\n'
+        '        run.complete(None, None, {})\n'
+        '        raise\n'
+        '    finally:\n'
+        '        loop.awaiting -= 1\n'
+        '    if run.error is not None:\n'
+        '        raise run.error\n',
         ('tests/test_lifetimes.py',),
     ),
     Mutation(
@@ -77,9 +89,9 @@ MUTATIONS = [
         '        try:\n'
         '            stream.synchronize()\n'
         '        finally:\n'
-        '            dispatcher.finish(sub)\n',
+        '            dispatcher.finish(run)\n',
         '    except BaseException:\n'
-        '        dispatcher.finish(sub)\n',
+        '        dispatcher.finish(run)\n',
         ('tests/test_lifetimes.py',),
     ),
     Mutation(
@@ -165,9 +177,10 @@ MUTATIONS = [
     Mutation(
         "M13",
         "a completed run keeps what it kept (a leak)",
-        "_submission.py",
-        "        self.error = error\n        self._keep = None\n",
-        "        self.error = error\n",
+        '_run.py',
+        '        self.error = error\n'
+        '        self._keep = None\n',
+        '        self.error = error\n',
         ("tests/test_lifetimes.py",),
     ),
     Mutation(
@@ -211,8 +224,10 @@ MUTATIONS = [
         '                held = busy.held_until(now)\n'
         '                for lane in self.lanes:\n'
         '                    lane.polled_until = held\n'
+        '                self.polling = True\n'
         '                return True\n',
         '            if now < busy.deadline:\n'
+        '                self.polling = False\n'
         '                return False\n',
         ('tests/test_bridge.py',),
     ),
@@ -220,17 +235,19 @@ MUTATIONS = [
         "B6",
         'a spin that ends never arms the sleeping wake-up',
         '_bridge.py',
-        '                return True\n'
+        '            self.polling = False\n'
         '            self.arm()\n',
-        '                return True\n',
+        '            self.polling = False\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
         "C1",
         "a cancelled await of a collective leaves its communicator waiting for the peer",
-        "_run.py",
-        "            for comm in sub.comms:\n                comm.abort(",
-        "            for comm in []:\n                comm.abort(",
+        '_run.py',
+        '            for comm in run.comms:\n'
+        '                comm.abort(',
+        '            for comm in []:\n'
+        '                comm.abort(',
         ("tests/test_comm.py",),
     ),
     Mutation(
@@ -334,11 +351,11 @@ MUTATIONS = [
     Mutation(
         "I4",
         "an import's owner is released at once, not after gpuflow's uses",
-        "_interop.py",
-        "        release = Submission(stream.device)\n"
-        "        release.hold((owner,))\n"
-        "        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)\n",
-        "        pass\n",
+        '_interop.py',
+        '        release = Run(stream.device)\n'
+        '        release.hold((owner,))\n'
+        '        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)\n',
+        '        pass\n',
         ("tests/test_interop.py",),
     ),
     Mutation(
@@ -449,7 +466,7 @@ MUTATIONS = [
     Mutation(
         "B8",
         "a hazard waits on a zip arm's join event recorded before the run was submitted",
-        '_submission.py',
+        '_run.py',
         '        if lane is None:\n'
         '            # still being enqueued',
         '        if False:\n'
@@ -525,9 +542,9 @@ MUTATIONS = [
     Mutation(
         "B10",
         "an await spins while other awaits of its loop are in progress",
-        '_submission.py',
-        '            if loop.awaiting == 1 and not self.done and lane is not None:\n',
-        '            if not self.done and lane is not None:\n',
+        '_run.py',
+        '    alone = not loop.awaiting  # (the one place that decides: a lone await)\n',
+        '    alone = True\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
@@ -566,23 +583,23 @@ MUTATIONS = [
     Mutation(
         "B12",
         "a lone await reads its own word past the busy-poll budget (a long await spins to its end)",
-        '_bridge.py',
-        '            if now >= busy.deadline or not self._alone(loop):\n',
-        '            if not self._alone(loop):\n',
+        '_run.py',
+        '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
+        '        if loop.awaiting > 1 or d.others_polled(loop):\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
         "B13",
         "a lone await goes on reading its own word once another await of its loop starts",
-        '_bridge.py',
-        '            if now >= busy.deadline or not self._alone(loop):\n',
-        '            if now >= busy.deadline:\n',
+        '_run.py',
+        '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
+        '        if now >= busy.deadline:\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
         "B16",
         "a run wakes only the first task parked on it",
-        '_submission.py',
+        '_run.py',
         '            loop, park = more.pop() if more else (None, None)\n',
         '            loop = None\n',
         ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
@@ -590,15 +607,15 @@ MUTATIONS = [
     Mutation(
         "B17",
         "a task parks on a run that finished as it parked (nobody wakes it)",
-        '_submission.py',
-        '                    parked = not self.done\n',
-        '                    parked = True\n',
+        '_run.py',
+        '        parked = not run.done\n',
+        '        parked = True\n',
         ('tests/test_bridge.py::test_a_task_does_not_park_on_a_run_finished_as_it_parks',),
     ),
     Mutation(
         "B18",
         "a completion wakes a task of another loop directly, from the wrong thread",
-        '_submission.py',
+        '_run.py',
         '            if target is here:\n',
         '            if True:\n',
         ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
@@ -608,8 +625,8 @@ MUTATIONS = [
         "a run whose mark failed takes its stream's last mark's number, not its next (seen done "
         "before its work)",
         '_bridge.py',
-        '                number = lane.issued + 1  # covered by the next mark\n',
-        '                number = lane.issued\n',
+        '                number = self.issued + 1  # covered by the next mark\n',
+        '                number = self.issued\n',
         ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
          'dispatcher_thread',),
     ),
@@ -663,9 +680,9 @@ MUTATIONS = [
         "B24",
         "a lone await of a run that owes its mark never enqueues it (it waits for the budget to "
         "end)",
-        '_bridge.py',
-        '        if lane.unmarked:  # (a run\'s mark failed: the next one covers it)\n',
-        '        if False:\n',
+        '_run.py',
+        "    if lane.unmarked:  # (a run's mark failed: the next one covers it)\n",
+        '    if False:\n',
         ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
     ),
     Mutation(
@@ -732,18 +749,16 @@ MUTATIONS = [
         "C14",
         "the default policy takes a collective's previous stream though it is busy",
         '_policy.py',
-        '                and prefer.idle()\n'
-        '                and prefer.device',
-        '                and prefer.device',
+        '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
+        '            if not prefer.leased and prefer in streams:\n',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
         "C15",
         "the default policy takes a collective's previous stream though a lease holds it",
         '_policy.py',
-        '                not prefer.leased\n'
-        '                and prefer.idle()\n',
-        '                prefer.idle()\n',
+        '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
+        '            if prefer.idle() and prefer in streams:\n',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
@@ -760,8 +775,9 @@ MUTATIONS = [
         "C17",
         "the default policy takes a collective's previous stream from a runtime replaced since",
         '_policy.py',
-        '                and prefer in rt.streams(device)\n',
-        '                and prefer in prefer._runtime.streams(device)\n',
+        '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
+        '            if not prefer.leased and prefer.idle() and '
+        'prefer in prefer._runtime.streams(device):\n',
         ('tests/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
     ),
     Mutation(
@@ -776,7 +792,7 @@ MUTATIONS = [
         "W2",
         "a refused mark on another library's stream leaves its run in flight",
         '_run.py',
-        '        if not sub.done:  # refused (a fault fails it instead)\n',
+        '        if not run.done:  # refused (a fault fails it instead)\n',
         '        if False:\n',
         ('tests/test_interop.py::test_a_refused_wait_stream_leaves_no_run_in_flight',),
     ),
@@ -784,7 +800,7 @@ MUTATIONS = [
         "W3",
         "a lone await of another library's stream keeps nothing of it while its run is in flight",
         '_run.py',
-        '        sub.hold((op,))  # (what it names is used until the mark is reached)\n',
+        '        run.hold((op,))  # (what it names is used until the mark is reached)\n',
         '        pass\n',
         ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
     ),
@@ -862,15 +878,15 @@ MUTATIONS = [
         "a run submitted while its stream has runs pending shares the stream's next mark",
         '_bridge.py',
         '            try:\n'
-        '                lane.issued = number = self._backend.mark(raw_stream, polled)\n'
-        '                lane.unmarked = False  # (that mark covers one owed)\n',
+        '                self.issued = number = self.mark(polled)\n'
+        '                self.unmarked = False  # (that mark covers one owed)\n',
         '            try:\n'
-        '                if lane.subs and not foreign:\n'
-        '                    number = lane.issued + 1\n'
-        '                    lane.unmarked = True\n'
+        '                if self.subs and not foreign:\n'
+        '                    number = self.issued + 1\n'
+        '                    self.unmarked = True\n'
         '                else:\n'
-        '                    lane.issued = number = self._backend.mark(raw_stream, polled)\n'
-        '                    lane.unmarked = False\n',
+        '                    self.issued = number = self.mark(polled)\n'
+        '                    self.unmarked = False\n',
         ('tests/test_bridge.py::test_a_use_on_another_stream_waits_for_its_run_not_for_later_work',),
     ),
     Mutation(
@@ -909,8 +925,8 @@ MUTATIONS = [
         "E4",
         "a run no task awaits takes a mark the loops read (a word written between kernels)",
         '_run.py',
-        'rt.dispatcher.submit(stream._raw, sub, polled=False)',
-        'rt.dispatcher.submit(stream._raw, sub)',
+        'rt.dispatcher.submit(stream._raw, run, polled=False)',
+        'rt.dispatcher.submit(stream._raw, run)',
         ('tests/test_bridge.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
     ),
     Mutation(
@@ -967,15 +983,15 @@ MUTATIONS = [
     Mutation(
         "Y1",
         "a lone await never owes its loop a turn once a millisecond has passed",
-        '_submission.py',
-        '                    yield_now = not _slept(loop, since)\n',
-        '                    yield_now = False\n',
+        '_run.py',
+        '            yield_now = not _slept(loop, since)\n',
+        '            yield_now = False\n',
         ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
     ),
     Mutation(
         "Y2",
         "a loop thread the system kept from running counts as one that slept, its loop turning",
-        '_submission.py',
+        '_run.py',
         '    slept = waits > loop.slept_waits and cpu - loop.slept_cpu < since / 2\n',
         '    slept = cpu - loop.slept_cpu < since / 2\n',
         ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
@@ -1107,6 +1123,40 @@ MUTATIONS = [
         "    except ZeroDivisionError:\n"
         "        pass\n",
         ("tests/test_interrupts.py",),
+    ),
+    # -- the common await's straight line (_run.await_run)
+    Mutation(
+        "R1",
+        "the common await's straight line is taken while a scope (or a trace, a watcher) is on",
+        "_run.py",
+        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if policy is not None or not op._ordinary or _finalizers.queue:\n",
+        ("tests/test_scopes.py", "tests/test_cancel_points.py"),
+    ),
+    Mutation(
+        "R2",
+        "the common await's straight line is taken though a policy was given",
+        "_run.py",
+        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or not op._ordinary or _finalizers.queue:\n",
+        ("tests/test_policy.py", "tests/test_running.py"),
+    ),
+    Mutation(
+        "R3",
+        "the common await's straight line is taken by an operation that waits for another "
+        "library's stream alone",
+        "_run.py",
+        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
+        ("tests/test_interop.py",),
+    ),
+    Mutation(
+        "R4",
+        "a run is completed before the GPU reached its mark",
+        "_bridge.py",
+        "                while subs and subs[0].number <= reached:\n",
+        "                while subs:\n",
+        ("tests/test_lifetimes.py", "tests/test_hazards.py"),
     ),
 ]
 

@@ -28,6 +28,7 @@ a run without waiting for whatever its stream ran later.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -340,6 +341,12 @@ class Backend(abc.ABC):
         no memory operation between kernels); the reader and ``wait_mark``
         still see it reached, and a later mark reached covers it.  A
         faulted device reaches no mark.  Inside a capture: UsageError."""
+
+    def marker(self, stream: Any) -> Callable[[bool], int]:
+        """:meth:`mark` of ``stream``, made once for its many marks (called
+        with ``polled``): a backend may prepare what every mark of the
+        stream repeats."""
+        return functools.partial(self.mark, stream)
 
     @abc.abstractmethod
     def completion_reader(self, stream: Any) -> Callable[[], int]:

@@ -786,6 +786,12 @@ class CudaBackend(CudaContexts):
             self._cur(dev)
         return self._marks.mark(dev, stream, polled)
 
+    def marker(self, stream: Any) -> Callable[[bool], int]:
+        marks = self._marks
+        if stream.foreign or not isinstance(marks, WordMarks) or marks.bound is None:
+            return super().marker(stream)
+        return marks.marker(stream, self._tls, self.mark)
+
     def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
         if self._capturing(dev, stream):
             raise UsageError(

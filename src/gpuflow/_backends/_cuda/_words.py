@@ -162,7 +162,7 @@ class WordMarks:
         self._events = events  # what keeps and asks the events of silent marks
         #: the bindings' ``cuStreamWriteValue64`` itself, where ``write64``
         #: calls it: a mark calls it with nothing between (it is every run's)
-        self._bound = bound
+        self.bound = bound
 
     def mark(self, dev: Dev, stream: CudaStream, polled: bool = True) -> int:
         if not polled:
@@ -172,7 +172,7 @@ class WordMarks:
     def write(self, dev: Dev, stream: CudaStream, number: int) -> int:
         """Enqueue the write of ``number`` into the stream's word."""
         assert stream.word is not None  # (every stream of ours has one with word marks)
-        bound = self._bound
+        bound = self.bound
         if bound is not None:
             (rc,) = bound(stream.obj, stream.word.addr, number, 0)
         else:
@@ -181,6 +181,36 @@ class WordMarks:
             raise error_for(int(rc), "cuStreamWriteValue64", dev)
         stream.issued = stream.worded = number
         return number
+
+    def marker(
+        self, stream: CudaStream, tls: Any, mark: Callable[[Any, bool], int]
+    ) -> Callable[[bool], int]:
+        """Every run's mark on ``stream`` (one of ours, with a word): the
+        write of its next number into its word, bound once to the stream.
+        Anything not as usual (a fault, a reset, a capture, another
+        context current in this thread, a silent mark, a failed write) goes
+        through ``mark``, the backend's, which says why."""
+        write = self.bound
+        assert write is not None and stream.word is not None
+        obj, addr, dev = stream.obj, stream.word.addr, stream.dev
+
+        def mark_on(polled: bool = True) -> int:
+            if (
+                polled
+                and dev.fault is None
+                and stream.token is dev.token
+                and not stream.destroyed
+                and stream.capture is None
+                and tls.token is dev.token
+            ):
+                number: int = stream.issued + 1
+                (rc,) = write(obj, addr, number, 0)
+                if not rc:
+                    stream.issued = stream.worded = number
+                    return number
+            return mark(stream, polled)
+
+        return mark_on
 
     def seal(self, dev: Dev, stream: CudaStream) -> bool:
         """Before ``stream`` is destroyed (its context current): whether its
