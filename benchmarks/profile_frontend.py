@@ -700,22 +700,26 @@ def driver_share() -> int:
 
 
 #: The steps of an await that ``--pieces`` times (``module:attribute``):
-#: a run's start (its checks and submission: ``_begin``, all of it for a
-#: lone ``gf.wait_stream``, which has no stream to choose and enqueues
-#: nothing but the mark) and submission, the kernel's launch, the mark, the
-#: await's inline read and the run's completion; for ``gf.wait_stream``,
-#: resolving the other library's stream and reading its event; for a
-#: collective, its checks, its ordering and NCCL's call.
+#: a run's start (its stream, its checks: ``_start``/``_begin`` on the long
+#: path, the policy and ``startable`` on the straight line) and its mark
+#: (``Lane.submit``), the kernel's launch, the await's inline read and the
+#: run's completion; for ``gf.wait_stream``, resolving the other library's
+#: stream, its mark there and reading its event; for a collective, its
+#: checks, its ordering and NCCL's call.
 PIECES = (
     "gpuflow._run:_start",
     "gpuflow._run:_begin",
+    "gpuflow._run:_submit_foreign",
+    "gpuflow._policy:StreamPoolLeastLoaded.idle_stream",
+    "gpuflow._runtime:Runtime.startable",
     "gpuflow._bridge:Dispatcher.submit",
+    "gpuflow._bridge:Lane.submit",
     "gpuflow._kernel:_Launch.execute",
     "gpuflow._backends._cuda._backend:CudaBackend.mark",
-    "gpuflow._bridge:Dispatcher.spin",
-    "gpuflow._bridge:Dispatcher._advance",
-    "gpuflow._bridge:Dispatcher._complete",
-    "gpuflow._bridge:Dispatcher._deliver",
+    "gpuflow._run:_spin",
+    "gpuflow._bridge:Dispatcher.advance",
+    "gpuflow._bridge:Dispatcher.complete",
+    "gpuflow._bridge:Dispatcher.deliver",
     "gpuflow._interop:_WaitStream._stream_alone",
     "gpuflow._backends._cuda._backend:CudaBackend.foreign_stream",
     "gpuflow._backends._cuda._words:EventMarks.reached",

@@ -908,11 +908,15 @@ async def test_a_cancelled_wait_stream_is_cancelled_at_once() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done() -> None:
+@pytest.mark.parametrize("traced", [False, True])
+async def test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done(
+    traced: bool, tmp_path: Path
+) -> None:
     """The run of a lone ``await gf.wait_stream(obj)`` keeps the library's
     stream object (whose handle names the stream its completion is marked
     on, and a wake-up may be enqueued on later) until that work is done,
-    whatever happens to the await."""
+    whatever happens to the await; also while a trace records, where the
+    await does not take the straight line."""
     fake = FakeLib()
     x = await gf.zeros(N, F32)
     fake.late_fill_untracked(x.ptr, 5.0, seconds=0.3)
@@ -923,10 +927,11 @@ async def test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_d
         refs.append(weakref.ref(obj))
         await gf.wait_stream(obj)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(wait_for_the_library)
-        await anyio.sleep(0.05)
-        tg.cancel_scope.cancel()  # (the task and its frames are gone after this block)
+    with gf.trace(tmp_path / "run.json") if traced else contextlib.nullcontext():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_the_library)
+            await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()  # (the task and its frames are gone after this block)
     gc.collect()
     alive = refs[0]
     assert not fake.idle()
@@ -998,19 +1003,19 @@ async def test_a_refused_wait_stream_leaves_no_run_in_flight() -> None:
     """A wait refused before anything was enqueued (its stream is being
     captured) is a run that ended: a scope that tracked it would otherwise
     wait for it for ever (a stream lease's exit, which is shielded)."""
-    from gpuflow._run import current_scopes
+    from gpuflow._run import enter_scope, leave_scope
 
     fake = FakeLib()
     be = backend()
     tracker = _Tracker()
-    token = current_scopes.set((*current_scopes.get(), tracker))
+    token = enter_scope(tracker)
     be.begin_capture(fake._own_raw)
     try:
         with pytest.raises(gf.UsageError, match="captured into a graph"):
             await gf.wait_stream(fake.own)
     finally:
         be.end_capture(fake._own_raw)
-        current_scopes.reset(token)
+        leave_scope(token)
     assert len(tracker.runs) == 1
     assert tracker.runs[0].done, "the refused run is still in flight"
     assert isinstance(tracker.runs[0].error, gf.UsageError)

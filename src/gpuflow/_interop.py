@@ -324,7 +324,6 @@ class _WaitStream(DeviceOperation[None]):
     # stream would wait for it too, and the GPU would hop streams to say it
     # is done).
     _awaited_alone = True
-    _ordinary = False
 
     def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
         """The stream waited for, and whether it is gpuflow's own: on the

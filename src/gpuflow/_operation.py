@@ -165,8 +165,8 @@ class DeviceOperation(Generic[T]):
 
     # -- for the run path ----------------------------------------------------------------
     #: nothing about it takes an ``await`` off the straight line (an
-    #: operation that sets :attr:`_awaited_alone` or :attr:`_has_home` says
-    #: False): see ``_run.await_run``
+    #: operation that sets :attr:`_has_home` says False): see
+    #: ``_run.await_run``
     _ordinary = True
     #: where its work was prepared once (a launch whose arguments are final):
     #: the device context's life it is valid in (``Stream._life``), and the
@@ -298,6 +298,8 @@ class _Then(DeviceOperation[U]):
             fns.append(op._fn)
             op = op._op
         out: Any = op.execute(ctx)
+        stream = ctx.stream
+        life, raw = stream._life, stream._raw
         for fn in reversed(fns):
             if out is not None and is_pending(out):
                 raise UsageError(
@@ -310,7 +312,12 @@ class _Then(DeviceOperation[U]):
                     f"then: {_fn_name(fn)} must return a DeviceOperation, returned "
                     f"{type(nxt).__name__} (use .map() for a host-side transform)"
                 )
-            out = nxt.execute(ctx)
+            direct = nxt._direct
+            if direct is not None and direct[0] is life:
+                direct[1](raw)  # (a launch prepared once: a chain's usual step)
+                out = None
+            else:
+                out = nxt.execute(ctx)
         return cast(U, out)
 
     def _label(self) -> str:

@@ -472,6 +472,27 @@ class Scope(Protocol):
 current_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("gpuflow_scopes", default=())
 
 
+def enter_scope(scope: Scope) -> Any:
+    """Put ``scope`` on :data:`current_scopes` for this task and the tasks it
+    starts: runs take the long path from now on (:mod:`._unusual`), which
+    gives the scope each run started in it; the token :func:`leave_scope`
+    takes."""
+    token = current_scopes.set((*current_scopes.get(), scope))
+    UNUSUAL.begin()
+    return token
+
+
+def leave_scope(token: Any) -> None:
+    """Take a scope off :data:`current_scopes`.  An async generator holding
+    the scope may be closed from another task, whose context never had it:
+    then there is nothing to take off, and the scope must still be left."""
+    UNUSUAL.end()
+    try:
+        current_scopes.reset(token)
+    except ValueError:
+        pass
+
+
 def ended_by(exc: BaseException) -> str:
     """How a wait ended, for a message: "was cancelled", or what it raised."""
     if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -727,7 +748,10 @@ def await_run(
     The common case on a straight line: nothing unusual on
     (:data:`._unusual.UNUSUAL`), no policy given, an ordinary operation,
     nothing for the finalizers; an idle stream of the default policy's; a
-    device without a fault.  Anything else takes :func:`_await_long`."""
+    device without a fault.  An operation that waits for another library's
+    stream alone (``gf.wait_stream(s)``) takes a line of its own beside it:
+    its run is marked on that stream, and enqueues nothing else.  Anything
+    else takes :func:`_await_long`."""
     if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:
         return (yield from _await_long(op, policy))
     loop = current_loop()
@@ -735,6 +759,16 @@ def await_run(
     if loop.may_be_cancelled():
         yield from loop.checkpoint_if_cancelled().__await__()
     rt = CURRENT.runtime or get_runtime()
+    home = op._stream_alone() if op._awaited_alone else None
+    if home is not None:
+        # another library's stream: nothing is enqueued but the run's mark there
+        if not rt.startable(home):
+            return (yield from _await_long(op, policy, loop))
+        run = Run(home._device)
+        run.hold((op,))  # (what it names is used until the mark is reached)
+        _submit_foreign(rt, home, run)
+        yield from _wait(run, loop)
+        return None
     device = current_device_var.get()
     if device is None:
         device = rt.default_device
@@ -782,7 +816,7 @@ def _await_long(
     home = op._stream_alone() if op._awaited_alone else None
     if home is not None:
         rt, run = _begin(op, home)
-        run.hold((op,))  # (what it names is used until the mark is reached)
+        run.hold((op,))  # (as on the straight line: used until the mark is reached)
         traced = _traced(op, "await", home, run) if _trace.active else None
         if traced is not None:
             traced.enqueued()

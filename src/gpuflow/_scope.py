@@ -24,10 +24,9 @@ from . import _points
 from ._errors import UsageError
 from ._handoff import Handoff
 from ._loops import interrupted
-from ._run import Run, Scope, current_scopes, ended_by
+from ._run import Run, ended_by, enter_scope, leave_scope
 from ._runtime import Runtime, _current_device, current_device, current_runtime, get_runtime
 from ._stream import Stream
-from ._unusual import UNUSUAL
 
 _PRUNE_AT = 64
 
@@ -134,26 +133,6 @@ class _LeasePool:
         return stream
 
 
-def _enter(scope: Scope) -> Any:
-    """Put a scope on ``current_scopes``: runs take the long path from now on
-    (:mod:`._unusual`), which gives it each run started in it; the token
-    that :func:`_leave` takes."""
-    token = current_scopes.set((*current_scopes.get(), scope))
-    UNUSUAL.begin()
-    return token
-
-
-def _leave(token: Any) -> None:
-    """Take a scope off ``current_scopes``.  An async generator holding the
-    scope may be closed from another task, whose context never had it: then
-    there is nothing to take off, and the scope must still be left."""
-    UNUSUAL.end()
-    try:
-        current_scopes.reset(token)
-    except ValueError:
-        pass
-
-
 _lease_pools_lock = threading.Lock()
 
 
@@ -204,7 +183,7 @@ class StreamLease:
         rt.check_device(self.device)
         self._pool = _lease_pool(rt, self.device)
         self._stream = await self._pool.acquire()
-        self._token = _enter(self)
+        self._token = enter_scope(self)
         return self
 
     async def __aexit__(
@@ -213,7 +192,7 @@ class StreamLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _leave(self._token)
+        leave_scope(self._token)
         try:
             if not interrupted(exc):
                 await self._tracked.drain()
@@ -290,7 +269,7 @@ class DeviceGroup:
         watcher = _points.watcher
         if watcher is not None:
             await watcher(_points.ENTER_GROUP)
-        self._token = _enter(self)
+        self._token = enter_scope(self)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self
@@ -310,7 +289,7 @@ class DeviceGroup:
             raise
         finally:
             self._tg = None
-            _leave(self._token)
+            leave_scope(self._token)
             if not interrupted(raised):
                 await self._tracked.drain()
         watcher = _points.watcher

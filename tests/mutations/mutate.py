@@ -805,6 +805,15 @@ MUTATIONS = [
         ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
     ),
     Mutation(
+        "W3b",
+        "a lone await of another library's stream in a scope keeps nothing of it while its "
+        "run is in flight",
+        '_run.py',
+        '        run.hold((op,))  # (as on the straight line: used until the mark is reached)\n',
+        '        pass\n',
+        ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
+    ),
+    Mutation(
         "Q1",
         "asking what finalizers left returns at once while another thread's drain is doing it",
         '_finalizers.py',
