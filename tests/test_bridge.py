@@ -997,6 +997,9 @@ class _StoppedLoop:
     def others_ready(self) -> bool:
         return True
 
+    def running_in(self, ident: int) -> bool:
+        return False
+
     def start_poller(self, poll: Any) -> Any:
         def kick() -> None:
             self.kicks += 1

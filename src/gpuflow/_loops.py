@@ -139,6 +139,11 @@ class Loop(Protocol):
         """Whether the loop has ended: it will call nothing any more.  Safe
         from any thread."""
 
+    def running_in(self, ident: int) -> bool:
+        """Whether this is the loop running in the thread ``ident`` (the
+        calling thread) now: asked at every await, it costs no system call
+        where the loop can tell."""
+
 
 def post(target: Any, poster: Poster, fns: list[Call]) -> None:
     """Run ``fns`` in ``target``'s loop, without blocking; a finished loop is skipped."""
@@ -232,13 +237,15 @@ def _wake_future(fut: asyncio.Future[None]) -> None:
 
 class _Asyncio:
     __slots__ = (
-        "_loop", "_new_future", "_ready", "asked", "awaiting", "call_soon", "checkpoint",
+        "_loop", "_new_future", "_ready", "_tells_thread", "asked", "awaiting", "call_soon",
+        "checkpoint",
         "checkpoint_if_cancelled", "may_be_cancelled", "poller", "post", "ready_check_s",
         "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = self.target = loop
+        self._tells_thread = isinstance(loop, asyncio.BaseEventLoop)
         self.poller: Any = None
         self.yielded = self.asked = self.slept_cpu = 0.0
         self.slept_waits = 0
@@ -292,6 +299,11 @@ class _Asyncio:
 
     def finished(self) -> bool:
         return self._loop.is_closed()
+
+    def running_in(self, ident: int) -> bool:
+        if self._tells_thread:  # (asyncio's own loops keep the thread running them)
+            return self._loop._thread_id == ident  # type: ignore[attr-defined,no-any-return]
+        return asyncio._get_running_loop() is self._loop
 
 
 class _TrioPark:
@@ -365,7 +377,8 @@ def _trio_run_queue() -> Sized | None:
 
 class _Trio:
     __slots__ = (
-        "_ended", "_runq", "_statistics", "_trap", "_trio", "asked", "awaiting", "call_soon",
+        "_ended", "_runq", "_statistics", "_token", "_trap", "_trio", "asked", "awaiting",
+        "call_soon",
         "checkpoint", "checkpoint_if_cancelled", "may_be_cancelled", "poller", "post",
         "ready_check_s", "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
@@ -394,6 +407,7 @@ class _Trio:
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
         # (Trio's checkpoint_if_cancelled is itself a few attribute reads)
         self.may_be_cancelled: Callable[[], bool] = _true
+        self._token = trio.lowlevel.current_trio_token
         self.target = token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's
         # own thread it runs at the end of the current batch of tasks
@@ -455,15 +469,19 @@ class _Trio:
     def finished(self) -> bool:
         return self._ended
 
+    def running_in(self, ident: int) -> bool:
+        try:
+            return self._token() is self.target
+        except RuntimeError:  # (no Trio run in this thread now)
+            return False
 
-class _Cache(threading.local):
-    target: Any = None
-    loop: Loop | None = None
-    #: where the loop found last time is Trio's: its current_trio_token
-    trio_token: Callable[[], Any] | None = None
 
-
-_cache = _Cache()
+#: The adapter of the loop found last in each thread (by thread identity):
+#: a loop runs many runs, and asking asyncio for the running loop costs a
+#: system call (``getpid``, against a fork), where asking the adapter found
+#: last whether its loop is still this thread's running one costs none
+_found: dict[int, Loop] = {}
+_get_ident = threading.get_ident
 
 
 def _in_trio() -> Any:
@@ -551,19 +569,10 @@ def refuse_blocking(what: str, instead: str) -> None:
 
 def current_loop() -> Loop:
     """The adapter of the loop running in this thread (UsageError if none)."""
-    cache = _cache
-    running = asyncio._get_running_loop()  # (no exception where none runs)
-    if running is not None and running is cache.target:
-        # the asyncio loop found here last time (never where Trio runs too,
-        # as under trio-asyncio: the target is then Trio's token)
-        return cache.loop  # type: ignore[return-value]
-    if running is None and cache.trio_token is not None:
-        # the Trio run found here last time, if it is this one
-        try:
-            if cache.trio_token() is cache.target:
-                return cache.loop  # type: ignore[return-value]
-        except RuntimeError:  # (no Trio run in this thread now)
-            pass
+    ident = _get_ident()
+    loop = _found.get(ident)
+    if loop is not None and loop.running_in(ident):
+        return loop
     trio = _in_trio()
     if trio is not None:
         target: Any = trio.lowlevel.current_trio_token()
@@ -574,9 +583,6 @@ def current_loop() -> Loop:
             raise UsageError(
                 "awaiting a gpuflow operation needs a running asyncio or Trio event loop"
             ) from None
-    if cache.target is not target:  # a loop runs many runs: make its adapter once
-        cache.loop = _Trio(trio) if trio is not None else _Asyncio(target)
-        cache.target = target
-        cache.trio_token = trio.lowlevel.current_trio_token if trio is not None else None
-    assert cache.loop is not None
-    return cache.loop
+    if loop is None or loop.target is not target:  # (its adapter is made once)
+        loop = _found[ident] = _Trio(trio) if trio is not None else _Asyncio(target)
+    return loop
