@@ -198,7 +198,7 @@ def _allocate(
         )
     nbytes = math.prod(shape) * dtype.itemsize
     buf = ctx.backend.alloc(s.device, nbytes, s._raw)
-    alloc = Allocation(ctx.backend, buf, s, ctx._submission, s._runtime.memory)
+    alloc = Allocation(ctx.backend, buf, s, ctx.run, s._runtime.memory)
     return DeviceArray(alloc, shape, dtype)
 
 
@@ -386,7 +386,7 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
             # the copy runs on the array's device; a run on another device joins it
             stream = ctx.stream if a.device == ctx.device else _stream_on(a.device)
             with hazard_lock:
-                a._alloc.before_read(stream, ctx._submission)
+                a._alloc.before_read(stream, ctx.run)
                 ctx.backend.copy_to_host(out, a._alloc.buffer, stream._raw)
             ctx.keep(out)
             ctx.wait_for(stream)
@@ -459,8 +459,8 @@ class _Copy(DeviceOperation[DeviceArray]):
         if dst._alloc.buffer.device != stream._device:
             stream = _stream_on(dst.device)
         with hazard_lock:
-            src._alloc.before_read(stream, ctx._submission)
-            dst._alloc.before_write(stream, ctx._submission)
+            src._alloc.before_read(stream, ctx.run)
+            dst._alloc.before_write(stream, ctx.run)
             ctx._runtime.backend.copy_device(
                 dst._alloc.buffer, src._alloc.buffer, nbytes, stream._raw
             )

@@ -128,7 +128,7 @@ def bench_poll_turn(mod: gf.Module, quick: bool, cuda: bool) -> None:
                     tg.start_soon(spin.run, p)
                 else:
                     spin.enqueue_on(s)
-            while not all(s._lane is not None and s._lane.subs for s in streams):
+            while not all(s._lane is not None and s._lane.runs for s in streams):
                 await anyio.sleep(0.001)  # (the awaits submitted)
             # a poller of its own, polled directly: the loop's would stop after its budget
             poller = Poller(get_runtime().dispatcher, current_loop())

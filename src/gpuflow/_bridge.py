@@ -140,7 +140,7 @@ class Lane:
     """One stream: its marks, and its runs the GPU has not been seen to finish.
 
     ``issued`` is the number of its last mark; ``read()`` the last one the
-    GPU reached; the runs up to ``completed`` were completed.  ``subs``
+    GPU reached; the runs up to ``completed`` were completed.  ``runs``
     holds the others, in mark order.  Where ``unmarked``, a run submitted
     since the last mark owes its stream a mark (its own could not be
     enqueued): its number is ``issued + 1``, and the next mark, whoever
@@ -161,8 +161,8 @@ class Lane:
         "reached_at",
         "read",
         "retired",
+        "runs",
         "since",
-        "subs",
         "unmarked",
         "wake_for",
     )  # fmt: skip
@@ -182,7 +182,7 @@ class Lane:
         self.read = read
         #: enqueue the stream's next mark; its number (``Backend.marker``)
         self.mark = mark
-        self.subs: collections.deque[Completable] = collections.deque()
+        self.runs: collections.deque[Completable] = collections.deque()
         self.issued = self.completed = read()
         self.unmarked = False  # runs since the last mark owe it one
         #: when a completion of the stream was last seen (or the lane made)
@@ -229,7 +229,7 @@ class Lane:
                 if not isinstance(exc, DeviceError) and (
                     foreign or d._backend.stream_destroyed(self.raw)
                 ):
-                    if not self.subs:
+                    if not self.runs:
                         d._lanes.pop(self.raw, None)
                     raise
                 number = self.issued + 1  # covered by the next mark
@@ -237,10 +237,10 @@ class Lane:
                 error = exc
             run.lane = self
             run.number = number
-            subs = self.subs
-            if not subs:
+            runs = self.runs
+            if not runs:
                 d._active[self] = None
-            subs.append(run)
+            runs.append(run)
             d._pending += 1
             if not d._armed or d._thread is None:
                 d._arm_locked()
@@ -387,7 +387,7 @@ class Poller:
                 d.polled += len(done)
                 d.complete(done, self.loop.target)
                 busy.deadline = now + d.busy_poll_s
-            for lane in [lane for lane in self.lanes if not lane.subs]:
+            for lane in [lane for lane in self.lanes if not lane.runs]:
                 del self.lanes[lane]
             if not self.lanes:
                 self.polling = False
@@ -410,10 +410,10 @@ class Poller:
         d = self.dispatcher
         for lane in self.lanes:
             lane.polled_until = 0.0  # (no more reads: the thread may take its runs)
-            subs = lane.subs
-            if not subs:
+            runs = lane.runs
+            if not runs:
                 continue
-            first = subs[0].number
+            first = runs[0].number
             if lane.wake_for >= first or lane.fast_for >= first:
                 continue  # one is armed already
             # (work queued behind it, its mark owed or not: a pipe would wait for it)
@@ -494,7 +494,7 @@ class Poller:
 
 
 class Dispatcher:
-    """Turns reached marks into completed submissions (module docstring)."""
+    """Turns reached marks into completed runs (module docstring)."""
 
     def __init__(self, backend: Backend, busy_poll_s: float) -> None:
         self._backend = backend
@@ -575,10 +575,10 @@ class Dispatcher:
             warnings.warn(f"gpuflow: enqueueing a completion mark failed: {error!r}", stacklevel=2)
         return False
 
-    def finish(self, sub: Completable, error: BaseException | None = None) -> None:
+    def finish(self, run: Completable, error: BaseException | None = None) -> None:
         """Complete a run that was never submitted (a blocking ``sync``, done),
         waking whoever waits for it (a scope's exit, from its loop)."""
-        self.deliver([sub], None, error)
+        self.deliver([run], None, error)
 
     def others_polled(self, loop: Loop) -> bool:
         """Other runs of ``loop`` are pending: its poller reads them all, once a turn."""
@@ -698,16 +698,16 @@ class Dispatcher:
         woken: list[Ticket] | None = None
         with self._lock:
             for lane, reached in lanes:
-                subs = lane.subs
+                runs = lane.runs
                 n = 0
-                while subs and subs[0].number <= reached:
-                    done.append(subs.popleft())
+                while runs and runs[0].number <= reached:
+                    done.append(runs.popleft())
                     n += 1
                 if n:
                     lane.completed = reached
                     lane.since = now
                     self._pending -= n
-                    if not subs:
+                    if not runs:
                         self._active.pop(lane, None)
                         if lane.retired:
                             self._lanes.pop(lane.raw, None)
@@ -726,8 +726,8 @@ class Dispatcher:
             return
         backend = self._backend
         last = None  # (advance gives each lane's runs together: once a lane)
-        for sub in done:
-            lane = sub.lane
+        for run in done:
+            lane = run.lane
             if lane is not None and lane is not last:
                 last = lane
                 backend.complete_transfers(lane.raw)
@@ -748,7 +748,7 @@ class Dispatcher:
                 post(target, poster, fns)
 
     def fail_device(self, device: int, error: BaseException) -> None:
-        """Fail every pending submission of ``device`` (a fault, a reset).
+        """Fail every pending run of ``device`` (a fault, a reset).
 
         Its pipes are dropped: their read ends are closed, and the write ends
         that the GPU would have closed are leaked, never closed here (a late
@@ -756,9 +756,9 @@ class Dispatcher:
         done: Done = []
         with self._lock:
             for lane in [lane for lane in self._active if lane.device == device]:
-                done.extend(lane.subs)
-                self._pending -= len(lane.subs)
-                lane.subs.clear()
+                done.extend(lane.runs)
+                self._pending -= len(lane.runs)
+                lane.runs.clear()
                 lane.unmarked = False  # (no run is left to owe it)
                 del self._active[lane]
                 self._fast.pop(lane, None)
@@ -783,7 +783,7 @@ class Dispatcher:
             lane = self._lanes.get(raw)
             if lane is not None:
                 lane.retired = True
-                if not lane.subs:
+                if not lane.runs:
                     del self._lanes[raw]
 
     def close(self) -> None:
@@ -856,7 +856,7 @@ class Dispatcher:
         self.complete(done)
         if self._fast:
             with self._lock:
-                for lane in [x for x in self._fast if not x.subs or x.completed >= x.fast_for]:
+                for lane in [x for x in self._fast if not x.runs or x.completed >= x.fast_for]:
                     del self._fast[lane]
         if now - last_check >= WATCHDOG_S:
             last_check = now
@@ -877,8 +877,8 @@ class Dispatcher:
         if lane.polled_until >= now:
             return None
         reached = lane.read()
-        subs = lane.subs
-        if subs and lane.wake_for >= subs[0].number and lane.fast_for < subs[0].number:
+        runs = lane.runs
+        if runs and lane.wake_for >= runs[0].number and lane.fast_for < runs[0].number:
             if reached < lane.wake_for:
                 lane.reached_at = 0.0
                 return reached  # (an earlier run of the lane may be reached)
@@ -904,7 +904,7 @@ class Dispatcher:
         leak is better than a dangling pointer)."""
         faulted: dict[int, BaseException] = {}
         for lane in lanes:
-            if lane.device in faulted or not lane.subs:
+            if lane.device in faulted or not lane.runs:
                 continue
             try:
                 self._backend.query(lane.raw)

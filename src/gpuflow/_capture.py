@@ -81,8 +81,8 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     # (nothing to wait for first: every replay is ordered after the work that
     # made its inputs by the hazards the capture logs, and only after that)
     be = rt.backend
-    sub = Run(device)
-    ctx = ExecutionContext(rt, cap_stream, policy, sub, capturing=True)
+    run = Run(device)
+    ctx = ExecutionContext(rt, cap_stream, policy, run, capturing=True)
     log: dict[int, tuple[Allocation, bool]] = {}
     lane = cap_stream._lane
     if lane is not None and lane.unmarked:  # (a mark cannot be enqueued while it captures)
@@ -103,7 +103,7 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
     return Recording(
-        raw, out, device, list(log.values()), [*sub.keep, policy, op],
+        raw, out, device, list(log.values()), [*run.keep, policy, op],
         be.graph_node_count(raw), rt, rt.generation(device),
     )
 
@@ -125,8 +125,8 @@ def replay(rec: Recording[T], ctx: ExecutionContext) -> T:
     with hazard_lock:  # ordering after the hazards and enqueueing are one step
         for alloc, writes in rec.hazards:
             if writes:
-                alloc.before_write(ctx.stream, ctx._submission)
+                alloc.before_write(ctx.stream, ctx.run)
             else:
-                alloc.before_read(ctx.stream, ctx._submission)
+                alloc.before_read(ctx.stream, ctx.run)
         ctx.backend.launch_graph(rec.raw, ctx.stream._raw)
     return rec.output

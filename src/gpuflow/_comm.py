@@ -944,7 +944,7 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     one = prepared[0].issue if len(prepared) == 1 else None
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     be = ctx._runtime.backend
-    run = ctx._submission
+    run = ctx.run
     with hazard_lock:
         for p in prepared:
             for arr, s in p.reads:

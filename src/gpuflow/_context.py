@@ -23,25 +23,27 @@ class ExecutionContext:
     """The device, stream and backend an operation enqueues on.
 
     Only valid during :meth:`DeviceOperation.execute`; safe to use from the
-    thread running it.  ``device`` is the ordinal of the run's device and
-    ``stream`` the :class:`gpuflow.Stream` to enqueue on.
+    thread running it.  ``device`` is the ordinal of the run's device,
+    ``stream`` the :class:`gpuflow.Stream` to enqueue on, and ``run`` the
+    :class:`gpuflow.lowlevel.Run` the work belongs to (what a use of an
+    array made by this work is ordered after: ``Allocation.before_read``).
     """
 
-    __slots__ = ("_capturing", "_policy", "_runtime", "_submission", "device", "stream")
+    __slots__ = ("_capturing", "_policy", "_runtime", "device", "run", "stream")
 
     def __init__(
         self,
         runtime: Runtime,
         stream: Stream,
         policy: SchedulingPolicy | None,
-        submission: Run,
+        run: Run,
         capturing: bool = False,
     ) -> None:
         self._runtime = runtime
         self.stream = stream
         self.device = stream._device
         self._policy = policy
-        self._submission = submission
+        self.run = run
         self._capturing = capturing
 
     @property
@@ -61,12 +63,12 @@ class ExecutionContext:
 
     def keep(self, *objs: Any) -> None:
         """Keep ``objs`` alive until the GPU has finished the work enqueued so far."""
-        self._submission.hold(objs)
+        self.run.hold(objs)
 
     def with_stream(self, stream: Stream) -> ExecutionContext:
         """The same run, enqueueing on ``stream``."""
         return ExecutionContext(
-            self._runtime, stream, self._policy, self._submission, self._capturing
+            self._runtime, stream, self._policy, self.run, self._capturing
         )
 
     def fork(self) -> Stream:
@@ -83,10 +85,10 @@ class ExecutionContext:
             be = self._runtime.backend
             event = be.record_event(other._raw)
             be.wait_event(self.stream._raw, event)
-            sub = self._submission
-            if sub.arms is None:
-                sub.arms = {}
-            sub.arms[other._raw] = event
+            run = self.run
+            if run.arms is None:
+                run.arms = {}
+            run.arms[other._raw] = event
 
     def __repr__(self) -> str:
         return f"<gpuflow.ExecutionContext device={self.device} stream={self.stream!r}>"

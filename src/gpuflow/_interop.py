@@ -498,7 +498,7 @@ class _Foreign(DeviceOperation[Any]):
         # ordering, the foreign enqueues and the imports are one step (as a launch)
         with hazard_lock:
             for a in arrays:  # the code may write any array it gets
-                a._alloc.before_write(stream, ctx._submission)
+                a._alloc.before_write(stream, ctx.run)
             with contextlib.ExitStack() as on_stream:
                 with _adapters_lock:
                     adapters = list(_adapters)

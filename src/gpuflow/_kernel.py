@@ -582,7 +582,7 @@ class _Launch(DeviceOperation[Any]):
                 args.append(a)
         raw = self._loaded(ctx)[1]
         with hazard_lock:  # ordering after the hazards and enqueueing are one step
-            run = ctx._submission
+            run = ctx.run
             for alloc in reads:
                 alloc.before_read(stream, run)
             for alloc in writes:

@@ -34,16 +34,16 @@ _PRUNE_AT = 64
 class _Tracked:
     """The runs started inside a scope that may still be running."""
 
-    __slots__ = ("_subs",)
+    __slots__ = ("_runs",)
 
     def __init__(self) -> None:
-        self._subs: list[Run] = []
+        self._runs: list[Run] = []
 
-    def track(self, sub: Run) -> None:
-        subs = self._subs
-        if len(subs) >= _PRUNE_AT:
-            subs[:] = [s for s in subs if not s.done]
-        subs.append(sub)
+    def track(self, run: Run) -> None:
+        runs = self._runs
+        if len(runs) >= _PRUNE_AT:
+            runs[:] = [s for s in runs if not s.done]
+        runs.append(run)
 
     async def drain(self) -> None:
         """Wait until every tracked run is done: shielded from cancellation,
@@ -51,16 +51,16 @@ class _Tracked:
         a cancellation of the wait for one aborts its communicators (their
         collectives then return), and the wait goes on shielded."""
         try:
-            for sub in [s for s in self._subs if s.comms is not None]:
-                if not sub.done:
+            for run in [s for s in self._runs if s.comms is not None]:
+                if not run.done:
                     try:
-                        await sub.wait()
+                        await run.wait()
                     except Exception:
                         pass  # the run's own awaiter reports its failure
         except BaseException as exc:
-            for sub in self._subs:
-                if sub.comms is not None and not sub.done:
-                    for comm in sub.comms:
+            for run in self._runs:
+                if run.comms is not None and not run.done:
+                    for comm in run.comms:
                         comm.abort(f"a scope's wait for its collectives {ended_by(exc)}")
             await self._drain_shielded()
             raise
@@ -68,16 +68,16 @@ class _Tracked:
 
     async def _drain_shielded(self) -> None:
         with anyio.CancelScope(shield=True):
-            while self._subs:
-                sub = self._subs.pop()
-                if not sub.done:
+            while self._runs:
+                run = self._runs.pop()
+                if not run.done:
                     try:
-                        await sub.wait()
+                        await run.wait()
                     except Exception:
                         pass
 
     def pending(self) -> int:
-        return sum(not s.done for s in self._subs)
+        return sum(not s.done for s in self._runs)
 
 
 class _LeasePool:
@@ -172,8 +172,8 @@ class StreamLease:
             raise UsageError("the stream lease is not held (use it inside `async with`)")
         return self._stream
 
-    def track(self, sub: Run) -> None:
-        self._tracked.track(sub)
+    def track(self, run: Run) -> None:
+        self._tracked.track(run)
 
     async def __aenter__(self) -> StreamLease:
         watcher = _points.watcher
@@ -236,8 +236,8 @@ class DeviceGroup:
     def stream(self) -> Stream | None:
         return None
 
-    def track(self, sub: Run) -> None:
-        self._tracked.track(sub)
+    def track(self, run: Run) -> None:
+        self._tracked.track(run)
 
     def start_soon(
         self,

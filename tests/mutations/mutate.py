@@ -164,12 +164,12 @@ MUTATIONS = [
         "M12",
         "leaving a scope does not wait for the GPU work it started",
         "_scope.py",
-        "                sub = self._subs.pop()\n"
-        "                if not sub.done:\n"
+        "                run = self._runs.pop()\n"
+        "                if not run.done:\n"
         "                    try:\n"
-        "                        await sub.wait()\n",
-        "                sub = self._subs.pop()\n"
-        "                if not sub.done:\n"
+        "                        await run.wait()\n",
+        "                run = self._runs.pop()\n"
+        "                if not run.done:\n"
         "                    try:\n"
         "                        await anyio.lowlevel.checkpoint()\n",
         ("tests/test_scopes.py", "tests/test_lifetimes.py"),
@@ -187,8 +187,8 @@ MUTATIONS = [
         "B1",
         'a reached mark completes every run of its stream, not only those up to it',
         '_bridge.py',
-        '                while subs and subs[0].number <= reached:\n',
-        '                while subs:\n',
+        '                while runs and runs[0].number <= reached:\n',
+        '                while runs:\n',
         ('tests/test_bridge.py',),
     ),
     Mutation(
@@ -307,9 +307,9 @@ MUTATIONS = [
         "G1",
         'a graph replay is no reader of its inputs: an update does not wait for it',
         '_capture.py',
-        '                alloc.before_read(ctx.stream, ctx._submission)\n'
+        '                alloc.before_read(ctx.stream, ctx.run)\n'
         '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
-        '                alloc.before_read(ctx.stream, ctx._submission)\n'
+        '                alloc.before_read(ctx.stream, ctx.run)\n'
         '                alloc.readers.pop(ctx.stream, None)\n'
         '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
         ('tests/test_graph.py',),
@@ -318,8 +318,8 @@ MUTATIONS = [
         "M18",
         "leaving a scope waits for its last run only (as if runs ended in order everywhere)",
         "_scope.py",
-        "            while self._subs:\n                sub = self._subs.pop()\n",
-        "            for sub in self._subs[-1:]:\n",
+        "            while self._runs:\n                run = self._runs.pop()\n",
+        "            for run in self._runs[-1:]:\n",
         ("tests/test_scopes.py",),
     ),
     Mutation(
@@ -398,7 +398,7 @@ MUTATIONS = [
         "foreign() does not order the arrays it is given",
         "_interop.py",
         "            for a in arrays:  # the code may write any array it gets\n"
-        "                a._alloc.before_write(stream, ctx._submission)\n",
+        "                a._alloc.before_write(stream, ctx.run)\n",
         "            pass\n",
         ("tests/test_interop.py",),
     ),
@@ -890,7 +890,7 @@ MUTATIONS = [
         '                self.issued = number = self.mark(polled)\n'
         '                self.unmarked = False  # (that mark covers one owed)\n',
         '            try:\n'
-        '                if self.subs and not foreign:\n'
+        '                if self.runs and not foreign:\n'
         '                    number = self.issued + 1\n'
         '                    self.unmarked = True\n'
         '                else:\n'
@@ -1020,8 +1020,8 @@ MUTATIONS = [
         "N2",
         "a scope that prunes its records of runs forgets the pending ones",
         "_scope.py",
-        "            subs[:] = [s for s in subs if not s.done]\n",
-        "            subs.clear()\n",
+        "            runs[:] = [s for s in runs if not s.done]\n",
+        "            runs.clear()\n",
         ("tests/test_scopes.py::test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one",),
     ),
     Mutation(
@@ -1163,8 +1163,8 @@ MUTATIONS = [
         "R4",
         "a run is completed before the GPU reached its mark",
         "_bridge.py",
-        "                while subs and subs[0].number <= reached:\n",
-        "                while subs:\n",
+        "                while runs and runs[0].number <= reached:\n",
+        "                while runs:\n",
         ("tests/test_lifetimes.py", "tests/test_hazards.py"),
     ),
 ]
