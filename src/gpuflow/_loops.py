@@ -213,6 +213,34 @@ def _anyio_asyncio_scopes(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]
     return may_be_cancelled
 
 
+def _trio_task_cancelled(trio: Any) -> Callable[[], bool]:
+    """``may_be_cancelled`` under Trio: what ``checkpoint_if_cancelled``
+    looks at first (the task's effective cancellation, a Ctrl-C pending for
+    the main task), read without its coroutine.  Where Trio keeps it
+    otherwise, always True: the checkpoint is then awaited at every run."""
+    current_task = trio.lowlevel.current_task
+    try:
+        task = current_task()
+        task._cancel_status.effectively_cancelled  # noqa: B018
+        task._runner.ki_pending  # noqa: B018
+        task._runner.main_task  # noqa: B018
+    except Exception:
+        return _true
+
+    def may_be_cancelled() -> bool:
+        task = current_task()
+        try:
+            runner = task._runner
+            return bool(
+                task._cancel_status.effectively_cancelled
+                or (task is runner.main_task and runner.ki_pending)
+            )
+        except Exception:  # (a layout seen only now)
+            return True
+
+    return may_be_cancelled
+
+
 def _backend_checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:
     """AnyIO's ``checkpoint_if_cancelled`` of the running loop's backend,
     found once: the public one finds the backend at every call (about a
@@ -405,8 +433,7 @@ class _Trio:
             trio.lowlevel.checkpoint_if_cancelled
         )
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
-        # (Trio's checkpoint_if_cancelled is itself a few attribute reads)
-        self.may_be_cancelled: Callable[[], bool] = _true
+        self.may_be_cancelled: Callable[[], bool] = _trio_task_cancelled(trio)
         self._token = trio.lowlevel.current_trio_token
         self.target = token = trio.lowlevel.current_trio_token()
         # run_sync_soon is both: safe from any thread, and from the loop's

@@ -1,0 +1,55 @@
+"""The loop adapters' fast paths: each answers from what the loop already
+keeps, and each is checked here against the AnyIO, Trio and asyncio this
+suite runs with, so that a release that keeps them otherwise fails a test
+rather than making every await slower without a word.
+
+* Whether the task's cancel scope is cancelled (an await enqueues nothing
+  then): AnyIO's record of its asyncio tasks' scopes, Trio's task state.
+* Which loop runs this thread: the adapter found last, asked whether its
+  loop still runs here (asyncio's own loops keep the thread running them;
+  asking asyncio itself costs a ``getpid`` system call).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+import gpuflow as gf
+from gpuflow import _loops
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_cancellation_check_reads_the_loops_own_record(anyio_backend_name: str) -> None:
+    loop = _loops.current_loop()
+    assert loop.may_be_cancelled is not _loops._true, "the fast check fell back: a new layout?"
+    assert loop.may_be_cancelled() is False
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        assert loop.may_be_cancelled() is True
+        with anyio.CancelScope(shield=True):
+            assert loop.may_be_cancelled() is False
+        x = gf.zeros(8, dtype=np.float32)
+        await x  # (cancelled before anything is enqueued)
+    assert scope.cancelled_caught
+    assert loop.may_be_cancelled() is False
+
+
+async def test_the_loop_of_a_thread_is_known_without_asking_asyncio(
+    anyio_backend_name: str, anyio_backend_options: dict[str, object]
+) -> None:
+    loop = _loops.current_loop()
+    assert loop.running_in(threading.get_ident())
+    assert _loops.current_loop() is loop  # (the adapter is made once a loop)
+    if anyio_backend_name == "asyncio" and not anyio_backend_options.get("use_uvloop"):
+        assert loop._tells_thread  # type: ignore[attr-defined]  # (asyncio's own loop)
+    # another thread runs no loop: it is not this loop's
+    other: list[bool] = []
+    t = threading.Thread(target=lambda: other.append(loop.running_in(threading.get_ident())))
+    t.start()
+    t.join()
+    assert other == [False]
