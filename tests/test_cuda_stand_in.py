@@ -38,13 +38,19 @@ pytestmark = [
 ]
 
 
-def test_the_cuda_backend_runs_a_program_against_a_stand_in_driver(tmp_path: Path) -> None:
+def stand_in(tmp_path: Path) -> Path:
+    """The stand-in libcuda, built into ``tmp_path``."""
     lib = tmp_path / "libcuda.so.1"
     subprocess.run(
         ["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
          str(HERE / "libcuda.c")],
         check=True,
     )  # fmt: skip
+    return lib
+
+
+def test_the_cuda_backend_runs_a_program_against_a_stand_in_driver(tmp_path: Path) -> None:
+    lib = stand_in(tmp_path)
     done = subprocess.run(
         [sys.executable, "-W", "error", str(HERE / "program.py"), str(lib)],
         capture_output=True,
@@ -60,12 +66,7 @@ def test_the_run_path_rows_print_against_the_stand_in(tmp_path: Path) -> None:
     run path's rows beside its baseline measured in the same process (a
     benchmark: what is checked is that it runs and prints its rows, never a
     figure)."""
-    lib = tmp_path / "libcuda.so.1"
-    subprocess.run(
-        ["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
-         str(HERE / "libcuda.c")],
-        check=True,
-    )  # fmt: skip
+    lib = stand_in(tmp_path)
     bench = HERE.parents[1] / "benchmarks"
     done = subprocess.run(
         [sys.executable, str(bench / "profile_frontend.py"), "--stand-in", str(lib), "--quick"],

@@ -53,7 +53,7 @@ from ._bench_rows import (
     row,
     summary,
 )
-from ._runtime import get_runtime
+from ._runtime import device_count_option, get_runtime
 from .lowlevel import pool_streams
 
 EMPTY = r"""
@@ -729,7 +729,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", metavar="PATH",
                    help="also write the rows to PATH as JSON (backend, rows: each its "
                    "figures, target, loop and verdict)")
-    p.add_argument("--devices", metavar="N", type=_positive,
+    p.add_argument("--devices", metavar="N", type=device_count_option,
                    help="run on N devices (sim: simulate N, so that the two-device rows "
                    "run; default: every device the backend has)")
     args = p.parse_args(argv)
@@ -757,16 +757,6 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump({"backend": backend, "rows": ROWS}, f, indent=1)
     return 0
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a positive number of devices, not {text!r}")
-    return n
 
 
 def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None:

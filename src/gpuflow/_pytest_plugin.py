@@ -26,7 +26,6 @@ gpuflow's dispatcher thread.
 
 from __future__ import annotations
 
-import argparse
 import gc
 from collections.abc import Iterator
 
@@ -35,7 +34,7 @@ import pytest
 from ._backends import cuda_probe, load_backend
 from ._backends._base import Backend
 from ._quiescence import Baseline, problems, settle
-from ._runtime import init_device_contexts
+from ._runtime import device_count_option, init_device_contexts
 
 #: What ``--gpuflow-backend`` takes.
 BACKENDS = ("sim", "cuda", "auto")
@@ -45,16 +44,6 @@ DRAIN_S = 5.0
 _FIXTURE = "gpuflow_runtime"
 _baseline_key = pytest.StashKey[Baseline]()
 _cuda_key = pytest.StashKey[Backend]()
-
-
-def _device_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a positive number of devices, not {text!r}")
-    return n
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -68,7 +57,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--gpuflow-devices",
-        type=_device_count,
+        type=device_count_option,
         default=None,
         metavar="N",
         help="how many devices gpuflow_runtime initialises (default: every device "

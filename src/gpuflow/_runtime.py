@@ -8,6 +8,7 @@ initialise lazily.  The current device is a context variable, so each task
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import sys
@@ -485,6 +486,19 @@ def current_device() -> int:
     """The device that operations started from this task or thread run on."""
     d = _current_device.get()
     return get_runtime().default_device if d is None else d
+
+
+def device_count_option(text: str) -> int:
+    """The number of devices a command line asks for (``--devices N``,
+    ``--gpuflow-devices N``): a positive int, else argparse's error, which
+    says what was given."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of devices, not {text!r}")
+    return n
 
 
 def device_count() -> int:
