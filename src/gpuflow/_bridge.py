@@ -564,7 +564,7 @@ class Dispatcher:
             if not lane.unmarked:
                 return False
             try:
-                lane.issued = self._backend.mark(lane.raw)
+                lane.issued = lane.mark(True)
                 lane.unmarked = False
                 return True
             except Exception as exc:
