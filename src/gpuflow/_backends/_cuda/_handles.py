@@ -98,8 +98,8 @@ class CudaStream:
     """
 
     __slots__ = (
-        "capture", "destroyed", "dev", "foreign", "handle", "issued", "mark_events", "mark_lock",
-        "obj", "pre_capture", "reached", "token", "word", "worded",
+        "__weakref__", "capture", "destroyed", "dev", "foreign", "handle", "issued",
+        "mark_events", "mark_lock", "obj", "pre_capture", "reached", "token", "word", "worded",
     )  # fmt: skip
 
     def __init__(self, dev: Dev, handle: Any, word: Word | None) -> None:
