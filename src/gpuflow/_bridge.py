@@ -199,8 +199,11 @@ class Lane:
 
     def idle(self) -> bool:
         """The GPU has reached the stream's last mark, and no run owes one
-        (a word read, no lock)."""
-        return not self.unmarked and self.read() >= self.issued
+        (no lock; the word is read only where the runs seen completed do
+        not already reach that mark)."""
+        return not self.unmarked and (
+            self.completed >= self.issued or self.read() >= self.issued
+        )
 
     def backlog(self) -> int:
         """Marks of the stream the GPU has not reached, the one owed

@@ -71,11 +71,15 @@ class Stream:
     def idle(self) -> bool:
         """Nothing is pending on the stream: the GPU has reached the end of
         every run enqueued on it, and no blocking run (``sync``) is in
-        flight there.  A read of its completion word, no driver call."""
+        flight there.  At most a read of its completion word, no driver call."""
         lane = self._lane
         # (what lane.idle() says, without the call: every run asks this)
         return not self._syncs and (
-            lane is None or (not lane.unmarked and lane.read() >= lane.issued)
+            lane is None
+            or (
+                not lane.unmarked
+                and (lane.completed >= lane.issued or lane.read() >= lane.issued)
+            )
         )
 
     def load(self) -> int:

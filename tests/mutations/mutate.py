@@ -1167,6 +1167,14 @@ MUTATIONS = [
         "                while runs:\n",
         ("tests/test_lifetimes.py", "tests/test_hazards.py"),
     ),
+    Mutation(
+        "R5",
+        "a stream whose runs seen completed stop one short of its last mark counts as idle",
+        "_stream.py",
+        "                and (lane.completed >= lane.issued or lane.read() >= lane.issued)\n",
+        "                and (lane.completed + 1 >= lane.issued or lane.read() >= lane.issued)\n",
+        ("tests/test_policy.py",),
+    ),
 ]
 
 
