@@ -27,7 +27,7 @@ import anyio
 import gpuflow as gf
 
 # the probe times the bridge's own steps, so it instruments private machinery
-from gpuflow._runtime import get_runtime
+from gpuflow._core._runtime import get_runtime
 
 pc = time.perf_counter
 

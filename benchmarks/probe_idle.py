@@ -40,9 +40,9 @@ from typing import Any
 import anyio
 
 import gpuflow as gf
-from gpuflow import _bridge, _run
-from gpuflow._bench import EMPTY, _refs
-from gpuflow._bench_rows import event_loops
+from gpuflow._core import _completion, _run
+from gpuflow._tools._bench import EMPTY, _refs
+from gpuflow._tools._bench_rows import event_loops
 
 RUNS = 60
 
@@ -125,7 +125,7 @@ def main() -> None:
 def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None:
     # when the await's submission ended, and when its run was first seen done
     marks: dict[str, float] = {}
-    submit, advance = _bridge.Dispatcher.submit, _bridge.Dispatcher.advance
+    submit, advance = _completion.Dispatcher.submit, _completion.Dispatcher.advance
 
     def timed_submit(self: Any, *args: Any, **kw: Any) -> Any:
         out = submit(self, *args, **kw)
@@ -138,8 +138,8 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
             marks["seen"] = time.perf_counter()
         return done
 
-    _bridge.Dispatcher.submit = timed_submit  # type: ignore[method-assign]
-    _bridge.Dispatcher.advance = timed_advance  # type: ignore[method-assign]
+    _completion.Dispatcher.submit = timed_submit  # type: ignore[method-assign]
+    _completion.Dispatcher.advance = timed_advance  # type: ignore[method-assign]
     yielded = [0]
     checkpoint = anyio.lowlevel.checkpoint
 

@@ -38,7 +38,7 @@ def child(cpu: int | None, calls: bool = False) -> None:
     from plain_loop import STREAMS, PlainLoop
 
     import gpuflow as gf
-    from gpuflow._bench import EMPTY, Raw, _refs
+    from gpuflow._tools._bench import EMPTY, Raw, _refs
 
     gf.init_device_contexts(backend="cuda")
     mod = gf.compile(EMPTY, references=_refs())

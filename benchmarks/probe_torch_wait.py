@@ -29,7 +29,7 @@ import torch
 from cuda.bindings import driver as cu
 
 import gpuflow as gf
-from gpuflow._bench_poll import mlp_forward
+from gpuflow._tools._bench_poll import mlp_forward
 
 REPS, WARM = 600, 100
 

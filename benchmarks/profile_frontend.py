@@ -68,9 +68,9 @@ import gpuflow as gf
 
 # a null backend (below) and the default policy measure the front end alone
 from gpuflow._backends import _base
-from gpuflow._bench_poll import mlp_forward
-from gpuflow._bench_rows import Completions, row, summary
-from gpuflow._policy import DEFAULT_POLICY
+from gpuflow._core._policy import DEFAULT_POLICY
+from gpuflow._tools._bench_poll import mlp_forward
+from gpuflow._tools._bench_rows import Completions, row, summary
 
 
 class NullStream:
@@ -430,7 +430,7 @@ def stand_in_rows(op: gf.DeviceOperation[Any], quick: bool) -> int:
     baseline measured in this process, in turns (``--stand-in``)."""
     from plain_loop import STREAMS, PlainLoop
 
-    from gpuflow._bench import Raw
+    from gpuflow._tools._bench import Raw
 
     turns, tasks, per = (2, 64, 20) if quick else (5, 64, 100)
     loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
@@ -707,25 +707,25 @@ def driver_share() -> int:
 #: stream, its mark there and reading its event; for a collective, its
 #: checks, its ordering and NCCL's call.
 PIECES = (
-    "gpuflow._run:_start",
-    "gpuflow._run:_begin",
-    "gpuflow._run:_submit_foreign",
-    "gpuflow._policy:StreamPoolLeastLoaded.idle_stream",
-    "gpuflow._runtime:Runtime.startable",
-    "gpuflow._bridge:Dispatcher.submit",
-    "gpuflow._bridge:Lane.submit",
-    "gpuflow._kernel:_Launch.execute",
+    "gpuflow._core._run:_start",
+    "gpuflow._core._run:_begin",
+    "gpuflow._core._run:_submit_foreign",
+    "gpuflow._core._policy:StreamPoolLeastLoaded.idle_stream",
+    "gpuflow._core._runtime:Runtime.startable",
+    "gpuflow._core._completion:Dispatcher.submit",
+    "gpuflow._core._completion:Lane.submit",
+    "gpuflow._kernels._kernel:_Launch.execute",
     "gpuflow._backends._cuda._backend:CudaBackend.mark",
-    "gpuflow._run:_spin",
-    "gpuflow._bridge:Dispatcher.advance",
-    "gpuflow._bridge:Dispatcher.complete",
-    "gpuflow._bridge:Dispatcher.deliver",
-    "gpuflow._interop:_WaitStream._stream_alone",
+    "gpuflow._core._run:_spin",
+    "gpuflow._core._completion:Dispatcher.advance",
+    "gpuflow._core._completion:Dispatcher.complete",
+    "gpuflow._core._completion:Dispatcher.deliver",
+    "gpuflow._interop._libraries:_WaitStream._stream_alone",
     "gpuflow._backends._cuda._backend:CudaBackend.foreign_stream",
     "gpuflow._backends._cuda._words:EventMarks.reached",
-    "gpuflow._comm:_Collective._prepare",
-    "gpuflow._comm:_issue",
-    "gpuflow._comm:Communicator._started",
+    "gpuflow._comm._comm:_Collective._prepare",
+    "gpuflow._comm._comm:_issue",
+    "gpuflow._comm._comm:Communicator._started",
     "gpuflow._backends._cuda._backend:CudaBackend.comm_group",
     "gpuflow._backends._cuda._nccl:NcclComms.group",
 )

@@ -17,11 +17,11 @@ import pytest
 from child import run_child
 
 import gpuflow as gf
-from gpuflow import _bench_rows
 from gpuflow.__main__ import main as gpuflow_main
-from gpuflow._bench import main as bench_main
-from gpuflow._demo import main as demo_main
-from gpuflow._demo import run_fan_out
+from gpuflow._tools import _bench_rows
+from gpuflow._tools._bench import main as bench_main
+from gpuflow._tools._demo import main as demo_main
+from gpuflow._tools._demo import run_fan_out
 
 
 def test_bench_runs_from_an_installed_copy_of_the_package(
@@ -278,7 +278,7 @@ def test_the_bench_takes_its_paths_in_turns_and_each_where_it_may_run() -> None:
     # a ratio of two medians compares like with like only if both paths were
     # timed across the same stretch of the run: in turns of `block` calls,
     # coroutine functions inside an event loop, plain ones outside any
-    from gpuflow._loops import running_loop_name
+    from gpuflow._core._loops import running_loop_name
 
     calls: list[tuple[str, str | None]] = []
 

@@ -34,10 +34,10 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow import _loops
-from gpuflow._loops import current_loop
-from gpuflow._run import Run
-from gpuflow._runtime import get_runtime
+from gpuflow._core import _loops
+from gpuflow._core._loops import current_loop
+from gpuflow._core._run import Run
+from gpuflow._core._runtime import get_runtime
 
 F32 = np.float32
 
@@ -81,16 +81,16 @@ def count_turns(monkeypatch: pytest.MonkeyPatch, lone_awaits: bool = True) -> li
     turns first, the poller taking the rest of the budget over where
     another await starts.  Before the loop's first await of the runtime
     (which makes its poller)."""
-    from gpuflow import _bridge  # the poller itself
+    from gpuflow._core import _completion  # the poller itself
 
     turns: list[float] = []
-    poll = _bridge.Poller.poll
+    poll = _completion.Poller.poll
 
     def counted_poll(self: Any) -> bool:
         turns.append(time.monotonic())
         return poll(self)
 
-    monkeypatch.setattr(_bridge.Poller, "poll", counted_poll)
+    monkeypatch.setattr(_completion.Poller, "poll", counted_poll)
     if not lone_awaits:
         return turns
     loop = current_loop()
@@ -108,9 +108,9 @@ def not_traced() -> None:
     """Skip a test of a busy loop's turns under a tracer or a profiler
     (coverage, a debugger): there every turn counts against the budget, by
     design, and a busy loop arms its wake-ups like an idle one."""
-    from gpuflow import _bridge
+    from gpuflow._core import _completion
 
-    if _bridge._turns_slowed():
+    if _completion._turns_slowed():
         pytest.skip("a tracer or a profiler runs: every turn counts against the budget")
 
 
@@ -157,8 +157,8 @@ def seen_by_the_loop_alone(before: Any, pipes: list[Any]) -> Any:
 
 def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every wake-up posted to a loop from another thread."""
-    from gpuflow import _bridge  # the post the dispatcher thread makes
-    from gpuflow._loops import post as real_post
+    from gpuflow._core import _completion  # the post the dispatcher thread makes
+    from gpuflow._core._loops import post as real_post
 
     posts: list[Any] = []
 
@@ -166,7 +166,7 @@ def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         posts.append(args)
         real_post(*args)
 
-    monkeypatch.setattr(_bridge, "post", recorded)
+    monkeypatch.setattr(_completion, "post", recorded)
     return posts
 
 
@@ -228,14 +228,14 @@ async def test_the_loop_itself_completes_its_runs_polling_or_sleeping(
 async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuflow import _bridge  # the poller itself
+    from gpuflow._core import _completion  # the poller itself
 
     reinit(busy_poll_us=2_000_000)
     pool = gf.StreamPoolRoundRobin()  # 32 tasks on the pool's four streams
     turns: list[int] = []
     reads: list[int] = [0]  # the reads of words made by the poller (not by hazards)
     polling = [False]
-    poll = _bridge.Poller.poll
+    poll = _completion.Poller.poll
 
     def counted_poll(self: Any) -> bool:
         for lane in self.lanes:
@@ -248,7 +248,7 @@ async def test_one_read_of_each_word_a_turn_however_many_runs_are_pending(
         finally:
             polling[0] = False
 
-    monkeypatch.setattr(_bridge.Poller, "poll", counted_poll)  # (before the loop's first await)
+    monkeypatch.setattr(_completion.Poller, "poll", counted_poll)  # (before the loop's first await)
     counters = [await gf.zeros(1, np.int32) for _ in range(32)]
 
     async def worker(c: gf.DeviceArray) -> None:
@@ -277,7 +277,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     yet, a spin would hold that task, which would submit its next work only
     after it: awaits of short kernels from many tasks reached the GPU one at
     a time."""
-    from gpuflow import _run  # the inline spin itself
+    from gpuflow._core import _run  # the inline spin itself
 
     reinit(busy_poll_us=2_000_000)
     x = await gf.zeros(64, F32)
@@ -336,7 +336,7 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
     The thread's CPU time and waits are the system's where it slept; where
     it ran or was kept from running they are made up (that much CPU time,
     no wait), for a machine's other load would make them so only by chance."""
-    from gpuflow import _run
+    from gpuflow._core import _run
 
     reinit(busy_poll_us=2_000_000)
     x = await gf.zeros(64, F32)
@@ -416,7 +416,7 @@ async def test_a_lone_await_hands_its_word_to_the_poller_when_another_await_star
     """A lone await that reads its own word stops once another await of its
     loop starts: the poller reads both words once a turn from then on, for
     what is left of the budget; neither waits for the other."""
-    from gpuflow import _run
+    from gpuflow._core import _run
 
     reinit(busy_poll_us=2_000_000)
     handed: list[tuple[float, bool]] = []
@@ -660,9 +660,9 @@ async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
     # sees a run pending; here it is made to see none.  Once asleep, it must
     # be woken by the first run only and tick through a new grace, not be
     # woken (taking the GIL from the loop) by every run.
-    from gpuflow import _bridge  # the grace, and the thread's wait
+    from gpuflow._core import _completion  # the grace, and the thread's wait
 
-    monkeypatch.setattr(_bridge, "_IDLE_GRACE_S", 0.05)
+    monkeypatch.setattr(_completion, "_IDLE_GRACE_S", 0.05)
     x = await gf.zeros(64, F32)
     dispatcher = get_runtime().dispatcher
     busy = dispatcher._busy
@@ -881,10 +881,10 @@ async def test_awaits_leave_no_file_descriptor_open() -> None:
 async def test_past_the_pipe_limit_the_dispatcher_thread_wakes_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuflow import _bridge  # the limit itself
+    from gpuflow._core import _completion  # the limit itself
 
     reinit(busy_poll_us=0)
-    monkeypatch.setattr(_bridge, "MAX_FD_SIGNALS", 1)
+    monkeypatch.setattr(_completion, "MAX_FD_SIGNALS", 1)
     posts = record_posts(monkeypatch)
     arrays = [await gf.zeros(16, F32) for _ in range(16)]
     pool = gf.StreamPoolRoundRobin()
@@ -1378,7 +1378,7 @@ stream = gf.new_stream()
 K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
 sub = Run(0)
 sub.add_done_callback(lambda err: print("released before exit", flush=True))
-from gpuflow._runtime import get_runtime
+from gpuflow._core._runtime import get_runtime
 get_runtime().dispatcher.submit(stream.raw, sub)
 print("exiting", flush=True)
 """
@@ -1397,7 +1397,7 @@ print("exiting", flush=True)
 def test_the_busy_poll_budget_comes_from_the_argument_or_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuflow._runtime import DEFAULT_BUSY_POLL_US  # the documented default
+    from gpuflow._core._runtime import DEFAULT_BUSY_POLL_US  # the documented default
 
     backend = gf.current_backend()
     monkeypatch.delenv("GPUFLOW_BUSY_POLL_US", raising=False)
@@ -1423,7 +1423,7 @@ def test_the_busy_poll_budget_comes_from_the_argument_or_the_environment(
 
 
 def test_no_loop_is_running_here() -> None:
-    from gpuflow._loops import current_loop, running_loop_name  # the machinery itself
+    from gpuflow._core._loops import current_loop, running_loop_name  # the machinery itself
 
     assert running_loop_name() is None
     with pytest.raises(gf.UsageError, match="needs a running asyncio or Trio event loop"):
@@ -1434,7 +1434,7 @@ def test_no_loop_is_running_here() -> None:
 async def test_the_loop_adapter_is_the_running_loops(
     anyio_backend_name: str, anyio_backend_options: dict[str, Any]
 ) -> None:
-    from gpuflow._loops import current_loop, running_loop_name  # the machinery itself
+    from gpuflow._core._loops import current_loop, running_loop_name  # the machinery itself
 
     assert running_loop_name() == anyio_backend_name
     loop = current_loop()
@@ -1538,7 +1538,7 @@ async def test_the_loop_adapter_says_whether_another_task_is_ready(
     """What an await whose run is done asks before it runs on without a
     loop turn: another task ready now is seen (a loop that cannot tell,
     uvloop, says so every time, and is asked rarely)."""
-    from gpuflow._loops import current_loop  # the machinery itself
+    from gpuflow._core._loops import current_loop  # the machinery itself
 
     loop = current_loop()
     blind = anyio_backend_options.get("use_uvloop", False)
@@ -1553,7 +1553,7 @@ async def test_the_loop_adapter_says_whether_another_task_is_ready(
 
 @pytest.mark.anyio
 async def test_a_poller_runs_once_a_turn_while_it_asks_to() -> None:
-    from gpuflow._loops import current_loop  # the machinery itself
+    from gpuflow._core._loops import current_loop  # the machinery itself
 
     loop = current_loop()
     calls: list[int] = []

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuflow as gf
-from gpuflow import _points, testing
+from gpuflow import testing
+from gpuflow._core import _cancel_points
 
 pytestmark = pytest.mark.anyio
 
@@ -65,7 +66,7 @@ async def test_a_pipeline_of_n_awaits_has_two_points_each_and_runs_once_per_poin
     assert "full (64,) float32" in report.sites[0].what
     assert "kernel count" in report.sites[4].what, report.sites[4].what
     assert str(report.sites[0]).startswith("point 1: awaiting <gpuflow.DeviceOperation full")
-    assert _points.watcher is None  # nothing is left to pay for
+    assert _cancel_points.watcher is None  # nothing is left to pay for
 
 
 async def test_each_run_is_cancelled_exactly_at_its_point() -> None:
@@ -152,7 +153,7 @@ async def test_a_lease_entered_by_hand_and_left_open_fails_naming_the_point() ->
     assert "before it is enqueued" in message
     assert f"at {__file__}:{line} (in " in message
     assert message.endswith("gpuflow is not quiescent: 1 stream lease(s) still held")
-    assert _points.watcher is None
+    assert _cancel_points.watcher is None
     for lease in leases:  # gpuflow's own suite ends every test at rest
         await lease.__aexit__(None, None, None)
 
@@ -320,7 +321,7 @@ async def test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_
         tg.start_soon(check, "long", long)
     assert (reports["short"].points, reports["long"].points) == (2, 8)
     assert reports["long"].runs == 9
-    assert _points.watcher is None  # (and none is left installed after both)
+    assert _cancel_points.watcher is None  # (and none is left installed after both)
 
 
 async def test_the_callers_own_cancellation_is_not_swallowed() -> None:
@@ -331,7 +332,7 @@ async def test_the_callers_own_cancellation_is_not_swallowed() -> None:
     with anyio.move_on_after(0.1) as outer:
         await testing.cancel_at_every_point(pipeline)
     assert outer.cancelled_caught
-    assert _points.watcher is None
+    assert _cancel_points.watcher is None
 
 
 async def test_what_is_not_an_async_function_is_refused() -> None:

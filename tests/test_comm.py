@@ -818,8 +818,8 @@ def test_a_rank_joins_while_another_rank_asks_whether_it_left() -> None:
     import threading
     import time
 
-    from gpuflow._backends import _simcomm  # the simulated rendezvous itself
-    from gpuflow._runtime import get_runtime
+    from gpuflow._backends._sim import _comm as _simcomm  # the simulated rendezvous itself
+    from gpuflow._core._runtime import get_runtime
 
     uid = gf.new_unique_id()
     root = uid[len(_simcomm._ID_PREFIX) :].decode()
@@ -864,8 +864,8 @@ def test_a_rank_is_never_seen_gone_while_it_joins(monkeypatch: pytest.MonkeyPatc
     import threading
     import time
 
-    from gpuflow._backends import _simcomm  # the simulated rendezvous itself
-    from gpuflow._runtime import get_runtime
+    from gpuflow._backends._sim import _comm as _simcomm  # the simulated rendezvous itself
+    from gpuflow._core._runtime import get_runtime
 
     uid = gf.new_unique_id()
     root = uid[len(_simcomm._ID_PREFIX) :].decode()

@@ -85,7 +85,7 @@ async def test_use_device_applies_to_its_task_only() -> None:
 
 @pytest.mark.sim_only  # builds a sim backend of its own
 def test_init_takes_a_backend_instance() -> None:
-    from gpuflow._backends._sim import SimBackend  # the instance under test
+    from gpuflow._backends._sim._backend import SimBackend  # the instance under test
 
     be = SimBackend(3)
     assert gf.init_device_contexts(backend=be) == "sim"
@@ -104,7 +104,7 @@ def test_init_takes_a_backend_instance() -> None:
 def test_backends_are_found_by_name_in_a_registry() -> None:
     import uuid
 
-    from gpuflow._backends._sim import SimBackend  # a backend to register
+    from gpuflow._backends._sim._backend import SimBackend  # a backend to register
 
     made: list[int | None] = []
 
@@ -244,7 +244,7 @@ def test_gpuflow_backend_chooses_what_auto_stands_for(
         warnings.simplefilter("error")  # sim was chosen: nothing to warn about
         assert gf.init_device_contexts(num_devices=2) == "sim"
     assert gf.device_count() == 2 and driver.calls == []  # the driver was not even asked
-    from gpuflow._info import _backend_lines  # what a bug report says of it
+    from gpuflow._tools._info import _backend_lines  # what a bug report says of it
 
     assert _backend_lines()[0] == (
         "backend: sim (what init_device_contexts() picks here; GPUFLOW_BACKEND='sim')"

@@ -145,7 +145,7 @@ def _pytest_example(
     installed = any(
         ep.name == "gpuflow" for ep in importlib.metadata.entry_points(group="pytest11")
     )
-    plugin = [] if installed else ["-p", "gpuflow._pytest_plugin"]
+    plugin = [] if installed else ["-p", "gpuflow._testing._pytest_plugin"]
     src = str(ROOT / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     return run_child(

@@ -147,12 +147,14 @@ async def test_a_fault_on_another_librarys_stream_fails_a_wait_stream_on_it() ->
     the mark after the foreign work is never reached once the device
     faults: the watchdog fails it as any await (asking our marks' events
     there, never the library's stream, which may be gone by then)."""
-    from gpuflow import _foreign  # a stream of the backend's that no gpuflow stream is
-    from gpuflow._runtime import get_runtime
+    from gpuflow._core import (
+        _stream_protocols,  # a stream of the backend's that no gpuflow stream is
+    )
+    from gpuflow._core._runtime import get_runtime
 
     be = gf.lowlevel.current_backend_object()
     handle = be.stream_handle(be.create_stream(0))
-    theirs = _foreign.foreign_stream(get_runtime(), handle, 0)
+    theirs = _stream_protocols.foreign_stream(get_runtime(), handle, 0)
     x = await gf.zeros(16, F32)
     with resetting(0), anyio.fail_after(2):
         fault = fault_op()

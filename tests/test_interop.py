@@ -45,7 +45,8 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow import _dlpack, testing
+from gpuflow import testing
+from gpuflow._memory import _dlpack
 from gpuflow.lowlevel import PointerArg
 
 F32 = np.float32
@@ -829,7 +830,7 @@ class OldTorchLikeStream:
 
 
 def test_a_stream_object_says_its_handle_and_device_each_way() -> None:
-    from gpuflow import _foreign  # the reading of other libraries' stream objects
+    from gpuflow._core import _stream_protocols  # the reading of other libraries' stream objects
 
     for obj in (
         TorchLikeStream(0x1234, 1),
@@ -837,9 +838,10 @@ def test_a_stream_object_says_its_handle_and_device_each_way() -> None:
         CupyLikeStream(0x1234, 1),
         CoreLikeStream(0x1234, 1),
     ):
-        assert _foreign.stream_handle(obj, "wait_stream") == (0x1234, 1), type(obj).__name__
-    assert _foreign.stream_handle(StreamProtocol(0x1234), "wait_stream") == (0x1234, None)
-    assert _foreign.stream_handle(2, "wait_stream") == (2, None)
+        handle = _stream_protocols.stream_handle(obj, "wait_stream")
+        assert handle == (0x1234, 1), type(obj).__name__
+    assert _stream_protocols.stream_handle(StreamProtocol(0x1234), "wait_stream") == (0x1234, None)
+    assert _stream_protocols.stream_handle(2, "wait_stream") == (2, None)
 
 
 @pytest.mark.anyio
@@ -1003,7 +1005,7 @@ async def test_a_refused_wait_stream_leaves_no_run_in_flight() -> None:
     """A wait refused before anything was enqueued (its stream is being
     captured) is a run that ended: a scope that tracked it would otherwise
     wait for it for ever (a stream lease's exit, which is shielded)."""
-    from gpuflow._run import enter_scope, leave_scope
+    from gpuflow._core._run import enter_scope, leave_scope
 
     fake = FakeLib()
     be = backend()
@@ -1046,19 +1048,19 @@ async def test_a_lone_wait_stream_on_a_default_stream(default: int) -> None:
 def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
     """Another library's stream, named again, is the same gpuflow stream (its
     hazards are one stream's), and a new one once its device was reset."""
-    from gpuflow import _foreign  # the resolution itself
-    from gpuflow._runtime import get_runtime
+    from gpuflow._core import _stream_protocols  # the resolution itself
+    from gpuflow._core._runtime import get_runtime
 
     fake = FakeLib()
     rt = get_runtime()
     handle = fake.own  # (a handle of the backend's, no gpuflow stream)
-    first, own = _foreign.stream_for(rt, handle, 0)
+    first, own = _stream_protocols.stream_for(rt, handle, 0)
     assert not own
-    assert _foreign.stream_for(rt, handle, 0)[0] is first
-    default = _foreign.stream_for(rt, 0, 0)[0]
-    assert default is _foreign.stream_for(rt, 0, 0)[0] and default is not first
+    assert _stream_protocols.stream_for(rt, handle, 0)[0] is first
+    default = _stream_protocols.stream_for(rt, 0, 0)[0]
+    assert default is _stream_protocols.stream_for(rt, 0, 0)[0] and default is not first
     gf.reset_device(0)
-    after = _foreign.stream_for(rt, 0, 0)[0]
+    after = _stream_protocols.stream_for(rt, 0, 0)[0]
     assert after is not default
     gf.wait_stream(0).sync()  # (the new one is usable)
 
@@ -1127,16 +1129,16 @@ def test_a_dropped_stream_of_gpuflow_is_no_longer_known_by_its_handle() -> None:
     """gpuflow's own streams are known by their handles while they live (a
     wait_stream of one joins hazard tracking); a dropped one is forgotten,
     and what is kept of streams made and dropped stays bounded."""
-    from gpuflow import _foreign
-    from gpuflow._runtime import get_runtime
+    from gpuflow._core import _stream_protocols
+    from gpuflow._core._runtime import get_runtime
 
     rt = get_runtime()
     s = gf.new_stream()
     h = handle(s)
-    assert _foreign.own_stream(rt, h) is s
+    assert _stream_protocols.own_stream(rt, h) is s
     del s
     gc.collect()
-    assert _foreign.own_stream(rt, h) is None
+    assert _stream_protocols.own_stream(rt, h) is None
     for _ in range(600):
         gf.new_stream()  # (dropped at once)
     gc.collect()

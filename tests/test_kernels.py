@@ -449,7 +449,7 @@ def test_modules_load_ahead_where_loading_can_wait_for_the_device() -> None:
     import uuid
     import warnings
 
-    from gpuflow._backends._sim import SimBackend  # the sim, told that loading waits
+    from gpuflow._backends._sim._backend import SimBackend  # the sim, told that loading waits
     from gpuflow.lowlevel import Backend
 
     loads: list[tuple[int, str]] = []

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow._runtime import get_runtime
+from gpuflow._core._runtime import get_runtime
 
 F32 = np.float32
 N = 256
@@ -458,7 +458,7 @@ def test_a_stream_collected_with_what_it_used_frees_and_releases_them() -> None:
 def test_finalizers_work_is_done_in_the_order_it_was_left_whoever_drains() -> None:
     # The reaper and a safe point may drain at once: a later item (a free)
     # must never start while an earlier one (its stream's retirement) runs.
-    from gpuflow import _finalizers
+    from gpuflow._core import _finalizers
 
     log: list[str] = []
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow import _loops
+from gpuflow._core import _loops
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ import pytest
 
 import gpuflow as gf
 from gpuflow import testing
-from gpuflow._hazards import MemoryLedger
+from gpuflow._core._hazards import MemoryLedger
 
 F32 = np.float32
 

@@ -59,7 +59,7 @@ async def until_stalled(policy: gf.StreamPoolLeastLoaded) -> None:
 
 
 def default_policy() -> gf.StreamPoolLeastLoaded:
-    from gpuflow._policy import DEFAULT_POLICY  # the instance runs use, not a copy
+    from gpuflow._core._policy import DEFAULT_POLICY  # the instance runs use, not a copy
 
     assert isinstance(DEFAULT_POLICY, gf.StreamPoolLeastLoaded)
     return DEFAULT_POLICY

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-import gpuflow._pytest_plugin as plugin
+import gpuflow._testing._pytest_plugin as plugin
 from gpuflow._backends import cuda_probe
 
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
-ENTRY_POINT = "gpuflow._pytest_plugin"
+ENTRY_POINT = "gpuflow._testing._pytest_plugin"
 
 
 def _installed_entry_point() -> importlib.metadata.EntryPoint | None:
@@ -206,9 +206,9 @@ def test_the_fixture_fails_a_test_that_leaves_gpuflow_busy_and_says_what(
 import time
 import numpy as np
 import gpuflow as gf
-import gpuflow._pytest_plugin
+import gpuflow._testing._pytest_plugin
 
-gpuflow._pytest_plugin.DRAIN_S = 0.2  # (the long kernel below outlasts it)
+gpuflow._testing._pytest_plugin.DRAIN_S = 0.2  # (the long kernel below outlasts it)
 SLOW = gf.compile(
     'extern "C" __global__ void slow(float* x, long long ns) { }',
     references={"slow": lambda x, ns: time.sleep(ns / 1e9)},

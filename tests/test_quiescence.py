@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow import _finalizers, testing
+from gpuflow import testing
+from gpuflow._core import _finalizers
 
 pytestmark = pytest.mark.anyio
 
@@ -117,7 +118,7 @@ def test_the_check_reports_the_runs_its_last_look_saw(monkeypatch: pytest.Monkey
     # A run handed over after the wait's last look (a release a finishing
     # run dropped, say) came after the wait: the report must not call it
     # "still pending after" a wait that never waited for it.
-    from gpuflow import _quiescence
+    from gpuflow._testing import _quiescence
 
     x = gf.zeros(256, F32).sync()
     s = gf.new_stream()

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import gpuflow as gf
-from gpuflow import _trace, testing
+from gpuflow import testing
+from gpuflow._core import _trace
 
 F32 = np.float32
 N = 64

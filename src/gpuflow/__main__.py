@@ -27,15 +27,15 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from ._demo import main as demo
+        from ._tools._demo import main as demo
 
         return demo(rest)
     if cmd == "bench":
-        from ._bench import main as bench
+        from ._tools._bench import main as bench
 
         return bench(rest)
     if cmd == "info":
-        from ._info import main as info
+        from ._tools._info import main as info
 
         return info(rest)
     print(f"unknown command {cmd!r}: expected one of {', '.join(COMMANDS)} "

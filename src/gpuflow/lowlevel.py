@@ -7,19 +7,17 @@ still uses must be handed to ``ctx.keep``.
 
 from __future__ import annotations
 
+from ._backends import Backend as Backend
+from ._backends import CollectiveCall as CollectiveCall
+from ._backends import PointerArg as PointerArg
 from ._backends import register_backend as register_backend
-from ._backends._base import Backend as Backend
-from ._backends._base import CollectiveCall as CollectiveCall
-from ._backends._base import PointerArg as PointerArg
-from ._context import ExecutionContext as ExecutionContext
+from ._core import CompletionStatistics as CompletionStatistics
+from ._core import ExecutionContext as ExecutionContext
+from ._core import Graph, Stream, current_device, get_runtime
+from ._core import Run as Run
 from ._interop import ImportedAllocation as ImportedAllocation
 from ._interop import StreamAdapter as StreamAdapter
 from ._interop import register_stream_adapter as register_stream_adapter
-from ._operation import Graph
-from ._run import Run as Run
-from ._runtime import current_device, get_runtime
-from ._statistics import CompletionStatistics as CompletionStatistics
-from ._stream import Stream
 
 __all__ = [
     "Backend", "CollectiveCall", "PointerArg", "register_backend", "current_backend_object",

@@ -14,18 +14,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ._backends._base import Activity as Activity
-from ._cancelpoints import CancellationPoint as CancellationPoint
-from ._cancelpoints import CancellationReport as CancellationReport
-from ._cancelpoints import cancel_at_every_point as cancel_at_every_point
-from ._quiescence import assert_quiescent as assert_quiescent
-from ._quiescence import assert_quiescent_async as assert_quiescent_async
-from ._quiescence import pending_runs as pending_runs
-from ._quiescence import use_after_free_count as use_after_free_count
-from ._runtime import get_runtime
-from ._scope import leases_held as leases_held
-from ._stalls import Stall as Stall
-from ._stalls import assert_no_stall as assert_no_stall
+from ._backends import Activity as Activity
+from ._core import get_runtime
+from ._scopes import leases_held as leases_held
+from ._testing import CancellationPoint as CancellationPoint
+from ._testing import CancellationReport as CancellationReport
+from ._testing import Stall as Stall
+from ._testing import assert_no_stall as assert_no_stall
+from ._testing import assert_quiescent as assert_quiescent
+from ._testing import assert_quiescent_async as assert_quiescent_async
+from ._testing import cancel_at_every_point as cancel_at_every_point
+from ._testing import pending_runs as pending_runs
+from ._testing import use_after_free_count as use_after_free_count
 
 __all__ = [
     "assert_quiescent", "assert_quiescent_async", "pending_runs", "leases_held",

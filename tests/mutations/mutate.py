@@ -49,7 +49,7 @@ MUTATIONS = [
     Mutation(
         "M3",
         'a cancelled await releases what its enqueued work uses',
-        '_run.py',
+        '_core/_run.py',
         '    finally:\n'
         '        loop.awaiting -= 1\n'
         '    if run.error is not None:\n'
@@ -66,7 +66,7 @@ MUTATIONS = [
     Mutation(
         "M3b",
         'a cancelled await marks its run finished at once',
-        '_run.py',
+        '_core/_run.py',
         '    finally:\n'
         '        loop.awaiting -= 1\n'
         '    if run.error is not None:\n'
@@ -83,7 +83,7 @@ MUTATIONS = [
     Mutation(
         "M10",
         'a sync() that fails half-way releases without synchronising the stream',
-        '_run.py',
+        '_core/_run.py',
         '    except BaseException:\n'
         '        # what was enqueued finishes before what it uses is released\n'
         '        try:\n'
@@ -97,7 +97,7 @@ MUTATIONS = [
     Mutation(
         "M2b",
         'a shared() clone consumed on another stream does not wait for the producer',
-        '_operation.py',
+        '_core/_operation.py',
         '            ctx.backend.wait_event(ctx.stream._raw, st.event)\n',
         '            pass\n',
         ('tests/test_lifetimes.py', 'tests/test_operations.py', 'tests/test_hazards.py'),
@@ -105,7 +105,7 @@ MUTATIONS = [
     Mutation(
         "M5",
         "zip arms on separate streams run one after another",
-        "_operation.py",
+        "_core/_operation.py",
         "            for op, arm in builtins.zip(self._ops, arms, strict=True):\n"
         "                outs.append(op.execute(arm))\n",
         "            prev = None\n"
@@ -120,7 +120,7 @@ MUTATIONS = [
     Mutation(
         "M6",
         "sim no longer poisons freed memory",
-        "_backends/_sim.py",
+        "_backends/_sim/_backend.py",
         "            buffer.data.fill(_POISON)\n",
         "            pass\n",
         ("tests/test_arrays.py", "tests/test_running.py", "tests/test_faults.py"),
@@ -128,7 +128,7 @@ MUTATIONS = [
     Mutation(
         "M7",
         'a read on another stream does not wait for the last write (read after write)',
-        '_hazards.py',
+        '_core/_hazards.py',
         '                order_after(be, stream, self.writer, self.wrote)\n'
         '                self.synced.add(stream)\n',
         '                self.synced.add(stream)\n',
@@ -137,7 +137,7 @@ MUTATIONS = [
     Mutation(
         "M8",
         'a write on another stream does not wait for earlier reads (write after read)',
-        '_hazards.py',
+        '_core/_hazards.py',
         '    for s, point in uses.readers.items():\n'
         '        order_after(backend, stream, s, point)\n',
         '    pass\n',
@@ -146,7 +146,7 @@ MUTATIONS = [
     Mutation(
         "M9",
         'an allocation is freed without waiting for its readers on other streams',
-        '_hazards.py',
+        '_core/_hazards.py',
         '        wait_for_uses(uses, stream)\n'
         '        uses.backend.free(buffer, stream._raw)\n',
         '        uses.backend.free(buffer, stream._raw)\n',
@@ -155,7 +155,7 @@ MUTATIONS = [
     Mutation(
         "M11",
         "the zip join does not wait for the arms on other streams",
-        "_operation.py",
+        "_core/_operation.py",
         "            for s in forked:\n                ctx.wait_for(s)\n",
         "            pass\n",
         ("tests/test_operations.py",),
@@ -163,7 +163,7 @@ MUTATIONS = [
     Mutation(
         "M12",
         "leaving a scope does not wait for the GPU work it started",
-        "_scope.py",
+        "_scopes/_scope.py",
         "                run = self._runs.pop()\n"
         "                if not run.done:\n"
         "                    try:\n"
@@ -177,7 +177,7 @@ MUTATIONS = [
     Mutation(
         "M13",
         "a completed run keeps what it kept (a leak)",
-        '_run.py',
+        '_core/_run.py',
         '        self.error = error\n'
         '        self._keep = None\n',
         '        self.error = error\n',
@@ -186,7 +186,7 @@ MUTATIONS = [
     Mutation(
         "B1",
         'a reached mark completes every run of its stream, not only those up to it',
-        '_bridge.py',
+        '_core/_completion.py',
         '                while runs and runs[0].number <= reached:\n',
         '                while runs:\n',
         ('tests/test_bridge.py',),
@@ -194,7 +194,7 @@ MUTATIONS = [
     Mutation(
         "B2",
         'the dispatcher thread never completes what a loop that stopped left behind',
-        '_bridge.py',
+        '_core/_completion.py',
         '            return reached if now - lane.reached_at >= WATCHDOG_S else None\n',
         '            return None\n',
         ('tests/test_bridge.py',),
@@ -202,7 +202,7 @@ MUTATIONS = [
     Mutation(
         "B3",
         "a fired pipe's read end is never closed (a descriptor leak)",
-        '_bridge.py',
+        '_core/_completion.py',
         '            for fd in fired:\n'
         '                os.close(fd)  # (also leaves the epoll set)\n',
         '            pass\n',
@@ -211,7 +211,7 @@ MUTATIONS = [
     Mutation(
         "B4",
         "a word is read as reached too early (the stream's last mark enqueued, not reached)",
-        '_backends/_simmarks.py',
+        '_backends/_sim/_marks.py',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "word")\n',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "issued")\n',
         ('tests/test_bridge.py', 'tests/test_lifetimes.py', 'tests/test_hazards.py'),
@@ -219,7 +219,7 @@ MUTATIONS = [
     Mutation(
         "B5",
         "a loop's poller stops polling while runs are pending (and arms nothing)",
-        '_bridge.py',
+        '_core/_completion.py',
         '            if now < busy.deadline:\n'
         '                held = busy.held_until(now)\n'
         '                for lane in self.lanes:\n'
@@ -234,7 +234,7 @@ MUTATIONS = [
     Mutation(
         "B6",
         'a spin that ends never arms the sleeping wake-up',
-        '_bridge.py',
+        '_core/_completion.py',
         '            self.polling = False\n'
         '            self.arm()\n',
         '            self.polling = False\n',
@@ -243,7 +243,7 @@ MUTATIONS = [
     Mutation(
         "C1",
         "a cancelled await of a collective leaves its communicator waiting for the peer",
-        '_run.py',
+        '_core/_run.py',
         '            for comm in run.comms:\n'
         '                comm.abort(',
         '            for comm in []:\n'
@@ -253,7 +253,7 @@ MUTATIONS = [
     Mutation(
         "C2",
         'the watchdog never asks a busy communicator for its asynchronous error',
-        '_bridge.py',
+        '_core/_completion.py',
         '        for comm in comms:\n'
         '            try:\n',
         '        for comm in []:\n'
@@ -263,7 +263,7 @@ MUTATIONS = [
     Mutation(
         "C7",
         "a communicator is never handed to the watchdog (nobody asks it for its errors)",
-        '_comm.py',
+        '_comm/_comm.py',
         '        self._rt.dispatcher.watch_communicator(self)\n',
         '        pass\n',
         ('tests/test_comm.py',),
@@ -271,7 +271,7 @@ MUTATIONS = [
     Mutation(
         "M14",
         "the watchdog never fails the runs of a faulted device",
-        "_bridge.py",
+        "_core/_completion.py",
         "        for device, err in faulted.items():\n"
         "            self.fail_device(device, err)\n",
         "        pass\n",
@@ -280,7 +280,7 @@ MUTATIONS = [
     Mutation(
         "M15",
         'the default policy deals streams whatever is pending on them (round robin)',
-        '_policy.py',
+        '_core/_policy.py',
         '            if not s.leased and s.idle():\n'
         '                return s\n',
         '            if True:\n'
@@ -290,7 +290,7 @@ MUTATIONS = [
     Mutation(
         "M16",
         'the default policy never grows the pool, however busy',
-        '_policy.py',
+        '_core/_policy.py',
         '        if n < self._max:\n',
         '        if False:\n',
         ('tests/test_policy.py',),
@@ -298,7 +298,7 @@ MUTATIONS = [
     Mutation(
         "M17",
         "the default policy does not see blocking runs in flight",
-        "_stream.py",
+        "_core/_stream.py",
         "            self._syncs += 1\n",
         "            pass\n",
         ("tests/test_policy.py",),
@@ -306,7 +306,7 @@ MUTATIONS = [
     Mutation(
         "G1",
         'a graph replay is no reader of its inputs: an update does not wait for it',
-        '_capture.py',
+        '_core/_capture.py',
         '                alloc.before_read(ctx.stream, ctx.run)\n'
         '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
         '                alloc.before_read(ctx.stream, ctx.run)\n'
@@ -317,7 +317,7 @@ MUTATIONS = [
     Mutation(
         "M18",
         "leaving a scope waits for its last run only (as if runs ended in order everywhere)",
-        "_scope.py",
+        "_scopes/_scope.py",
         "            while self._runs:\n                run = self._runs.pop()\n",
         "            for run in self._runs[-1:]:\n",
         ("tests/test_scopes.py",),
@@ -325,7 +325,7 @@ MUTATIONS = [
     Mutation(
         "I1",
         "an export does not make another library's stream wait for gpuflow's uses",
-        '_export.py',
+        '_memory/_export.py',
         '        else:\n'
         '            wait_for_uses(alloc, consumer)\n',
         '        else:\n'
@@ -335,7 +335,7 @@ MUTATIONS = [
     Mutation(
         "I2",
         "an export to one of gpuflow's streams is no use on that stream",
-        "_export.py",
+        "_memory/_export.py",
         "            alloc.before_write(consumer)\n",
         "            pass\n",
         ("tests/test_interop.py",),
@@ -343,7 +343,7 @@ MUTATIONS = [
     Mutation(
         "I3",
         "a consumer that lets go of an export leaves no event to wait for",
-        "_export.py",
+        "_memory/_export.py",
         "    alloc.after_foreign(key, event)\n",
         "    pass\n",
         ("tests/test_interop.py",),
@@ -351,7 +351,7 @@ MUTATIONS = [
     Mutation(
         "I4",
         "an import's owner is released at once, not after gpuflow's uses",
-        '_interop.py',
+        '_interop/_libraries.py',
         '        release = Run(stream.device)\n'
         '        release.hold((owner,))\n'
         '        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)\n',
@@ -361,7 +361,7 @@ MUTATIONS = [
     Mutation(
         "I5",
         "a __cuda_array_interface__ import ignores the producer's stream",
-        "_interop.py",
+        "_interop/_libraries.py",
         "        _arrive_after(rt, s, producer, device)\n"
         "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
         "shape, dtype)\n",
@@ -373,7 +373,7 @@ MUTATIONS = [
     Mutation(
         "I6",
         "wait_stream waits for nothing",
-        "_interop.py",
+        "_interop/_libraries.py",
         "        if own:\n"
         "            ctx.wait_for(s)\n"
         "        elif s is not here:\n",
@@ -385,7 +385,7 @@ MUTATIONS = [
     Mutation(
         "I7",
         "foreign() leaves the other library on its own stream",
-        "_interop.py",
+        "_interop/_libraries.py",
         "                for adapter in adapters:\n"
         "                    cm = adapter(stream)\n"
         "                    if cm is not None:\n"
@@ -396,7 +396,7 @@ MUTATIONS = [
     Mutation(
         "I8",
         "foreign() does not order the arrays it is given",
-        "_interop.py",
+        "_interop/_libraries.py",
         "            for a in arrays:  # the code may write any array it gets\n"
         "                a._alloc.before_write(stream, ctx.run)\n",
         "            pass\n",
@@ -405,7 +405,7 @@ MUTATIONS = [
     Mutation(
         "I9",
         "__cuda_array_interface__ names a stream that does not follow the reads",
-        "_export.py",
+        "_memory/_export.py",
         "        alloc.before_write(alloc.writer)\n",
         "        pass\n",
         ("tests/test_interop.py",),
@@ -413,7 +413,7 @@ MUTATIONS = [
     Mutation(
         "I10",
         "a read after another library's use does not wait for it",
-        '_hazards.py',
+        '_core/_hazards.py',
         '                for ev in self.foreign.values():\n'
         '                    be.wait_event(stream._raw, ev)\n'
         '                order_after(be, stream, self.writer, self.wrote)\n',
@@ -423,7 +423,7 @@ MUTATIONS = [
     Mutation(
         "I11",
         "a free does not wait for another library's use",
-        '_hazards.py',
+        '_core/_hazards.py',
         '        for ev in uses.foreign.values():\n'
         '            backend.wait_event(stream._raw, ev)\n'
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
@@ -433,7 +433,7 @@ MUTATIONS = [
     Mutation(
         "I12",
         "an import's release waits on the interop stream, which later imports wait for",
-        "_interop.py",
+        "_interop/_libraries.py",
         "            stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]\n",
         "            pass\n",
         ("tests/test_interop.py",),
@@ -441,7 +441,7 @@ MUTATIONS = [
     Mutation(
         "I13",
         "a capsule's tensor names device 0, whatever device the array is on",
-        "_dlpack.py",
+        "_memory/_dlpack.py",
         "    t.device = DLDevice(KDL_CUDA, device)\n",
         "    t.device = DLDevice(KDL_CUDA, 0)\n",
         ("tests/test_interop.py",),
@@ -449,7 +449,7 @@ MUTATIONS = [
     Mutation(
         "I14",
         "a read-only DLPack capsule is imported writable",
-        "_interop.py",
+        "_interop/_libraries.py",
         "(rt.backend, buffer, s, owner, t.readonly)",
         "(rt.backend, buffer, s, owner, False)",
         ("tests/test_interop.py",),
@@ -458,7 +458,7 @@ MUTATIONS = [
     Mutation(
         "B7",
         'a wake-up is armed on the stream even behind work queued after the run',
-        '_bridge.py',
+        '_core/_completion.py',
         '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
         '            if not self._pipe(lane, first):\n',
         ('tests/test_bridge.py',),
@@ -466,7 +466,7 @@ MUTATIONS = [
     Mutation(
         "B8",
         "a hazard waits on a zip arm's join event recorded before the run was submitted",
-        '_run.py',
+        '_core/_run.py',
         '        if lane is None:\n'
         '            # still being enqueued',
         '        if False:\n'
@@ -476,7 +476,7 @@ MUTATIONS = [
     Mutation(
         "B9",
         "a use on another stream waits for whatever the writer's stream ran later",
-        '_hazards.py',
+        '_core/_hazards.py',
         '    if point is None or not point.order(backend, stream._raw, on._raw):\n',
         '    if True:\n',
         ('tests/test_hazards.py',),
@@ -484,7 +484,7 @@ MUTATIONS = [
     Mutation(
         "I15",
         "an import's first use waits for the interop stream's later imports too",
-        '_interop.py',
+        '_interop/_libraries.py',
         '        if stream._runtime.is_interop(stream):\n',
         '        if False:\n',
         ('tests/test_interop.py',),
@@ -492,7 +492,7 @@ MUTATIONS = [
     Mutation(
         "I16",
         "the import of a capsule handed over as it is waits not for the legacy default stream",
-        '_interop.py',
+        '_interop/_libraries.py',
         '        _arrive_after(rt, s, producer, device)  # (before the import marks its '
         'arrival there)\n',
         '        pass\n',
@@ -501,7 +501,7 @@ MUTATIONS = [
     Mutation(
         "S1",
         "an item wakes every stream's worker, not its own",
-        '_backends/_sim.py',
+        '_backends/_sim/_backend.py',
         '        if len(stream.queue) == 1:\n'
         '            stream.cv.notify_all()  # the worker sleeps only on an empty queue\n',
         '        self._wake_all()\n',
@@ -510,7 +510,7 @@ MUTATIONS = [
     Mutation(
         "P1",
         'a stream lease takes the first free stream, however busy',
-        '_scope.py',
+        '_scopes/_scope.py',
         '        best = min(range(len(self.free)), key=lambda i: self.free[i].load())\n',
         '        best = 0\n',
         ('tests/test_stalls.py',),
@@ -518,7 +518,7 @@ MUTATIONS = [
     Mutation(
         "K1",
         'a module is loaded at its first launch, not ahead',
-        '_kernel.py',
+        '_kernels/_kernel.py',
         '        if not rt.backend.setup_waits_for_idle or not rt.live:\n',
         '        if True:\n',
         ('tests/test_kernels.py',),
@@ -526,7 +526,7 @@ MUTATIONS = [
     Mutation(
         "K2",
         "a launch operation keeps the kernel it loaded past a reset of its device",
-        '_kernel.py',
+        '_kernels/_kernel.py',
         '        if c is None or c[0] is not life:\n',
         '        if c is None:\n',
         ('tests/test_faults.py',),
@@ -534,7 +534,7 @@ MUTATIONS = [
     Mutation(
         "K3",
         "a launch with scalar arguments only keeps its kernel past a reset of its device",
-        '_kernel.py',
+        '_kernels/_kernel.py',
         '            if c is None or c[0] is not stream._life:\n',
         '            if c is None:\n',
         ('tests/test_faults.py',),
@@ -542,7 +542,7 @@ MUTATIONS = [
     Mutation(
         "B10",
         "an await spins while other awaits of its loop are in progress",
-        '_run.py',
+        '_core/_run.py',
         '    alone = not loop.awaiting  # (the one place that decides: a lone await)\n',
         '    alone = True\n',
         ('tests/test_bridge.py',),
@@ -550,7 +550,7 @@ MUTATIONS = [
     Mutation(
         "B11",
         "the busy-poll budget runs out in turns the loop spent on other work",
-        '_bridge.py',
+        '_core/_completion.py',
         '        if ran_other or self.ran_other:\n',
         '        if False:\n',
         ('tests/test_bridge.py',),
@@ -559,7 +559,7 @@ MUTATIONS = [
         "B28",
         "a loop under a tracer counts its every turn as other work, and polls until the run "
         "is done",
-        '_bridge.py',
+        '_core/_completion.py',
         '        ran_other = gap > BUSY_TURN_S and not _turns_slowed()\n',
         '        ran_other = gap > BUSY_TURN_S\n',
         ('tests/test_bridge.py',),
@@ -567,7 +567,7 @@ MUTATIONS = [
     Mutation(
         "B14",
         "the dispatcher thread takes the runs of a busy loop that still reads their words",
-        '_bridge.py',
+        '_core/_completion.py',
         '        return max(self.deadline, now + LOOP_STALL_S)\n',
         '        return self.deadline\n',
         ('tests/test_bridge.py',),
@@ -575,7 +575,7 @@ MUTATIONS = [
     Mutation(
         "B15",
         "a loop going to sleep keeps its streams' runs from the dispatcher thread a while longer",
-        '_bridge.py',
+        '_core/_completion.py',
         '            lane.polled_until = 0.0  # (no more reads: the thread may take its runs)\n',
         '            pass\n',
         ('tests/test_bridge.py',),
@@ -583,7 +583,7 @@ MUTATIONS = [
     Mutation(
         "B12",
         "a lone await reads its own word past the busy-poll budget (a long await spins to its end)",
-        '_run.py',
+        '_core/_run.py',
         '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
         '        if loop.awaiting > 1 or d.others_polled(loop):\n',
         ('tests/test_bridge.py',),
@@ -591,7 +591,7 @@ MUTATIONS = [
     Mutation(
         "B13",
         "a lone await goes on reading its own word once another await of its loop starts",
-        '_run.py',
+        '_core/_run.py',
         '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
         '        if now >= busy.deadline:\n',
         ('tests/test_bridge.py',),
@@ -599,7 +599,7 @@ MUTATIONS = [
     Mutation(
         "B16",
         "a run wakes only the first task parked on it",
-        '_run.py',
+        '_core/_run.py',
         '            loop, park = more.pop() if more else (None, None)\n',
         '            loop = None\n',
         ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
@@ -607,7 +607,7 @@ MUTATIONS = [
     Mutation(
         "B17",
         "a task parks on a run that finished as it parked (nobody wakes it)",
-        '_run.py',
+        '_core/_run.py',
         '        parked = not run.done\n',
         '        parked = True\n',
         ('tests/test_bridge.py::test_a_task_does_not_park_on_a_run_finished_as_it_parks',),
@@ -615,7 +615,7 @@ MUTATIONS = [
     Mutation(
         "B18",
         "a completion wakes a task of another loop directly, from the wrong thread",
-        '_run.py',
+        '_core/_run.py',
         '            if target is here:\n',
         '            if True:\n',
         ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
@@ -624,7 +624,7 @@ MUTATIONS = [
         "B19",
         "a run whose mark failed takes its stream's last mark's number, not its next (seen done "
         "before its work)",
-        '_bridge.py',
+        '_core/_completion.py',
         '                number = self.issued + 1  # covered by the next mark\n',
         '                number = self.issued\n',
         ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
@@ -633,7 +633,7 @@ MUTATIONS = [
     Mutation(
         "B20",
         "the dispatcher thread never enqueues the marks that runs whose mark failed owe",
-        '_bridge.py',
+        '_core/_completion.py',
         '        owed = [x for x in active if x.unmarked and self._mine(x, now) '
         'is not None]\n',
         '        owed: list[_Lane] = []\n',
@@ -643,7 +643,7 @@ MUTATIONS = [
     Mutation(
         "B26",
         "the dispatcher thread decides from one read of a word and completes from another",
-        '_bridge.py',
+        '_core/_completion.py',
         '                return reached  # (an earlier run of the lane may be reached)\n',
         '                return lane.read()\n',
         ('tests/test_bridge.py::test_a_mark_reached_while_the_thread_looks_is_left_to_the_'
@@ -652,7 +652,7 @@ MUTATIONS = [
     Mutation(
         "B21",
         "a stream destroyed with a mark owed never gets it (its runs never complete)",
-        '_bridge.py',
+        '_core/_completion.py',
         '        if lane is not None and lane.unmarked:\n'
         '            self.mark_owed(lane)\n'
         '        with self._lock:\n',
@@ -662,7 +662,7 @@ MUTATIONS = [
     Mutation(
         "B22",
         "a synchronize returns with its stream's runs still owing their mark",
-        '_stream.py',
+        '_core/_stream.py',
         '        if lane is not None and lane.unmarked:  # (its runs are done on return)\n',
         '        if False:\n',
         ('tests/test_bridge.py::test_a_synchronize_enqueues_the_mark_its_streams_runs_owe',),
@@ -671,7 +671,7 @@ MUTATIONS = [
         "B23",
         "a loop going to sleep arms a pipe for a run whose stream owes a mark for work queued "
         "behind it (the wake-up waits for that work)",
-        '_bridge.py',
+        '_core/_completion.py',
         '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
         '            if first != lane.issued or not self._pipe(lane, first):\n',
         ('tests/test_bridge.py::test_a_fast_await_is_not_held_by_slow_work_queued_behind_it',),
@@ -680,7 +680,7 @@ MUTATIONS = [
         "B24",
         "a lone await of a run that owes its mark never enqueues it (it waits for the budget to "
         "end)",
-        '_run.py',
+        '_core/_run.py',
         "    if lane.unmarked:  # (a run's mark failed: the next one covers it)\n",
         '    if False:\n',
         ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
@@ -689,7 +689,7 @@ MUTATIONS = [
         "B25",
         "a loop's poller never enqueues the mark runs it waits for owe (they wait for the budget "
         "to end, or for ever while the loop stays busy)",
-        '_bridge.py',
+        '_core/_completion.py',
         '                if lane.unmarked:  # (a mark that failed, among its runs\': no one else '
         'would)\n',
         '                if False:\n',
@@ -698,7 +698,7 @@ MUTATIONS = [
     Mutation(
         "C3",
         "a run asks only the innermost cancel scope whether it may start (asyncio)",
-        '_loops.py',
+        '_core/_loops.py',
         '                scope = scope._parent_scope\n',
         '                break\n',
         ('tests/test_cancellation.py::test_a_cancelled_outer_scope_stops_a_run_and_a_shield_inside_it_does_not',),
@@ -706,7 +706,7 @@ MUTATIONS = [
     Mutation(
         "C4",
         "a run never asks AnyIO's checkpoint whether it may start (asyncio)",
-        '_loops.py',
+        '_core/_loops.py',
         '                if scope._cancel_called:\n                    return True\n',
         '                if False:\n                    return True\n',
         ('tests/test_cancellation.py::test_an_already_cancelled_task_enqueues_nothing',),
@@ -714,7 +714,7 @@ MUTATIONS = [
     Mutation(
         "C10",
         "a parked Trio await drops the outcome it is woken with (its cancellation is lost)",
-        '_loops.py',
+        '_core/_loops.py',
         '        (yield trap(self._abort)).unwrap()\n',
         '        (yield trap(self._abort))\n',
         ('tests/test_bridge.py::test_a_parked_await_wakes_with_its_run_and_raises_its_cancellation',),
@@ -722,7 +722,7 @@ MUTATIONS = [
     Mutation(
         "C11",
         "a collective is not ordered after the rank's previous collective on another stream",
-        '_comm.py',
+        '_comm/_comm.py',
         '                order_after(be, s, tail[0], tail[1])\n',
         '                pass\n',
         ('tests/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
@@ -730,7 +730,7 @@ MUTATIONS = [
     Mutation(
         "C12",
         "a collective reads before a write on another stream ends",
-        '_comm.py',
+        '_comm/_comm.py',
         '            for arr, s in p.reads:\n'
         '                arr._alloc.before_read(s, run)\n',
         '',
@@ -739,7 +739,7 @@ MUTATIONS = [
     Mutation(
         "C13",
         "a collective writes before a write on another stream ends",
-        '_comm.py',
+        '_comm/_comm.py',
         '            for arr, s in p.writes:\n'
         '                arr._alloc.before_write(s, run)\n',
         '',
@@ -748,7 +748,7 @@ MUTATIONS = [
     Mutation(
         "C14",
         "the default policy takes a collective's previous stream though it is busy",
-        '_policy.py',
+        '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if not prefer.leased and prefer in streams:\n',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
@@ -756,7 +756,7 @@ MUTATIONS = [
     Mutation(
         "C15",
         "the default policy takes a collective's previous stream though a lease holds it",
-        '_policy.py',
+        '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if prefer.idle() and prefer in streams:\n',
         ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
@@ -764,7 +764,7 @@ MUTATIONS = [
     Mutation(
         "C16",
         "the default policy looks past a collective's previous stream",
-        '_policy.py',
+        '_core/_policy.py',
         '        if prefer is not None:\n'
         '            # step 1',
         '        if False:\n'
@@ -774,7 +774,7 @@ MUTATIONS = [
     Mutation(
         "C17",
         "the default policy takes a collective's previous stream from a runtime replaced since",
-        '_policy.py',
+        '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if not prefer.leased and prefer.idle() and '
         'prefer in prefer._runtime.streams(device):\n',
@@ -783,7 +783,7 @@ MUTATIONS = [
     Mutation(
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
-        '_interop.py',
+        '_interop/_libraries.py',
         '    _awaited_alone = True\n',
         '    _awaited_alone = False\n',
         ('tests/test_interop.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
@@ -791,7 +791,7 @@ MUTATIONS = [
     Mutation(
         "W2",
         "a refused mark on another library's stream leaves its run in flight",
-        '_run.py',
+        '_core/_run.py',
         '        if not run.done:  # refused (a fault fails it instead)\n',
         '        if False:\n',
         ('tests/test_interop.py::test_a_refused_wait_stream_leaves_no_run_in_flight',),
@@ -799,7 +799,7 @@ MUTATIONS = [
     Mutation(
         "W3",
         "a lone await of another library's stream keeps nothing of it while its run is in flight",
-        '_run.py',
+        '_core/_run.py',
         '        run.hold((op,))  # (what it names is used until the mark is reached)\n',
         '        pass\n',
         ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
@@ -808,7 +808,7 @@ MUTATIONS = [
         "W3b",
         "a lone await of another library's stream in a scope keeps nothing of it while its "
         "run is in flight",
-        '_run.py',
+        '_core/_run.py',
         '        run.hold((op,))  # (as on the straight line: used until the mark is reached)\n',
         '        pass\n',
         ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
@@ -816,7 +816,7 @@ MUTATIONS = [
     Mutation(
         "Q1",
         "asking what finalizers left returns at once while another thread's drain is doing it",
-        '_finalizers.py',
+        '_core/_finalizers.py',
         '    if not queue and not _drain_lock.locked():\n',
         '    if not queue:\n',
         ('tests/test_quiescence.py::test_the_check_waits_for_a_finalizers_work_another_thread_is_doing',),
@@ -824,7 +824,7 @@ MUTATIONS = [
     Mutation(
         "Q2",
         "the quiescence checks look again to report: a run handed over after their wait counts",
-        '_quiescence.py',
+        '_testing/_quiescence.py',
         '    if pending is None:\n        pending = pending_runs()\n',
         '    pending = pending_runs()\n',
         ('tests/test_quiescence.py::test_the_check_reports_the_runs_its_last_look_saw',),
@@ -832,7 +832,7 @@ MUTATIONS = [
     Mutation(
         "D1",
         "the dispatcher thread, woken from its sleep by new work, keeps its old idle grace",
-        '_bridge.py',
+        '_core/_completion.py',
         '                    idle_since = None\n'
         '                active = list(self._active)\n',
         '                    pass\n'
@@ -842,7 +842,7 @@ MUTATIONS = [
     Mutation(
         "C5",
         "a collective run again keeps the arrays of its first run, though its lists changed",
-        '_comm.py',
+        '_comm/_comm.py',
         '    return len(v) == len(kept) and all(map(operator.is_, v, kept))\n',
         '    return True\n',
         ('tests/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
@@ -850,7 +850,7 @@ MUTATIONS = [
     Mutation(
         "C8",
         "a collective run from its plan makes the calls an earlier plan's run made",
-        '_comm.py',
+        '_comm/_comm.py',
         '        if memo is not None and memo[0] is plan:\n',
         '        if memo is not None:\n',
         ('tests/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
@@ -858,7 +858,7 @@ MUTATIONS = [
     Mutation(
         "C9",
         "a collective run from its plan enqueues on the stream of its earlier run",
-        '_comm.py',
+        '_comm/_comm.py',
         'known = memo[1].get(ctx.stream)',
         'known = next(iter(memo[1].values()), None)',
         ('tests/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
@@ -866,7 +866,7 @@ MUTATIONS = [
     Mutation(
         "C6",
         "a collective run from its plan takes arrays of a device reset since",
-        '_comm.py',
+        '_comm/_comm.py',
         '            if x is not None:\n'
         '                x._check_usable(ctx, what)\n'
         '                if read:\n'
@@ -885,7 +885,7 @@ MUTATIONS = [
     Mutation(
         "B27",
         "a run submitted while its stream has runs pending shares the stream's next mark",
-        '_bridge.py',
+        '_core/_completion.py',
         '            try:\n'
         '                self.issued = number = self.mark(polled)\n'
         '                self.unmarked = False  # (that mark covers one owed)\n',
@@ -933,7 +933,7 @@ MUTATIONS = [
     Mutation(
         "E4",
         "a run no task awaits takes a mark the loops read (a word written between kernels)",
-        '_run.py',
+        '_core/_run.py',
         'rt.dispatcher.submit(stream._raw, run, polled=False)',
         'rt.dispatcher.submit(stream._raw, run)',
         ('tests/test_bridge.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
@@ -941,7 +941,7 @@ MUTATIONS = [
     Mutation(
         "M19",
         "a write on the stream of the last write does not wait for the reads since",
-        '_hazards.py',
+        '_core/_hazards.py',
         'self.writer is stream and not self.readers and',
         'self.writer is stream and',
         ('tests/test_hazards.py',),
@@ -949,7 +949,7 @@ MUTATIONS = [
     Mutation(
         "F1",
         "a dropped stream is destroyed with no event after its work, which a free may still need",
-        '_runtime.py',
+        '_core/_runtime.py',
         '        final.append(rt.backend.record_event(raw))\n',
         '        pass\n',
         ('tests/test_lifetimes.py::test_an_array_last_written_by_a_stream_collected_with_it_is_freed',),
@@ -957,7 +957,7 @@ MUTATIONS = [
     Mutation(
         "F2",
         "a free goes on its writer's stream even once that stream was destroyed",
-        '_hazards.py',
+        '_core/_hazards.py',
         '    if backend.stream_destroyed(stream._raw):\n',
         '    if False:\n',
         ('tests/test_lifetimes.py::test_a_stream_collected_with_what_it_used_frees_and_releases_them',),
@@ -965,7 +965,7 @@ MUTATIONS = [
     Mutation(
         "F3",
         "two threads drain the finalizers' queue at once",
-        '_finalizers.py',
+        '_core/_finalizers.py',
         '    if not _drain_lock.acquire(timeout=DRAIN_WAIT_S):\n'
         '        return\n'
         '    _draining.on = True\n'
@@ -984,7 +984,7 @@ MUTATIONS = [
     Mutation(
         "F4",
         "a finalizer frees at once, on the thread that dropped the array",
-        '_hazards.py',
+        '_core/_hazards.py',
         '        finalize_later(_free, self.buffer, self.uses())\n',
         '        _free(self.buffer, self.uses())\n',
         ('tests/test_lifetimes.py',),
@@ -992,7 +992,7 @@ MUTATIONS = [
     Mutation(
         "Y1",
         "a lone await never owes its loop a turn once a millisecond has passed",
-        '_run.py',
+        '_core/_run.py',
         '            yield_now = not _slept(loop, since)\n',
         '            yield_now = False\n',
         ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
@@ -1000,7 +1000,7 @@ MUTATIONS = [
     Mutation(
         "Y2",
         "a loop thread the system kept from running counts as one that slept, its loop turning",
-        '_run.py',
+        '_core/_run.py',
         '    slept = waits > loop.slept_waits and cpu - loop.slept_cpu < since / 2\n',
         '    slept = cpu - loop.slept_cpu < since / 2\n',
         ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
@@ -1009,7 +1009,7 @@ MUTATIONS = [
     Mutation(
         "N1",
         "a stream retired with runs in flight keeps its lane for ever",
-        "_bridge.py",
+        "_core/_completion.py",
         "                        if lane.retired:\n"
         "                            self._lanes.pop(lane.raw, None)\n"
         "                        waiters",
@@ -1019,7 +1019,7 @@ MUTATIONS = [
     Mutation(
         "N2",
         "a scope that prunes its records of runs forgets the pending ones",
-        "_scope.py",
+        "_scopes/_scope.py",
         "            runs[:] = [s for s in runs if not s.done]\n",
         "            runs.clear()\n",
         ("tests/test_scopes.py::test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one",),
@@ -1027,16 +1027,16 @@ MUTATIONS = [
     Mutation(
         "N3",
         "the first of two cancel_at_every_point to end removes the other's watcher",
-        "_cancelpoints.py",
+        "_testing/_cancel_at_every_point.py",
         "            if not _installed:\n"
-        "                _points.watcher = None\n",
-        "            _points.watcher = None\n",
+        "                cancel_points.watcher = None\n",
+        "            cancel_points.watcher = None\n",
         ("tests/test_cancel_points.py::test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_end",),
     ),
     Mutation(
         "N4",
         "the blocking quiescence wait takes \"cannot tell yet\" for at rest",
-        "_quiescence.py",
+        "_testing/_quiescence.py",
         "    while (pending := look()) != 0 and time.monotonic() < deadline:\n"
         "        time.sleep(_POLL_S)\n",
         "    while (pending := look()) and time.monotonic() < deadline:\n"
@@ -1046,7 +1046,7 @@ MUTATIONS = [
     Mutation(
         "N5",
         "assert_no_stall removes the profile hook that was there before it",
-        "_stalls.py",
+        "_testing/_stalls.py",
         "        sys.setprofile(previous)\n",
         "        sys.setprofile(None)\n",
         ("tests/test_stalls.py::test_the_profile_hook_installed_before_is_restored_after",),
@@ -1054,7 +1054,7 @@ MUTATIONS = [
     Mutation(
         "N6",
         "a graph update is applied again at every later launch",
-        "_operation.py",
+        "_core/_operation.py",
         "            updates, g._updates = g._updates, []\n",
         "            updates = list(g._updates)\n",
         ("tests/test_graph.py::test_an_update_is_applied_once_not_again_at_later_launches",),
@@ -1062,7 +1062,7 @@ MUTATIONS = [
     Mutation(
         "N7",
         "a write waits for reads on other streams only, not on the array's last writer's",
-        "_hazards.py",
+        "_core/_hazards.py",
         "    for s, point in uses.readers.items():\n"
         "        order_after(backend, stream, s, point)\n",
         "    for s, point in uses.readers.items():\n"
@@ -1073,7 +1073,7 @@ MUTATIONS = [
     Mutation(
         "N8",
         "a Trio await cancelled in flight is rescheduled when its run completes",
-        "_loops.py",
+        "_core/_loops.py",
         "        self.parked = False  # cancelled: a later wake-up must not reschedule\n",
         "        pass\n",
         ("tests/test_cancellation.py::test_an_await_cancelled_in_flight_is_not_woken_when_its_run_completes",),
@@ -1081,7 +1081,7 @@ MUTATIONS = [
     Mutation(
         "N9",
         "an export that copies (DLPack copy=True) is not a read of the array",
-        "_export.py",
+        "_memory/_export.py",
         "            alloc.before_read(s)\n"
         "            be.copy_device(copy.buffer",
         "            be.copy_device(copy.buffer",
@@ -1091,7 +1091,7 @@ MUTATIONS = [
     Mutation(
         "N10",
         "an await that finds every stream busy at the bound queues behind the least loaded",
-        "_run.py",
+        "_core/_run.py",
         "        if not can_wait:\n",
         "        if True:\n",
         ("tests/test_policy.py::test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work",),
@@ -1099,7 +1099,7 @@ MUTATIONS = [
     Mutation(
         "N11",
         "cancel_at_every_point passes a pipeline that swallows the cancellation",
-        "_cancelpoints.py",
+        "_testing/_cancel_at_every_point.py",
         "    if attempt.landed and not scope.cancelled_caught:\n",
         "    if False:\n",
         ("tests/test_cancel_points.py::test_a_pipeline_that_swallows_the_cancellation_fails_naming_the_point",),
@@ -1107,7 +1107,7 @@ MUTATIONS = [
     Mutation(
         "N12",
         "stream.synchronize() blocks a running event loop",
-        "_stream.py",
+        "_core/_stream.py",
         "        refuse_blocking(\n"
         "            \"stream.synchronize()\", \"in async code, `await gf.wait_stream(stream)`\"\n"
         "        )\n",
@@ -1117,7 +1117,7 @@ MUTATIONS = [
     Mutation(
         "N13",
         "a stream lease left by Ctrl-C holds the interrupt until its GPU work ends",
-        "_scope.py",
+        "_scopes/_scope.py",
         "            if not interrupted(exc):\n"
         "                await self._tracked.drain()\n",
         "            await self._tracked.drain()\n",
@@ -1126,7 +1126,7 @@ MUTATIONS = [
     Mutation(
         "N14",
         "a second Ctrl-C during the exit's wait prints a traceback",
-        "_runtime.py",
+        "_core/_runtime.py",
         "    except KeyboardInterrupt:\n"
         "        pass\n",
         "    except ZeroDivisionError:\n"
@@ -1137,7 +1137,7 @@ MUTATIONS = [
     Mutation(
         "R1",
         "the common await's straight line is taken while a scope (or a trace, a watcher) is on",
-        "_run.py",
+        "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
         "    if policy is not None or not op._ordinary or _finalizers.queue:\n",
         ("tests/test_scopes.py", "tests/test_cancel_points.py"),
@@ -1145,7 +1145,7 @@ MUTATIONS = [
     Mutation(
         "R2",
         "the common await's straight line is taken though a policy was given",
-        "_run.py",
+        "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or not op._ordinary or _finalizers.queue:\n",
         ("tests/test_policy.py", "tests/test_running.py"),
@@ -1154,7 +1154,7 @@ MUTATIONS = [
         "R3",
         "the common await's straight line is taken by an operation that waits for another "
         "library's stream alone",
-        "_run.py",
+        "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
         ("tests/test_interop.py",),
@@ -1162,7 +1162,7 @@ MUTATIONS = [
     Mutation(
         "R4",
         "a run is completed before the GPU reached its mark",
-        "_bridge.py",
+        "_core/_completion.py",
         "                while runs and runs[0].number <= reached:\n",
         "                while runs:\n",
         ("tests/test_lifetimes.py", "tests/test_hazards.py"),
@@ -1170,7 +1170,7 @@ MUTATIONS = [
     Mutation(
         "R5",
         "a stream whose runs seen completed stop one short of its last mark counts as idle",
-        "_stream.py",
+        "_core/_stream.py",
         "                and (lane.completed >= lane.issued or lane.read() >= lane.issued)\n",
         "                and (lane.completed + 1 >= lane.issued or lane.read() >= lane.issued)\n",
         ("tests/test_policy.py",),

@@ -6,6 +6,9 @@ from a registry (``"cuda"``, ``"sim"`` and any registered with
 in ``GPUFLOW_BACKEND`` where that is set, else ``cuda`` where the driver
 reports a device, else ``sim``: with a warning where a driver is installed
 but unusable, since the program then runs its kernels' NumPy references.
+
+The layers above import from this package the names in ``__all__``: the
+interface, its records, NVRTC compilation, and the registry.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ import warnings
 from collections.abc import Callable
 
 from .._errors import DeviceError, GpuflowError, UsageError
-from ._base import Backend
+from ._base import COMM_DTYPES as COMM_DTYPES
+from ._base import REDUCTIONS as REDUCTIONS
+from ._base import Activity as Activity
+from ._base import Backend as Backend
+from ._base import CollectiveCall as CollectiveCall
+from ._base import PointerArg as PointerArg
+from ._base import RawBuffer as RawBuffer
+from ._base import activity_tag as activity_tag
+from ._nvrtc import CHECK_ARCH as CHECK_ARCH
+from ._nvrtc import compile_source as compile_source
 from ._sim import SimBackend
 
 log = logging.getLogger("gpuflow")

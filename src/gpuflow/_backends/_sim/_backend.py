@@ -1,0 +1,826 @@
+"""The ``sim`` backend: a faithful CPU simulation of a CUDA device.
+
+It keeps CUDA's contract so that every test that needs no GPU runs here, in
+CI, with the real concurrency of the real thing:
+
+* each stream is a FIFO worker thread; independent streams overlap (a kernel
+  reference that sleeps takes time on its stream only);
+* events complete in stream order and cross-stream waits block the waiting
+  stream, not the host;
+* completion marks set the stream's completion word when the stream reaches
+  them (in stream order, by the stream itself, as the GPU writes the word),
+  and a stream can wait for another's mark; host signals are delivered by a
+  separate "driver" thread, never by the thread that enqueued them, so the
+  bridge's thread hand-off always runs (both in :mod:`._simmarks`);
+* a stream's worker sleeps on a condition of its own: an item enqueued on one
+  stream wakes that stream only, so that many streams scale as many CUDA
+  streams do (one condition for all woke every stream at every item);
+* a kernel's reference gets its arrays as :class:`Bounded` views: a slice
+  past an array's end is an out-of-bounds access, not one NumPy clips
+  silently;
+* a kernel whose reference raises is a *sticky fault*: as on CUDA after an
+  illegal address, the device stops, nothing queued runs, host signals never
+  fire and every query reports the fault until :meth:`reset_device`; as
+  measured on two H200s, the fault reaches every device of the process (each
+  is reset on its own here; the CUDA driver refuses to reset at all);
+* memory is host memory, reserved at allocation (out of memory is reported
+  at the call, and is not sticky) and released in stream order; freed memory
+  is poisoned and any later access by the device is a fault that names the
+  buffer, so a use after free is detected, never silently read;
+* capture records the work enqueued on a stream (and on the streams that
+  join it through events) and replays it as one item; as in a CUDA graph,
+  its nodes are the kernels, copies and fills, and the cross-stream event
+  records and waits are its edges;
+* on request, each stream keeps a record of the items it runs, with their
+  times (:meth:`SimBackend.start_activity_record`);
+* communicators follow NCCL's model across simulated devices and across
+  processes of one host (:mod:`._simcomm`): a collective holds its stream
+  until every rank has arrived, a missing peer is a hang that only an abort
+  ends, and a peer that leaves is NCCL's asynchronous remote error;
+* streams have handles and buffers have device addresses that other
+  libraries' protocols carry (``__cuda_stream__``, DLPack,
+  ``__cuda_array_interface__``): a handle maps back to its stream, and an
+  address back to the live buffer that holds it (an address in no live
+  buffer is refused, never read as host memory).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import operator
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
+from .._base import (
+    Activity,
+    Backend,
+    CollectiveCall,
+    DeviceDescription,
+    KernelArg,
+    ModuleSource,
+    PointerArg,
+    activity_tag,
+)
+from .._codes import (
+    CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_LAUNCH_FAILED,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    NAMES,
+)
+from ._comm import SimComms, new_unique_id
+from ._marks import SimCompletion
+
+DEFAULT_MEMORY_BYTES = 2 << 30
+_POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
+_MAX_BLOCK = 1024
+_ADDRESS_ALIGN = 256
+#: where device ``i``'s addresses start: 1 TiB of address space a device, so
+#: that an address alone names its device (as CUDA's unified addressing does)
+_ADDRESS_BASE = 0x7F0000000000
+_DEVICE_ADDRESS_BITS = 40
+#: stream handles look like addresses (and are never 0, 1 or 2, CUDA's
+#: default-stream handles)
+_STREAM_HANDLE_BASE = 0x5100000000
+
+Item = Callable[[], None]
+
+# what a graph holds as edges between its nodes, not as nodes (as CUDA's
+# stream capture turns cross-stream event records and waits into edges)
+_EDGE_ITEMS = frozenset({"event record", "event wait", "mark wait", "host signal"})
+
+
+@dataclass(eq=False)
+class _SimDevice:
+    index: int
+    memory_limit: int
+    memory_used: int = 0
+    fault: DeviceFaultError | None = None
+    generation: int = 0
+    next_address: int = 0
+
+    def __post_init__(self) -> None:
+        self.next_address = _ADDRESS_BASE + (self.index << _DEVICE_ADDRESS_BITS)
+
+
+@dataclass(eq=False)
+class SimBuffer:
+    device: int
+    nbytes: int
+    ptr: int
+    data: np.ndarray[Any, np.dtype[np.uint8]]
+    generation: int
+    freed: bool = False
+
+    def __repr__(self) -> str:
+        return f"<sim buffer 0x{self.ptr:x} ({self.nbytes} bytes) on device {self.device}>"
+
+
+class SimView:
+    """Another library's memory: ``nbytes`` at an offset of a live sim buffer.
+
+    Its data is a view of the buffer's, so writes through either are seen
+    through the other; it is freed (and poisoned) only when the buffer is,
+    and a use after that is caught as the buffer's own would be.  gpuflow
+    never frees it.
+    """
+
+    def __init__(self, parent: SimBuffer, offset: int, nbytes: int) -> None:
+        self.parent = parent
+        self.device = parent.device
+        self.nbytes = nbytes
+        self.ptr = parent.ptr + offset
+        self.data = parent.data[offset : offset + nbytes]
+        self.generation = parent.generation
+
+    @property
+    def freed(self) -> bool:
+        return self.parent.freed
+
+    def __repr__(self) -> str:
+        return f"<sim view 0x{self.ptr:x} ({self.nbytes} bytes) of {self.parent!r}>"
+
+
+@dataclass(eq=False)
+class _Capture:
+    items: list[tuple[str, Item]] = field(default_factory=list)
+    streams: list[SimStream] = field(default_factory=list)
+    #: frees asked for on a captured stream: done when the capture ends, as
+    #: the cuda backend does (a free is no part of the graph)
+    deferred_frees: list[tuple[Any, SimStream]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class SimEvent:
+    device: int
+    done: bool = False
+    capture: _Capture | None = None
+
+
+@dataclass(eq=False)
+class SimGraph:
+    device: int
+    items: list[tuple[str, Item]]
+    node_count: int
+
+
+@dataclass(eq=False)
+class SimKernel:
+    device: int
+    name: str
+    reference: Callable[..., Any]
+    generation: int
+
+
+class SimStream:
+    """One FIFO worker thread; items run in order, outside the backend lock.
+
+    ``cv`` shares the backend's lock: the worker sleeps on it until an item
+    arrives, and :meth:`SimBackend.synchronize` until the queue is empty.
+    ``word`` is the number of the last completion mark the stream reached,
+    ``issued`` the number of the last one enqueued.
+    """
+
+    def __init__(self, backend: SimBackend, device: _SimDevice) -> None:
+        self.backend = backend
+        self.device = device
+        # (what, item, the activity tag where it was enqueued)
+        self.queue: collections.deque[tuple[str, Item, int | None]] = collections.deque()
+        self.cv = threading.Condition(backend._lock)
+        self.word = 0
+        self.issued = 0
+        self.closed = False
+        self.capture: _Capture | None = None
+        self.running = False
+        self.wakeups = 0  # how often the worker woke (what a test of the herd counts)
+        self.serial = next(backend._stream_serials)
+        self.handle = _STREAM_HANDLE_BASE + self.serial * _ADDRESS_ALIGN
+        self.thread = threading.Thread(
+            target=self._work, name=f"gpuflow-sim-stream-d{device.index}", daemon=True
+        )
+        self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"<sim stream {id(self):#x} on device {self.device.index}>"
+
+    def _work(self) -> None:
+        cv = self.cv
+        while True:
+            with cv:
+                while not self.queue and not self.closed:
+                    cv.wait()
+                    self.wakeups += 1
+                if not self.queue:
+                    return
+                what, item, tag = self.queue[0]
+                live = self.device.fault is None
+                generation = self.device.generation
+                self.running = live
+            if live:
+                records = self.backend._records
+                if records:
+                    self._run_recorded(what, item, generation, records, tag)
+                else:
+                    self._run(what, item, generation)
+            with cv:
+                self.queue.popleft()
+                self.running = False
+                if not self.queue:
+                    cv.notify_all()  # synchronize() waits for an empty queue
+
+    def _run(self, what: str, item: Item, generation: int) -> None:
+        try:
+            item()
+        except BaseException as exc:
+            self.backend._set_fault(self.device, what, exc, generation)
+
+    def _run_recorded(
+        self,
+        what: str,
+        item: Item,
+        generation: int,
+        records: tuple[list[Activity], ...],
+        tag: int | None,
+    ) -> None:
+        start = time.perf_counter()
+        if what == "completion mark":
+            # a mark takes no time: recorded before it is reached, so that
+            # whoever sees the word reach it finds it in the record
+            self._append(records, Activity(self.device.index, self.serial, what, start, start, tag))
+            self._run(what, item, generation)
+            return
+        self._run(what, item, generation)
+        end = time.perf_counter()
+        # appended before the item leaves the queue: once the stream is
+        # seen idle, the record holds everything it ran
+        self._append(records, Activity(self.device.index, self.serial, what, start, end, tag))
+
+    def _append(self, records: tuple[list[Activity], ...], activity: Activity) -> None:
+        with self.cv:
+            for record in records:
+                if any(record is r for r in self.backend._records):
+                    record.append(activity)
+
+
+def _check_bounds(a: np.ndarray[Any, Any], key: Any) -> None:
+    for axis, k in enumerate(key if isinstance(key, tuple) else (key,)):
+        if not isinstance(k, slice) or axis >= a.ndim:
+            continue  # (an int or an index array: NumPy checks those itself)
+        n = a.shape[axis]
+        for end in (k.start, k.stop):
+            if end is not None and not -n <= operator.index(end) <= n:
+                raise IndexError(
+                    f"out of bounds: [{k.start if k.start is not None else ''}:"
+                    f"{k.stop if k.stop is not None else ''}] of an array of {n} elements "
+                    "(a kernel that reads or writes past the end of its array)"
+                )
+
+
+class Bounded(np.ndarray):
+    """A kernel's array as its reference sees it: a slice that reaches past
+    the end of the array (``y[:n]`` with ``n`` larger than ``y``) is an
+    out-of-bounds access, an :class:`IndexError` (a sticky fault of the
+    device, as an illegal address is on a GPU), not NumPy's silent
+    clipping of the slice to the array.  Arrays computed from it check
+    their own bounds the same way."""
+
+    def __getitem__(self, key: Any) -> Any:
+        _check_bounds(self, key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _check_bounds(self, key)
+        super().__setitem__(key, value)
+
+
+class SimBackend(Backend):
+    """A CPU simulation of ``num_devices`` devices (default 1)."""
+
+    name = "sim"
+
+    def __init__(
+        self, num_devices: int | None = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES
+    ) -> None:
+        n = 1 if num_devices is None else num_devices
+        # one lock for the whole simulated device, and conditions on it: this
+        # one for events, marks, faults and communicators (what items wait
+        # for), one per stream for its queue, one for the driver thread
+        self._lock = threading.Lock()
+        self.cond = threading.Condition(self._lock)
+        self._devices = [_SimDevice(i, memory_bytes) for i in range(n)]
+        self._streams: list[SimStream] = []
+        self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
+        self._default_streams: dict[int, SimStream] = {}  # device -> its legacy default stream
+        # the buffers not yet freed, by start address (sorted), for foreign_buffer
+        self._starts: list[int] = []
+        self._live: weakref.WeakValueDictionary[int, SimBuffer] = weakref.WeakValueDictionary()
+        self.use_after_free = 0
+        self._stream_serials = itertools.count()
+        # the open activity records; empty (and free to check) when none is
+        self._records: tuple[list[Activity], ...] = ()
+        self._comms = SimComms(self)
+        # marks, and the driver thread that calls host signals, never a stream
+        self._completion = SimCompletion(self)
+
+    def _wake_all(self) -> None:
+        """Under the lock: something every waiter must see (a fault, a reset, closing)."""
+        self.cond.notify_all()
+        for s in self._streams:
+            s.cv.notify_all()
+        self._completion.wake()
+
+    def close(self) -> None:
+        with self.cond:
+            self._completion.close()
+            for s in self._streams:
+                s.closed = True
+            self._wake_all()
+
+    # -- devices -------------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def device_name(self, device: int) -> str:
+        return f"gpuflow sim device {device}"
+
+    def describe_device(self, device: int) -> DeviceDescription:
+        return DeviceDescription(self.device_name(device), None, self._dev(device).memory_limit)
+
+    def _dev(self, device: int) -> _SimDevice:
+        return self._lookup(self._devices, device)
+
+    def memory_reserved(self, device: int) -> int:
+        """Allocated and not yet freed in stream order (the simulation keeps
+        no cache of freed memory)."""
+        dev = self._dev(device)
+        with self.cond:
+            return dev.memory_used
+
+    _device_state = _dev
+
+    def device_arch(self, device: int) -> str:
+        """The simulated device is an H200's architecture: kernels are checked
+        by NVRTC for it, and run as their NumPy references."""
+        self._dev(device)
+        return "sm_90"
+
+    def use_after_free_count(self) -> int:
+        with self.cond:
+            return self.use_after_free
+
+    def _set_fault(
+        self, device: _SimDevice, what: str, exc: BaseException, generation: int
+    ) -> None:
+        if isinstance(exc, DeviceFaultError):
+            err = exc
+        else:
+            code = CUDA_ERROR_ILLEGAL_ADDRESS
+            if not isinstance(exc, IndexError | _UseAfterFree):
+                code = CUDA_ERROR_LAUNCH_FAILED
+            err = DeviceFaultError(
+                f"sim device {device.index} faulted in {what}: {exc!r}",
+                code=code,
+                name=NAMES[code],
+                device=device.index,
+            )
+            err.__cause__ = exc
+        with self.cond:
+            # an item still running when its device was reset belongs to the
+            # context that is gone: its failure must not fault the new one
+            if device.fault is None and device.generation == generation:
+                device.fault = err
+                # as measured on two H200s: after an illegal address on one
+                # device, every call on the other fails with the same error
+                for other in self._devices:
+                    if other is not device and other.fault is None:
+                        other.fault = DeviceFaultError(
+                            f"sim device {other.index}: the process has a sticky fault "
+                            f"from device {device.index}: {err}",
+                            code=err.code,
+                            name=err.name,
+                            device=other.index,
+                        )
+            self._wake_all()
+
+    def reset_device(self, device: int) -> None:
+        dev = self._dev(device)
+        with self.cond:
+            dev.fault = None
+            dev.generation += 1
+            dev.memory_used = 0
+            for s in self._streams:
+                if s.device is dev:
+                    # what was queued is gone with the context, as on CUDA
+                    while len(s.queue) > (1 if s.running else 0):
+                        s.queue.pop()
+                    s.capture = None
+            self._wake_all()
+
+    # -- streams -------------------------------------------------------------
+    def create_stream(self, device: int) -> SimStream:
+        s = SimStream(self, self._dev(device))
+        with self.cond:
+            self._streams.append(s)
+            self._handles[s.handle] = s
+        return s
+
+    def destroy_stream(self, stream: Any) -> None:
+        with self.cond:
+            stream.closed = True
+            if stream in self._streams:
+                self._streams.remove(stream)
+            self._handles.pop(stream.handle, None)
+            stream.cv.notify_all()
+
+    def stream_destroyed(self, stream: Any) -> bool:
+        return bool(stream.closed)
+
+    def stream_handle(self, stream: Any) -> int:
+        return int(stream.handle)
+
+    def foreign_stream(
+        self, handle: int, device: int, named: bool = False
+    ) -> tuple[SimStream, int]:
+        # (a handle is asked about every time: a dict, no driver call)
+        if handle in (0, 1, 2):
+            # the default streams (legacy and per-thread are one here): made
+            # on first use, one a device, never destroyed
+            dev = self._dev(device)
+            with self.cond:
+                s = self._default_streams.get(dev.index)
+            if s is None:
+                s = self.create_stream(dev.index)
+                with self.cond:
+                    s = self._default_streams.setdefault(dev.index, s)
+            return s, dev.index
+        with self.cond:
+            found = self._handles.get(handle)
+        if found is None:
+            raise UsageError(
+                f"stream handle 0x{handle:x} is not a live stream of the sim backend "
+                "(destroyed, or another backend's)"
+            )
+        return found, found.device.index
+
+    def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> SimBuffer | SimView:
+        if nbytes == 0:
+            # nothing is ever read or written: any address will do (CAI gives 0)
+            dev = self._dev(0 if device is None else device)
+            return SimBuffer(dev.index, 0, ptr, np.empty(0, np.uint8), dev.generation)
+        with self.cond:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            buf = self._live.get(self._starts[i]) if i >= 0 else None
+        if (
+            buf is None
+            or buf.freed
+            or buf.generation != self._devices[buf.device].generation
+            or ptr + nbytes > buf.ptr + buf.nbytes
+        ):
+            raise UsageError(
+                f"0x{ptr:x} ({nbytes} bytes) is not in a live buffer of the sim backend: "
+                "not device memory of a simulated device (host memory? freed? "
+                "a range past the end of its buffer?)"
+            )
+        if device is not None and buf.device != device:
+            raise UsageError(
+                f"0x{ptr:x} is memory of sim device {buf.device}, not of device {device} "
+                "as its producer says"
+            )
+        return SimView(buf, ptr - buf.ptr, nbytes)
+
+    def _enqueue(self, stream: SimStream, what: str, item: Item, capturable: bool = True) -> bool:
+        """Enqueue ``item`` (or record it into the stream's capture); False,
+        with nothing enqueued, for an item that must not be captured."""
+        with self.cond:
+            return self._enqueue_locked(stream, what, item, capturable)
+
+    def _enqueue_locked(self, stream: SimStream, what: str, item: Item, capturable: bool) -> bool:
+        fault = stream.device.fault
+        if fault is not None:
+            raise fault
+        if stream.capture is not None:
+            if not capturable:
+                return False
+            stream.capture.items.append((what, item))
+            return True
+        stream.queue.append((what, item, activity_tag.get() if self._records else None))
+        if len(stream.queue) == 1:
+            stream.cv.notify_all()  # the worker sleeps only on an empty queue
+        return True
+
+    def synchronize(self, stream: Any) -> None:
+        with stream.cv:
+            if stream.capture is not None:
+                raise UsageError("cannot synchronize a stream while it is being captured")
+            while stream.queue and stream.device.fault is None:
+                stream.cv.wait()
+            if stream.device.fault is not None:
+                raise stream.device.fault
+
+    def stream_capturing(self, stream: Any) -> bool:
+        with self.cond:
+            return stream.capture is not None
+
+    def query(self, stream: Any) -> bool:
+        with self.cond:
+            if stream.device.fault is not None:
+                raise stream.device.fault
+            return not stream.queue
+
+    # -- events --------------------------------------------------------------
+    def _not_destroyed(self, stream: SimStream) -> None:
+        # as a CUDA handle of a destroyed stream, which the driver refuses: work
+        # queued on a stream whose worker has gone would never run
+        if stream.closed:
+            raise UsageError(f"{stream!r} was destroyed")
+
+    def record_event(self, stream: Any) -> SimEvent:
+        self._not_destroyed(stream)
+        ev = SimEvent(stream.device.index, capture=stream.capture)
+
+        def record() -> None:
+            with self.cond:
+                ev.done = True
+                self.cond.notify_all()
+
+        self._enqueue(stream, "event record", record)
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._not_destroyed(stream)
+        if event.capture is not None and stream.capture is None:
+            # as on CUDA: waiting on an event recorded in a capture joins it
+            stream.capture = event.capture
+            event.capture.streams.append(stream)
+        if event.done and stream.capture is None:
+            return
+        other = self._devices[event.device]
+
+        def wait() -> None:
+            with self.cond:
+                while not event.done and other.fault is None and stream.device.fault is None:
+                    self.cond.wait()
+                if other.fault is not None and not event.done:
+                    raise other.fault
+
+        self._enqueue(stream, "event wait", wait)
+
+    # -- memory --------------------------------------------------------------
+    def alloc(self, device: int, nbytes: int, stream: Any) -> SimBuffer:
+        dev = self._dev(device)
+        size = max(nbytes, 1)
+        with self.cond:
+            if dev.fault is not None:
+                raise dev.fault
+            if dev.memory_used + size > dev.memory_limit:
+                raise OutOfMemoryError(
+                    f"out of memory on sim device {device}: {nbytes} bytes requested, "
+                    f"{dev.memory_limit - dev.memory_used} of {dev.memory_limit} free",
+                    code=CUDA_ERROR_OUT_OF_MEMORY,
+                    name=NAMES[CUDA_ERROR_OUT_OF_MEMORY],
+                    device=device,
+                )
+            dev.memory_used += size
+            ptr = dev.next_address
+            dev.next_address += (size + _ADDRESS_ALIGN - 1) // _ADDRESS_ALIGN * _ADDRESS_ALIGN
+        data = np.empty(size, dtype=np.uint8)
+        data.fill(_POISON)  # fresh device memory holds garbage, never zeros
+        buf = SimBuffer(device, nbytes, ptr, data, dev.generation)
+        with self.cond:
+            bisect.insort(self._starts, ptr)
+            self._live[ptr] = buf
+        return buf
+
+    def free(self, buffer: Any, stream: Any) -> None:
+        dev = self._devices[buffer.device]
+
+        def release() -> None:
+            with self.cond:
+                if buffer.generation == dev.generation and not buffer.freed:
+                    dev.memory_used -= max(buffer.nbytes, 1)
+                buffer.freed = True
+                ptr = buffer.ptr
+                if self._live.get(ptr) is buffer:
+                    del self._live[ptr]
+                    del self._starts[bisect.bisect_left(self._starts, ptr)]
+            buffer.data.fill(_POISON)
+
+        with self.cond:
+            cap = stream.capture
+            if cap is not None:
+                cap.deferred_frees.append((buffer, stream))
+                return
+        try:
+            self._enqueue(stream, f"free of {buffer!r}", release)
+        except DeviceFaultError:
+            pass  # the context is gone with its memory; a reset reclaims it
+        except Exception as exc:  # a finalizer must not raise
+            warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
+
+    def _check(self, buffer: SimBuffer) -> None:
+        if buffer.freed:
+            with self.cond:
+                self.use_after_free += 1
+            raise _UseAfterFree(f"use after free of {buffer!r}")
+        if buffer.generation != self._devices[buffer.device].generation:
+            raise _UseAfterFree(f"{buffer!r} belongs to a context that was reset")
+
+    def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
+        def copy() -> None:
+            self._check(dst)
+            flat = src.reshape(-1).view(np.uint8)
+            dst.data[: flat.size] = flat
+
+        self._enqueue(stream, f"copy to {dst!r}", copy)
+
+    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
+        def copy() -> None:
+            self._check(src)
+            flat = dst.reshape(-1).view(np.uint8)
+            flat[:] = src.data[: flat.size]
+
+        self._enqueue(stream, f"copy from {src!r}", copy)
+
+    def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
+        def copy() -> None:
+            self._check(src)
+            self._check(dst)
+            dst.data[:nbytes] = src.data[:nbytes]
+
+        self._enqueue(stream, f"copy {src!r} -> {dst!r}", copy)
+
+    def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
+        def fill() -> None:
+            self._check(dst)
+            dst.data[: count * value.itemsize].view(value.dtype)[:] = value
+
+        self._enqueue(stream, f"fill of {dst!r}", fill)
+
+    def arange(
+        self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
+    ) -> None:
+        dtype = start.dtype
+
+        def arange() -> None:
+            self._check(dst)
+            out = dst.data[: count * dtype.itemsize].view(dtype)
+            out[:] = start + np.arange(count).astype(dtype) * step
+
+        self._enqueue(stream, f"arange into {dst!r}", arange)
+
+    # -- kernels -------------------------------------------------------------
+    def load_kernel(self, device: int, module: ModuleSource, name: str) -> SimKernel:
+        ref = module.references.get(name)
+        if ref is None:
+            raise UsageError(
+                f"kernel {name!r} has no NumPy reference: the sim backend runs "
+                f"gf.compile(..., references={{{name!r}: fn}})"
+            )
+        return SimKernel(device, name, ref, self._dev(device).generation)
+
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shmem: int,
+        args: Sequence[KernelArg],
+        stream: Any,
+    ) -> None:
+        threads = block[0] * block[1] * block[2]
+        if threads > _MAX_BLOCK or min(grid) < 1 or min(block) < 1:
+            raise LaunchError(
+                f"kernel {kernel.name!r}: invalid configuration grid={grid} block={block} "
+                f"(at most {_MAX_BLOCK} threads a block, every dimension at least 1)",
+                code=CUDA_ERROR_INVALID_VALUE,
+                name=NAMES[CUDA_ERROR_INVALID_VALUE],
+                device=kernel.device,
+            )
+        if kernel.generation != self._devices[kernel.device].generation:
+            raise UsageError(f"kernel {kernel.name!r} was loaded before its device was reset")
+
+        def run() -> None:
+            values: list[Any] = []
+            for a in args:
+                if isinstance(a, PointerArg):
+                    self._check(a.buffer)  # type: ignore[arg-type]
+                    buf: SimBuffer = a.buffer  # type: ignore[assignment]
+                    view = buf.data[: a.count * a.dtype.itemsize].view(a.dtype).view(Bounded)
+                    if not a.writes:
+                        view = view.view(Bounded)
+                        view.flags.writeable = False
+                    values.append(view)
+                else:
+                    values.append(a.item())
+            kernel.reference(*values)
+            for a in args:
+                if isinstance(a, PointerArg):
+                    self._check(a.buffer)  # type: ignore[arg-type]
+
+        self._enqueue(stream, f"kernel {kernel.name!r}", run)
+
+    # -- completion marks and host signals (._simmarks) -------------------------
+    def mark(self, stream: Any, polled: bool = True) -> int:
+        return self._completion.mark(stream)
+
+    def completion_reader(self, stream: Any) -> Callable[[], int]:
+        return self._completion.reader(stream)
+
+    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
+        self._completion.wait(stream, other, number)
+
+    def enqueue_close(self, stream: Any, fd: int) -> bool:
+        return self._completion.enqueue_close(stream, fd)
+
+    # -- communicators -------------------------------------------------------------
+    def comm_unique_id(self) -> bytes:
+        return new_unique_id()
+
+    def comm_init(
+        self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
+    ) -> list[Any]:
+        return self._comms.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+
+    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
+        self._comms.group(calls)
+
+    def comm_async_error(self, comm: Any) -> Any:
+        return comm.error
+
+    def comm_abort(self, comm: Any) -> None:
+        self._comms.abort(comm)
+
+    def comm_destroy(self, comm: Any) -> None:
+        self._comms.destroy(comm)
+
+    # -- graphs ----------------------------------------------------------------
+    def begin_capture(self, stream: Any) -> None:
+        with self.cond:
+            if stream.capture is not None:
+                raise UsageError("the stream is already being captured")
+            stream.capture = _Capture(streams=[stream])
+
+    def end_capture(self, stream: Any) -> SimGraph:
+        with self.cond:
+            cap = stream.capture
+            if cap is None:
+                raise UsageError("the stream is not being captured")
+            for s in cap.streams:
+                s.capture = None
+        for buffer, s in cap.deferred_frees:
+            self.free(buffer, s)
+        nodes = sum(1 for what, _item in cap.items if what not in _EDGE_ITEMS)
+        return SimGraph(stream.device.index, list(cap.items), nodes)
+
+    def launch_graph(self, graph: Any, stream: Any) -> None:
+        def replay() -> None:
+            for _what, item in graph.items:
+                item()
+
+        self._enqueue(stream, f"graph of {graph.node_count} nodes", replay)
+
+    def graph_node_count(self, graph: Any) -> int:
+        return int(graph.node_count)
+
+    # -- the activity record ----------------------------------------------------
+    def start_activity_record(self) -> list[Activity]:
+        """Start recording every item the streams run; return the list that fills.
+
+        Each stream's own worker thread appends one :class:`Activity` per item
+        it runs (a graph replay is one item), with times taken on that thread
+        right around the item, and before the item leaves the stream's queue:
+        once a stream is idle (synchronized, or a run on it awaited), every item
+        it ran while the record was open is in the list, except possibly the
+        host signal that reported the run complete.  A completion mark is in the
+        list before the stream reaches it (with no duration: it takes none).
+        An item is recorded when the record was open both when it started and
+        when it ended, with the :data:`activity_tag` of where it was enqueued
+        if the record was open then too.  Items a faulted device skips are not
+        recorded.  Several records may be open.
+        """
+        record: list[Activity] = []
+        with self.cond:
+            self._records = (*self._records, record)
+        return record
+
+    def stop_activity_record(self, record: list[Activity]) -> None:
+        with self.cond:
+            self._records = tuple(r for r in self._records if r is not record)
+
+    def activity_stream_id(self, stream: Any) -> int:
+        return int(stream.serial)
+
+
+class _UseAfterFree(Exception):
+    pass

@@ -1,0 +1,213 @@
+"""Scheduling policies: which stream of a device a run (or a ``zip`` arm) gets.
+
+A policy is asked once per run, and once per extra ``zip`` arm, from the
+thread that starts the run.  Inside a stream lease every run stays on the
+lease's stream whatever the policy (see :mod:`._run`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Protocol, runtime_checkable
+
+from .._errors import UsageError
+from ._runtime import CURRENT, MAX_POOL_STREAMS, get_runtime, new_stream
+from ._stream import Stream
+
+
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    """Chooses the stream an operation runs on.
+
+    ``next_stream`` is called once per run (and once per extra ``zip`` arm)
+    from the thread that starts the run; it must be thread-safe and must not
+    block.
+    """
+
+    def next_stream(self, device: int) -> Stream:
+        """The stream of ``device`` that the next run (or ``zip`` arm) goes to."""
+        ...
+
+
+class StreamPoolLeastLoaded:
+    """The default policy: a run goes to a stream of the device with nothing
+    pending; when every stream has work, the device's pool grows by a stream,
+    up to ``max_streams``.  New work thus never queues behind other work
+    (such as what a cancelled await left running: the GPU cannot recall it)
+    while another stream could take it, from the first run on.
+
+    Each run looks at the device's streams in turn, starting one past where
+    the previous run started (so on an idle device runs rotate over the pool
+    exactly as with :class:`StreamPoolRoundRobin`, at about the same cost),
+    and takes:
+
+    1. the first stream with nothing pending that no stream lease holds:
+       the GPU has reached the mark of every run enqueued on it (a read of
+       its completion word, so this is the GPU's own progress, not when
+       someone last looked), and no blocking ``sync`` is in flight on it;
+    2. else a new stream: the pool grows by one, up to ``max_streams``
+       streams in all (32 by default: CUDA's hardware queues, so that no
+       two pool streams share one);
+    3. else, for an ``await`` (``await op``, ``op.run(policy)``), no stream
+       yet: the await waits, without blocking its loop and in the order the
+       awaits came, for the first stream to go idle, and its run starts
+       there.  How long the work already queued will take is known to
+       nobody (a stream that holds one long kernel and one that holds a few
+       short ones look alike when they were just given them), so a run
+       queued on the GPU behind either might wait for the long one; waiting
+       on the host for the first stream to finish never does.  A blocking
+       run (``sync``), a ``zip`` arm and a direct call of
+       :meth:`next_stream` cannot wait: they take the stream with the fewest
+       runs pending, preferring one that is not *stalled* (it finished
+       nothing for ``stall_s`` seconds: long work).
+
+    A collective's run looks first at the stream of its communicator's
+    previous collective on the device (``prefer``), and takes it where step
+    1 would (nothing pending, no lease) while it is one of the device's
+    streams (not one that a reset or a new ``init_device_contexts``
+    retired): a rank runs a communicator's collectives in order whatever
+    their streams, and on that one stream the next needs no wait on
+    another.
+
+    Streams added in step 2 stay for the life of the device's context (until
+    ``gf.reset_device`` or a new ``init_device_contexts``) and take their
+    turn in the rotation; on CUDA they are made when the runtime starts, so
+    growing costs no driver call (making a stream can wait until the device
+    is idle).  Stream leases and :class:`StreamPoolRoundRobin` use only the
+    ``streams_per_device`` streams made at initialisation.  A bound no
+    larger than ``streams_per_device`` turns growth off.
+
+    What is pending is read without a lock: a race with the GPU makes a
+    choice slightly stale, never wrong (any stream is correct; only latency
+    differs).  A run being enqueued by another thread is not seen until it
+    is submitted.
+    """
+
+    __slots__ = ("_max", "_stall", "_turn")
+
+    def __init__(self, max_streams: int = MAX_POOL_STREAMS, stall_s: float = 0.02) -> None:
+        if not isinstance(max_streams, int) or isinstance(max_streams, bool) or max_streams < 1:
+            raise UsageError(f"max_streams must be a positive int, not {max_streams!r}")
+        if not isinstance(stall_s, (int, float)) or isinstance(stall_s, bool) or not stall_s > 0:
+            raise UsageError(f"stall_s must be a positive number of seconds, not {stall_s!r}")
+        self._max = max_streams
+        self._stall = float(stall_s)
+        self._turn = -1
+
+    @property
+    def max_streams(self) -> int:
+        """The most streams a device's pool grows to under this policy."""
+        return self._max
+
+    @property
+    def stall_s(self) -> float:
+        """How long a busy stream may go without finishing a run before it
+        counts as stalled."""
+        return self._stall
+
+    def idle_stream(self, device: int, prefer: Stream | None = None) -> Stream | None:
+        """Steps 1 and 2: a stream of ``device`` with nothing pending, or a
+        new one; None where every stream is busy at the bound.  ``prefer``
+        is looked at first, where it is one of the device's streams
+        (gpuflow's runs of a collective pass their rank's previous
+        stream)."""
+        rt = CURRENT.runtime or get_runtime()
+        try:
+            streams = rt.device_streams[device]
+        except KeyError:
+            streams = rt.streams(device)  # (which says why)
+        if prefer is not None:
+            # step 1's test, made on that stream alone first (a collective
+            # run again after an awaited one: no loop, no rotation); never a
+            # stream of a runtime replaced since, nor one a reset retired
+            if not prefer.leased and prefer.idle() and prefer in streams:
+                return prefer
+        n = len(streams)
+        # (a counter of the policy's own, not thread-safe and needing none: two
+        # runs that start at the same stream only look at it first both)
+        self._turn = start = (self._turn + 1) % n
+        s = streams[start]  # (usually the one: looked at before any loop)
+        if not s.leased and s.idle():
+            return s
+        # start + 1, ..., n - 1, 0, ..., start - 1 (negative indices wrap)
+        for i in range(start + 1 - n, start):
+            s = streams[i]
+            if not s.leased and s.idle():
+                return s
+        if n < self._max:
+            return rt.grow(device, self._max)
+        return None
+
+    def next_stream(self, device: int, prefer: Stream | None = None) -> Stream:
+        """The stream of ``device`` for the next run: steps 1 and 2
+        (:meth:`idle_stream`), else the least-loaded stream (step 3 for a
+        run that cannot wait)."""
+        s = self.idle_stream(device, prefer)
+        if s is None:
+            s = least_loaded(get_runtime().streams(device), time.monotonic() - self._stall)
+        return s
+
+    def __repr__(self) -> str:
+        return f"StreamPoolLeastLoaded(max_streams={self._max}, stall_s={self._stall})"
+
+
+def least_loaded(streams: list[Stream], stalled_before: float) -> Stream:
+    """The stream with the fewest runs pending, one still moving if any is,
+    one no stream lease holds if any is."""
+    return min(streams, key=lambda s: (s.leased, s.stalled(stalled_before), s.load()))
+
+
+class StreamPoolRoundRobin:
+    """Consecutive runs get consecutive streams of the device's pool
+    (``streams_per_device`` of them), whatever is pending on them, so
+    independent operations overlap.  The default before
+    :class:`StreamPoolLeastLoaded`: a run may queue behind long (or
+    abandoned) work on its stream while another stream is idle."""
+
+    __slots__ = ("_counter",)
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def next_stream(self, device: int) -> Stream:
+        pool = get_runtime().pool(device)
+        return pool[next(self._counter) % len(pool)]
+
+    def __repr__(self) -> str:
+        return "StreamPoolRoundRobin()"
+
+
+class SingleStream:
+    """Every run on one stream of its own, on ``device``: strict order."""
+
+    __slots__ = ("_device", "_lock", "_stream")
+
+    def __init__(self, device: int = 0) -> None:
+        self._device = device
+        self._stream: Stream | None = None
+        self._lock = threading.Lock()
+
+    def next_stream(self, device: int) -> Stream:
+        # the policy is bound to its device, whatever device is current
+        s = self._stream
+        if s is None or not s.current():
+            with self._lock:
+                s = self._stream
+                if s is None or not s.current():
+                    s = self._stream = new_stream(self._device)
+        return s
+
+    @property
+    def stream(self) -> Stream:
+        """The policy's stream (made on first use)."""
+        return self.next_stream(self._device)
+
+    def __repr__(self) -> str:
+        return f"SingleStream(device={self._device})"
+
+
+#: The policy of runs that name none, outside a stream lease.
+DEFAULT_POLICY = StreamPoolLeastLoaded()
+

@@ -1,0 +1,880 @@
+"""A run: one execution of an operation, from its start to its completion.
+
+Every way of running an operation (``await op``, ``op.run(policy)``,
+``op.sync()``, ``op.sync_on(stream)``, ``op.enqueue_on(stream)``) makes one
+:class:`Run` and takes it through the same life:
+
+1. **start**: the stream is chosen (the innermost stream lease of the
+   device, else the policy, which may make an await wait for an idle
+   stream), the run's checks are made, and every scope the task runs in
+   tracks the run;
+2. **enqueue**: the operation enqueues its work on the stream
+   (``execute(ctx)``) and hands the run what that work still uses;
+3. **mark**: the stream's lane (``_bridge``) enqueues the run's mark right
+   after that work: the number the GPU writes into the stream's completion
+   word when it gets there;
+4. **wait**: a blocking run synchronizes the stream; an await alone in its
+   loop reads the word itself, else parks, and its loop's poller (or the
+   dispatcher thread, or the GPU's wake-up of a sleeping loop) sees the
+   mark reached;
+5. **complete**: whoever sees the mark reached (or the device fault)
+   finishes the run (:meth:`Run.finish`): it releases what the run kept,
+   runs its callbacks, and wakes the tasks parked on it;
+6. **resolve**: host data the work copied becomes the run's output.
+
+The common await (no policy given, no scope open, no trace recording, no
+cancellation-point watcher, no capture, nothing queued for the finalizers,
+an operation with nothing unusual about it) takes a straight line through
+these steps: :func:`await_run` checks one count (:mod:`._unusual`) and the
+operation to know that it is common.  Whatever happens after something was
+enqueued, the run keeps what that work uses until the GPU is done with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import warnings
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import anyio.lowlevel
+
+from .._errors import UsageError, UsageTypeError
+from . import _cancel_points, _finalizers, _trace
+from ._completion import BusyPoll, Communicating, Lane
+from ._execution import ExecutionContext
+from ._hazards import capture_log, refuse_in_capture
+from ._loops import Loop, Posts, current_loop, refuse_blocking
+from ._pending import has_map, is_pending, resolve
+from ._policy import DEFAULT_POLICY, SchedulingPolicy, StreamPoolLeastLoaded
+from ._runtime import CURRENT, Runtime, current_device, current_device_var, get_runtime
+from ._stream import Stream
+from ._unusual import UNUSUAL
+
+if TYPE_CHECKING:
+    from .._backends import Backend
+    from ._operation import DeviceOperation
+
+try:
+    import resource as _resource
+except ImportError:  # (Windows)
+    _resource = None  # type: ignore[assignment]
+
+#: A task parked on a run: its loop, and what ``loop.wake`` wakes.
+Waiter = tuple[Loop, Any]
+
+#: Makes "done" one step against add_done_callback and a task's parking:
+#: a callback or a parked task is either taken by the completion or sees
+#: the run done.
+_callbacks_lock = threading.Lock()
+
+
+class Run:
+    """One run of an operation: what its enqueued work uses until the GPU is
+    done with it, where that work ends, and the tasks that wait for it.
+
+    ``keep`` holds host buffers, staging memory, graphs and leases that
+    enqueued work still uses; it is released by the completion (or a fault),
+    never earlier, whatever happens to the task that started the run.  Once
+    marked, ``lane`` is its stream's and ``number`` the mark there that
+    covers it (its own; where that could not be enqueued, the stream's next
+    one, which the lane owes until then).  ``arms`` maps each other stream
+    the run enqueued work on (a ``zip`` arm) to an event recorded right
+    after that work.  As a hazard point (``_hazards.Point``), it orders
+    later work after its own.
+
+    A run in flight holds few objects: with a thousand awaits pending, the
+    objects of the runs are most of what the garbage collector goes through
+    at each collection.
+    """
+
+    __slots__ = (
+        "_keep", "arms", "comms", "device", "done", "error", "lane", "more_parked", "number",
+        "on_done", "parked", "parked_loop",
+    )  # fmt: skip
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        #: the communicators whose collectives the run enqueued: a run that
+        #: one of them aborted before it was seen done failed
+        self.comms: list[Communicating] | None = None
+        self._keep: list[object] | None = None  # (made for the first object kept)
+        self.done = False
+        self.error: BaseException | None = None
+        #: the task parked on the run first, what its loop wakes and that
+        #: loop (two slots, not a pair: an await in flight makes no object
+        #: for it), and any others
+        self.parked: Any = None
+        self.parked_loop: Loop | None = None
+        self.more_parked: list[Waiter] | None = None
+        self.on_done: list[Callable[[BaseException | None], None]] | None = None
+        self.lane: Lane | None = None
+        self.number = 0
+        self.arms: dict[Any, Any] | None = None
+
+    def reached(self) -> bool:
+        """Whether the run's work is known to be done (seen done, or its mark
+        reached: a read of the completion word).  Any thread."""
+        if self.done:
+            return True
+        lane = self.lane
+        return lane is not None and lane.read() >= self.number
+
+    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
+        """As a hazard point: make later work on raw ``stream`` wait for this
+        run's work on raw ``on``: nothing once it is known done, its mark on
+        its own stream, the join event of a ``zip`` arm on another; False
+        where it cannot say (not marked yet: still being enqueued; then the
+        caller waits for everything enqueued on ``on`` so far)."""
+        if self.done:
+            return True
+        lane = self.lane
+        if lane is None:
+            # still being enqueued: where its work on ``on`` ends is not known
+            # yet (an arm's join event so far may precede later work there)
+            return False
+        if lane.raw is on:
+            if lane.read() < self.number:
+                if lane.unmarked and self.number > lane.issued:
+                    lane.dispatcher.mark_owed(lane)  # (else nothing may write it soon)
+                backend.wait_mark(stream, on, self.number)
+            return True
+        arms = self.arms
+        if arms is not None:
+            event = arms.get(on)
+            if event is not None:
+                backend.wait_event(stream, event)
+                return True
+        return False
+
+    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error)`` once, on the thread that sees the work done (the
+        awaiting loop's, or the dispatcher's; at once, here, if it already
+        is).  Safe from any thread, also while the work completes.  ``fn``
+        must not block or raise."""
+        with _callbacks_lock:
+            if not self.done:
+                if self.on_done is None:
+                    self.on_done = []
+                self.on_done.append(fn)
+                return
+        fn(self.error)
+
+    @property
+    def keep(self) -> list[object]:
+        """What the run keeps alive until its work is done (empty once it is)."""
+        keep = self._keep
+        if keep is None:
+            keep = self._keep = []
+        return keep
+
+    def hold(self, objs: Iterable[object]) -> None:
+        """Keep ``objs`` until the work is done (from the thread enqueueing it)."""
+        keep = self._keep
+        if keep is None:
+            self._keep = list(objs)
+        else:
+            keep.extend(objs)
+
+    # -- completion (called by whoever saw the work done: ``_bridge``) --------------------
+    def complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
+        """The run's work is done (or failed with ``error``): release what it
+        kept, run its callbacks (a failure in one is a warning), and wake the
+        tasks parked on it: those of loop ``here`` (the loop running this)
+        at once, the others added to ``posts`` (a wake-up only schedules its
+        task: none resumes while this runs)."""
+        if error is None and self.comms is not None:
+            for comm in self.comms:
+                error = comm.failure()
+                if error is not None:
+                    break
+        self.error = error
+        self._keep = None
+        with _callbacks_lock:  # a callback added meanwhile runs once, here or there
+            self.done = True
+            callbacks, self.on_done = self.on_done, None
+        if callbacks is not None:
+            for fn in callbacks:
+                try:
+                    fn(error)
+                except BaseException as exc:  # never into the dispatcher thread
+                    warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
+        # (no task parks once done is set: who parked is fixed now)
+        park = self.parked
+        if park is None:
+            return
+        loop, more = self.parked_loop, self.more_parked
+        self.parked = self.parked_loop = self.more_parked = None
+        while loop is not None:
+            target = loop.target
+            if target is here:
+                if not park.done():  # (its task was cancelled, or it never parked)
+                    park.set_result(None)
+            else:
+                fn = functools.partial(loop.wake, park)
+                entry = posts.get(id(target))
+                if entry is None:
+                    posts[id(target)] = (target, loop.post, [fn])
+                else:
+                    entry[2].append(fn)
+            loop, park = more.pop() if more else (None, None)
+
+    # -- waiting -------------------------------------------------------------------
+    def wait(self, loop: Loop | None = None) -> Awaitable[None]:
+        """Wait (cancellably) until the work is done; raise its device error.
+
+        Parks the task with the running loop's own primitives (``loop``, or
+        the current one), so on cancellation the loop's own exception
+        propagates at once; the run still keeps what its work uses until
+        the GPU is done.  While it waits, the loop's poller watches the
+        run's stream."""
+        return _Waiting(self, current_loop() if loop is None else loop)
+
+
+class _Waiting:
+    __slots__ = ("loop", "run")
+
+    def __init__(self, run: Run, loop: Loop) -> None:
+        self.run = run
+        self.loop = loop
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return _wait(self.run, self.loop)
+
+
+# -- the wait ---------------------------------------------------------------------------
+#
+# An await alone in its loop (no other await of the loop in progress, nothing
+# else of it pending) reads its run's word inline for up to INLINE_SPIN_S,
+# then once per loop turn itself, within the busy-poll budget: the turn that
+# sees the run done resumes it, with no future and no wake-up.  Otherwise,
+# or once another await of the loop starts or the budget is spent, it parks
+# with its loop's own primitive and its loop's poller watches the lane for
+# what is left of the budget (``_bridge``).
+
+#: How long the task of a lone await (nothing else of its loop pending)
+#: reads its word before it parks: a short kernel is then seen done without
+#: a loop turn.  The loop runs nothing else meanwhile, so this stays short.
+INLINE_SPIN_S = 20e-6
+
+#: An await whose run is done before it would park (an inline read saw it
+#: done) yields to the loop when another task or callback is ready to run
+#: (asked at most every ``Loop.ready_check_s``), or when the loop's tasks
+#: have not been let run at one of gpuflow's awaits for this long: a lone
+#: task awaiting short kernels back to back skips the loop turns in
+#: between, and others still run.  No turn is owed where the loop's thread
+#: slept for most of that time (:func:`_slept`).
+YIELD_EVERY_S = 1e-3
+
+#: ``Loop.yielded`` of a loop an await parked in: the loop turns before that
+#: await resumes, so its tasks have been let run at a time later than any
+#: clock reading; an await that finds it set takes its own reading for it.
+_PARKED = float("inf")
+
+#: Where the system counts a thread's own waits (Linux).
+_BY_THREAD: int | None = getattr(_resource, "RUSAGE_THREAD", None)
+
+
+def _thread_usage() -> tuple[float, int] | None:
+    """The calling thread's CPU time and count of voluntary context switches
+    (waits) so far; None where the system does not count them by thread.
+    (The CPU time is the thread's clock: the one ``getrusage`` gives may
+    count, a millisecond late, time the thread spent running before.)"""
+    if _BY_THREAD is None:
+        return None
+    return time.thread_time(), _resource.getrusage(_BY_THREAD).ru_nvcsw
+
+
+def _slept(loop: Loop, since: float) -> bool:
+    """Whether ``loop``'s thread (running this) slept for most of the
+    ``since`` seconds since a task of the loop last let it run at one of
+    gpuflow's awaits: it ran for less than half of them, and waited (a
+    voluntary context switch) at least once.  Such a thread slept in its
+    selector, most likely: its task awaited something else, and the loop
+    turned.  A turn is then not owed, and right after such a gap it costs
+    as much as a short run (a cold cache, a slow clock).
+
+    A thread kept from running by the system's scheduler alone made no such
+    switch, and owes its turn.  One kept from the GIL by another thread did
+    make one, and yields at its next millisecond of running instead.  What
+    is compared is counted from the previous call (an older time than the
+    turn ``since`` is counted from, where the task parked meanwhile): the
+    CPU time is then more, and a turn rather owed."""
+    used = _thread_usage()
+    if used is None:
+        return False
+    cpu, waits = used
+    slept = waits > loop.slept_waits and cpu - loop.slept_cpu < since / 2
+    loop.slept_cpu, loop.slept_waits = cpu, waits
+    return slept
+
+
+def _spin(run: Run, loop: Loop, lane: Lane) -> bool:
+    """A lone await: read the word for up to :data:`INLINE_SPIN_S` (within
+    the busy-poll budget), and complete the run here if it is reached.
+    Whether to go on reading the word at the loop's turns: the await is
+    alone and its run was not seen done.
+
+    Never where other awaits of the loop are in progress, parked or woken
+    and not yet resumed: their tasks would wait for the spin, and submit
+    their next work only after it (awaits of short kernels from many tasks
+    would reach the GPU one at a time).  The caller asks that first, from
+    ``loop.awaiting``."""
+    d = lane.dispatcher
+    limit = min(INLINE_SPIN_S, d.busy_poll_s)
+    if limit <= 0 or d.others_polled(loop):
+        return False
+    if lane.unmarked:  # (a run's mark failed: the next one covers it)
+        d.mark_owed(lane)
+    read = lane.read
+    number = run.number
+    clock = time.perf_counter
+    deadline = clock() + limit
+    reached = read()
+    while reached < number:
+        if clock() > deadline:
+            return True
+        reached = read()
+    done = d.advance([(lane, reached)], time.monotonic())
+    d.spun += len(done)
+    d.complete(done, loop.target)
+    return False
+
+
+def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]:
+    """A lone await past its inline read: read the word once per loop turn
+    from the task itself, within the busy-poll budget, while no other await
+    of the loop is in progress.  The turn that sees the run done resumes the
+    task: no future, no wake-up, no turn more.
+
+    Returns when the run is done, or with the budget left (the task then
+    parks, and the loop's poller polls for the rest of it: the await spins
+    at most the budget in all).  Cancellation is the loop's own, at a turn;
+    the run stays pending, and the dispatcher thread takes it over
+    ``LOOP_STALL_S`` after the last turn that read its word."""
+    d = lane.dispatcher
+    clock = time.monotonic
+    busy = BusyPoll()
+    now = clock()
+    busy.start(now, d.busy_poll_s)
+    lane.polled_until = busy.held_until(now)
+    checkpoint = loop.checkpoint
+    while True:
+        yield from checkpoint().__await__()
+        loop.yielded = time.perf_counter()  # (others ran: no yield is owed when done)
+        if run.done:
+            return 0.0
+        now = clock()
+        busy.turn(now)
+        lane.polled_until = busy.held_until(now)
+        reached = lane.read()
+        if reached > lane.completed:
+            done = d.advance([(lane, reached)], now)
+            d.polled += len(done)
+            d.complete(done, loop.target)
+            if run.done:
+                return 0.0
+        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):
+            return max(0.0, busy.deadline - now)
+
+
+def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, None, None]:
+    """:meth:`Run.wait`: the inline read and the loop's turns while alone,
+    else a park; the yield a run seen done owes its loop now and then.
+
+    ``mark_on``: the run is not marked yet; its mark is to be enqueued on
+    that lane here.  A run that will park is then the park's before its
+    mark is: nothing can complete it before, so nothing need be locked
+    against whoever does."""
+    alone = not loop.awaiting  # (the one place that decides: a lone await)
+    loop.awaiting += 1
+    try:
+        if mark_on is not None and not alone:
+            park = run.parked = loop.park()
+            run.parked_loop = loop
+            mark_on.submit(run)
+            mark_on.dispatcher.watch(loop, mark_on)
+            loop.yielded = _PARKED
+            yield from park.__await__()
+        else:
+            if mark_on is not None:
+                mark_on.submit(run)
+            yield from _wait_marked(run, loop, alone)
+    finally:
+        loop.awaiting -= 1
+    if run.error is not None:
+        raise run.error
+
+
+def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None]:
+    """:func:`_wait` of a marked run: read its word while alone, then park."""
+    lane = run.lane
+    budget: float | None = None  # the busy poll left to the loop's poller: all of it
+    if alone and not run.done and lane is not None:
+        # (before a waiter is registered: finished here, nobody is woken)
+        if _spin(run, loop, lane) and not run.done:
+            budget = yield from _poll_alone(run, loop, lane)
+    if run.done:
+        now = time.perf_counter()
+        if loop.yielded > now:  # (an await of the loop parked since: it turned)
+            loop.yielded = now
+        yield_now = False
+        since = now - loop.yielded
+        if since >= YIELD_EVERY_S:
+            yield_now = not _slept(loop, since)
+            if not yield_now:  # (the loop turned meanwhile)
+                loop.yielded = loop.asked = now
+        if not yield_now and now - loop.asked >= loop.ready_check_s:
+            loop.asked = now
+            yield_now = loop.others_ready()
+        if yield_now:
+            loop.yielded = now
+            yield from anyio.lowlevel.checkpoint().__await__()
+        return
+    park = loop.park()
+    with _callbacks_lock:
+        # the run may have been finished since the check; then nobody wakes
+        # us, and we must not wait
+        parked = not run.done
+        if parked:
+            if run.parked is None:
+                run.parked, run.parked_loop = park, loop
+            elif run.more_parked is None:
+                run.more_parked = [(loop, park)]
+            else:
+                run.more_parked.append((loop, park))
+    if not parked:
+        yield from anyio.lowlevel.checkpoint().__await__()
+        return
+    if lane is not None:
+        lane.dispatcher.watch(loop, lane, budget)
+    loop.yielded = _PARKED
+    yield from park.__await__()
+
+
+# -- starting a run: its stream, its checks, its scopes ----------------------------------
+
+
+class Scope(Protocol):
+    """A structured scope that tracks the runs started inside it."""
+
+    def track(self, run: Run) -> None: ...
+
+    @property
+    def stream(self) -> Stream | None: ...
+
+
+#: The scopes the current task runs in, innermost last.
+current_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("gpuflow_scopes", default=())
+
+
+def enter_scope(scope: Scope) -> Any:
+    """Put ``scope`` on :data:`current_scopes` for this task and the tasks it
+    starts: runs take the long path from now on (:mod:`._unusual`), which
+    gives the scope each run started in it; the token :func:`leave_scope`
+    takes."""
+    token = current_scopes.set((*current_scopes.get(), scope))
+    UNUSUAL.begin()
+    return token
+
+
+def leave_scope(token: Any) -> None:
+    """Take a scope off :data:`current_scopes`.  An async generator holding
+    the scope may be closed from another task, whose context never had it:
+    then there is nothing to take off, and the scope must still be left."""
+    UNUSUAL.end()
+    try:
+        current_scopes.reset(token)
+    except ValueError:
+        pass
+
+
+def ended_by(exc: BaseException) -> str:
+    """How a wait ended, for a message: "was cancelled", or what it raised."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "was cancelled"
+    return f"ended by {exc!r}"
+
+
+class _Pinned:
+    """The policy of a run inside a stream lease: every part of it, zip arms
+    included, stays on the lease's stream (any other stream of the pool may be
+    another scope's lease)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+
+    def next_stream(self, device: int) -> Stream:
+        return self._stream
+
+
+class _Running:
+    """Names a run in an error message; formatted only when one is raised."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: DeviceOperation[Any]) -> None:
+        self.op = op
+
+    def __str__(self) -> str:
+        return f"running {self.op!r}"
+
+
+def _chosen(policy: SchedulingPolicy, device: int) -> Stream:
+    """The stream an explicit ``policy`` gives a run on ``device``."""
+    if not callable(getattr(policy, "next_stream", None)):
+        # (what isinstance(policy, SchedulingPolicy) asks, without the
+        # protocol check's cost: microseconds a run)
+        raise UsageTypeError(
+            f"policy must be a gf.SchedulingPolicy (with next_stream(device)), "
+            f"got {type(policy).__name__}"
+        )
+    stream = policy.next_stream(device)
+    if not isinstance(stream, Stream):
+        raise UsageTypeError(
+            f"{policy!r}.next_stream() returned {type(stream).__name__}, not a Stream"
+        )
+    return stream
+
+
+def _choose(
+    op: DeviceOperation[Any], policy: SchedulingPolicy | None, device: int, can_wait: bool
+) -> tuple[Stream | None, SchedulingPolicy]:
+    """The stream of a run of ``op`` on ``device``, and the policy its zip
+    arms fork with: the stream of the innermost stream lease of the device
+    where ``policy`` is None, else what ``policy`` (the default policy
+    where None) gives.  None for the stream where the policy is a
+    :class:`StreamPoolLeastLoaded` with no stream idle (or awaits already
+    waiting for one) and the run ``can_wait``: an await then waits for one
+    (:func:`_idle_stream`)."""
+    if policy is None:
+        for scope in reversed(current_scopes.get()):
+            s = scope.stream
+            # a lease of another device does not apply (a device group's child)
+            if s is not None and s.device == device:
+                return s, _Pinned(s)
+        policy = DEFAULT_POLICY
+    if isinstance(policy, StreamPoolLeastLoaded):
+        home = op._stream_home(device) if op._has_home else None
+        if not can_wait:
+            return policy.next_stream(device, home), policy
+        if get_runtime().dispatcher.stream_waiters(device):
+            return None, policy  # (behind the awaits that came first)
+        return policy.idle_stream(device, home), policy
+    return _chosen(policy, device), policy
+
+
+async def _idle_stream(
+    op: DeviceOperation[Any], policy: StreamPoolLeastLoaded, device: int
+) -> Stream:
+    """Wait, in turn with the other awaits of ``device`` that found every
+    stream busy, for one of its streams to go idle (cancellable: nothing is
+    enqueued yet).  The first in turn looks again at least every
+    ``stall_s`` seconds, whoever was to say that a stream went idle."""
+    d = get_runtime().dispatcher
+    home = op._stream_home(device) if op._has_home else None
+    ticket = d.wait_for_stream(device)
+    used = False
+    try:
+        while True:
+            # (first after joining: a stream that went idle before woke nobody)
+            if d.stream_turn(device, ticket):
+                stream = policy.idle_stream(device, home)
+                if stream is not None:
+                    used = True
+                    return stream
+                if ticket.handed:  # woken, and a run that could not wait took it
+                    d.leave_stream_queue(device, ticket, used=True)
+                    ticket = d.wait_for_stream(device, first=True)  # (first again)
+            with anyio.move_on_after(policy.stall_s):
+                await ticket.event.wait()
+    finally:
+        d.leave_stream_queue(device, ticket, used)
+
+
+def _start(
+    op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
+) -> tuple[Runtime, Run, ExecutionContext]:
+    """Begin a run of ``op`` on ``stream``, or where none is given, on the
+    one :func:`_choose` gives (that cannot wait); the run's zip arms fork
+    with ``policy`` (the default policy where None)."""
+    if stream is None:
+        stream, policy = _choose(op, policy, current_device(), False)
+        assert stream is not None
+    elif not isinstance(stream, Stream):
+        raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
+    rt, run = _begin(op, stream)
+    return rt, run, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, run)
+
+
+def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
+    """The checks of a run of ``op`` on ``stream`` and the run, which the
+    scopes the task runs in track from now on."""
+    if capture_log.get() is not None:
+        refuse_in_capture(_Running(op))
+    rt = stream._runtime
+    rt.check_startable(stream)
+    if _finalizers.queue:  # frees of arrays dropped since the last run
+        _finalizers.run_finalized()
+    run = Run(stream._device)
+    for scope in current_scopes.get():
+        scope.track(run)
+    return rt, run
+
+
+# -- the blocking runs and enqueue_on ---------------------------------------------------
+
+
+def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
+    refuse_blocking("op.sync()", "in async code, `await op` (or `await op.run(policy)`)")
+    return _sync(op, None, policy)
+
+
+def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+    refuse_blocking(
+        "op.sync_on(stream)",
+        "in async code, `op.enqueue_on(stream)` and then `await gf.wait_stream(stream)`",
+    )
+    return _sync(op, stream, None)
+
+
+def _traced(op: DeviceOperation[Any], how: str, stream: Stream, run: Run) -> _trace.TracedRun:
+    traced = _trace.begin(op, how, stream)
+    run.add_done_callback(traced.gpu_done)  # before anyone else can finish it
+    return traced
+
+
+def _sync(
+    op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
+) -> Any:
+    _rt, run, ctx = _start(op, stream, policy)
+    stream = ctx.stream
+    traced = _traced(op, "sync", stream, run) if _trace.active else None
+    # a blocking run is never handed to the dispatcher: count it on its
+    # stream, so that the default policy sees that stream as busy meanwhile
+    stream.begin_blocking()
+    try:
+        out = _sync_run(op, stream, run, ctx, traced)
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
+        raise
+    finally:
+        stream.end_blocking()
+        stream._runtime.dispatcher.stream_freed(stream.device)
+    if traced is not None:
+        traced.ended(None)
+    return out
+
+
+def _sync_run(
+    op: DeviceOperation[Any],
+    stream: Stream,
+    run: Run,
+    ctx: ExecutionContext,
+    traced: _trace.TracedRun | None,
+) -> Any:
+    dispatcher = stream._runtime.dispatcher
+    try:
+        out = op.execute(ctx)
+    except BaseException:
+        # what was enqueued finishes before what it uses is released
+        try:
+            stream.synchronize()
+        finally:
+            dispatcher.finish(run)
+        raise
+    if traced is not None:
+        traced.enqueued()
+    try:
+        stream.synchronize()
+    finally:
+        dispatcher.finish(run)
+    if run.error is not None:  # a communicator aborted under the run
+        raise run.error
+    return out if out is None else resolve(out)
+
+
+def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+    rt, run, ctx = _start(op, stream, None)
+    traced = _traced(op, "enqueue_on", stream, run) if _trace.active else None
+    try:
+        out = op.execute(ctx)
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
+        raise
+    finally:
+        rt.dispatcher.submit(stream._raw, run, polled=False)  # (no task awaits it)
+    if traced is not None:
+        traced.ended(None)
+    if is_pending(out):
+        if has_map(out):
+            raise UsageError(
+                "enqueue_on() cannot apply map() to host data the GPU is still copying: "
+                "use sync_on() or await"
+            )
+        return resolve(out)
+    return out
+
+
+def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
+    """Hand ``run``, a run on another library's stream, to the dispatcher.
+    Where that stream takes no mark, the run (which enqueued nothing) is
+    finished with the error."""
+    try:
+        rt.dispatcher.submit(stream._raw, run, True)
+    except BaseException as exc:
+        if not run.done:  # refused (a fault fails it instead)
+            rt.dispatcher.finish(run, exc)
+        raise
+
+
+# -- the await ----------------------------------------------------------------------------
+
+
+def await_run(
+    op: DeviceOperation[Any], policy: SchedulingPolicy | None = None
+) -> Generator[Any, None, Any]:
+    """``await op`` (``op.run(policy)``): start a run, enqueue it, mark it,
+    wait for it, resolve its output.
+
+    The common case on a straight line: nothing unusual on
+    (:data:`._unusual.UNUSUAL`), no policy given, an ordinary operation,
+    nothing for the finalizers; an idle stream of the default policy's; a
+    device without a fault.  An operation that waits for another library's
+    stream alone (``gf.wait_stream(s)``) takes a line of its own beside it:
+    its run is marked on that stream, and enqueues nothing else.  Anything
+    else takes :func:`_await_long`."""
+    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:
+        return (yield from _await_long(op, policy))
+    loop = current_loop()
+    # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
+    if loop.may_be_cancelled():
+        yield from loop.checkpoint_if_cancelled().__await__()
+    rt = CURRENT.runtime or get_runtime()
+    home = op._stream_alone() if op._awaited_alone else None
+    if home is not None:
+        # another library's stream: nothing is enqueued but the run's mark there
+        if not rt.startable(home):
+            return (yield from _await_long(op, policy, loop))
+        run = Run(home._device)
+        run.hold((op,))  # (what it names is used until the mark is reached)
+        _submit_foreign(rt, home, run)
+        yield from _wait(run, loop)
+        return None
+    device = current_device_var.get()
+    if device is None:
+        device = rt.default_device
+    stream = None if rt.dispatcher.waiting else DEFAULT_POLICY.idle_stream(device)
+    if stream is None or not rt.startable(stream):
+        return (yield from _await_long(op, policy, loop))
+    run = Run(device)
+    out: Any = None
+    direct = op._direct
+    lane = stream._lane
+    assert lane is not None  # (every pool stream has one)
+    try:
+        if direct is not None and direct[0] is stream._life:
+            direct[1](stream._raw)  # (prepared once: a launch with its arguments final)
+        else:
+            out = op.execute(ExecutionContext(rt, stream, DEFAULT_POLICY, run))
+    except BaseException:
+        try:
+            lane.submit(run)
+        except Exception:  # the original failure is the one to report
+            pass
+        raise
+    yield from _wait(run, loop, lane)
+    return out if out is None else resolve(out)
+
+
+def _await_long(
+    op: DeviceOperation[Any], policy: SchedulingPolicy | None, loop: Loop | None = None
+) -> Generator[Any, None, Any]:
+    """``await op`` where something is unusual: a cancellation-point watcher,
+    a scope, a trace, a capture, a policy given, an operation that waits for
+    another library's stream alone or a collective, a stream to wait for."""
+    watcher = _cancel_points.watcher  # (a test's; None otherwise)
+    if watcher is not None:
+        yield from watcher(_cancel_points.BEFORE_ENQUEUE, op).__await__()
+    if loop is None:
+        loop = current_loop()
+        # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
+        if loop.may_be_cancelled():
+            yield from loop.checkpoint_if_cancelled().__await__()
+    out: Any = None
+    # an operation that waits for another library's stream and does nothing
+    # else completes on that stream itself: no stream of ours waits for it,
+    # and nothing is enqueued but the run's mark there
+    home = op._stream_alone() if op._awaited_alone else None
+    if home is not None:
+        rt, run = _begin(op, home)
+        run.hold((op,))  # (as on the straight line: used until the mark is reached)
+        traced = _traced(op, "await", home, run) if _trace.active else None
+        if traced is not None:
+            traced.enqueued()
+        try:
+            _submit_foreign(rt, home, run)
+        except BaseException as exc:
+            if traced is not None:
+                traced.ended(exc)
+            raise
+    else:
+        device = current_device()
+        chosen, run_policy = _choose(op, policy, device, True)
+        if chosen is None:  # (every stream busy: see StreamPoolLeastLoaded)
+            assert isinstance(run_policy, StreamPoolLeastLoaded)
+            chosen = yield from _idle_stream(op, run_policy, device).__await__()
+        rt, run, ctx = _start(op, chosen, run_policy)
+        stream = ctx.stream
+        traced = _traced(op, "await", stream, run) if _trace.active else None
+        try:
+            out = op.execute(ctx)
+        except BaseException as exc:
+            if traced is not None:
+                traced.ended(exc)
+            try:
+                rt.dispatcher.submit(stream._raw, run)
+            except Exception:  # the original failure is the one to report
+                pass
+            raise
+        del ctx  # (what the enqueue used: freed now, not when the GPU is done)
+        if traced is not None:
+            traced.enqueued()
+        rt.dispatcher.submit(stream._raw, run)
+    try:
+        if watcher is not None:
+            yield from watcher(_cancel_points.IN_FLIGHT, op).__await__()
+        yield from _wait(run, loop)
+    except BaseException as exc:
+        if traced is not None:
+            traced.ended(exc)
+        if run.comms is not None and not run.done:
+            # a collective left behind may wait for its peers for ever: abort
+            for comm in run.comms:
+                comm.abort(f"the await of {op!r} {ended_by(exc)} before its collectives did")
+        raise
+    if traced is not None:
+        traced.ended(None)
+    return out if out is None else resolve(out)
+
+
+class RunAwaitable:
+    """``op.run(policy)``: an awaitable that runs ``op`` with ``policy``."""
+
+    __slots__ = ("_op", "_policy")
+
+    def __init__(self, op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> None:
+        self._op = op
+        self._policy = policy
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return await_run(self._op, self._policy)
+

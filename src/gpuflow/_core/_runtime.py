@@ -1,0 +1,605 @@
+"""The process-wide runtime: one backend, its devices, their stream pools.
+
+:func:`init_device_contexts` makes it; the first use of gpuflow without it
+makes one with the defaults (``backend="auto"``), as CuPy and PyTorch
+initialise lazily.  The current device is a context variable, so each task
+(and each thread) sees its own, and a device group's children see theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NamedTuple
+
+from .._backends import Backend, load_backend
+from .._errors import DeviceFaultError, UsageError
+from ._completion import Dispatcher
+from ._finalizers import finalize_later, run_finalized, start_reaper
+from ._hazards import MemoryLedger
+from ._stream import Stream
+
+#: The device current in this task or thread (None: the runtime's default):
+#: :func:`current_device` and :func:`use_device` read and set it.
+current_device_var: ContextVar[int | None] = ContextVar("gpuflow_current_device", default=None)
+
+#: The most streams a device's pool grows to under the default policy: as
+#: many as CUDA's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which
+#: gpuflow sets to 32), so that no two pool streams share one.
+MAX_POOL_STREAMS = 32
+#: Other libraries' streams a runtime keeps a :class:`Stream` of at most
+#: (past it, they are made again on their next use).
+MAX_FOREIGN_STREAMS = 1024
+#: streams known by handle before the first sweep of dead ones
+_SWEEP_HANDLES_AT = 256
+#: How long an event loop with runs pending polls the GPU's completion words
+#: before it arms a wake-up and sleeps (see ``init_device_contexts``).
+DEFAULT_BUSY_POLL_US = 200.0
+BUSY_POLL_ENV = "GPUFLOW_BUSY_POLL_US"
+
+
+def _busy_poll_s(busy_poll_us: float | None) -> float:
+    """The busy-poll budget in seconds: the argument, else the environment's, else the default."""
+    where = "busy_poll_us"
+    if busy_poll_us is None:
+        env = os.environ.get(BUSY_POLL_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_BUSY_POLL_US / 1e6
+        where = BUSY_POLL_ENV
+        try:
+            busy_poll_us = float(env)
+        except ValueError:
+            raise UsageError(
+                f"{BUSY_POLL_ENV}={env!r} is not a number of microseconds"
+            ) from None
+    if isinstance(busy_poll_us, bool) or not isinstance(busy_poll_us, int | float):
+        raise UsageError(f"{where} must be a number of microseconds, not {busy_poll_us!r}")
+    if not 0 <= busy_poll_us < float("inf"):
+        raise UsageError(f"{where} must be 0 (no polling) or more microseconds, not {busy_poll_us}")
+    return float(busy_poll_us) / 1e6
+
+
+class Runtime:
+    """Backend, devices and stream pools.  Internal: reach it through the API."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        default_device: int,
+        devices: list[int],
+        streams_per_device: int,
+        busy_poll_s: float = DEFAULT_BUSY_POLL_US / 1e6,
+    ) -> None:
+        start_reaper()  # (its arrays' and streams' finalizers leave work for it)
+        self.backend = backend
+        self.default_device = default_device
+        self.devices = devices
+        self.streams_per_device = streams_per_device
+        self.live = True
+        self._lock = threading.Lock()
+        self._generations = {d: 0 for d in devices}
+        #: per device: an identity of its context's current life (a reset
+        #: makes a new one), which a stream keeps: one comparison says that
+        #: what was loaded for one stream serves another
+        self._lives = {d: object() for d in devices}
+        #: per device: the backend's state of it, whose ``fault`` every run
+        #: checks (the same object for the backend's life)
+        self._states = {d: backend._device_state(d) for d in devices}
+        self._pools: dict[int, list[Stream]] = {}
+        #: per device: the pool, then the streams grow() added (append only):
+        #: what :meth:`streams` gives, read directly where a run starts
+        self.device_streams: dict[int, list[Stream]] = {}
+        #: stream-lease bookkeeping per (device, generation), owned by _scope
+        self.lease_pools: dict[tuple[int, int], Any] = {}
+        #: every live stream of this runtime, by its handle (__cuda_stream__):
+        #: a weak reference each, not a WeakValueDictionary, whose lookup of
+        #: a handle it lacks (every other library's stream, at each wait for
+        #: it) raises and catches a KeyError; dead ones go as it grows
+        self._handles_lock = threading.Lock()  # (reset_device holds _lock when it adopts)
+        self._by_handle: dict[int, weakref.ref[Stream]] = {}
+        self._by_handle_sweep_at = _SWEEP_HANDLES_AT
+        #: the Stream of each backend stream of another library used so far
+        #: (a Stream is equal only to itself: one backend stream has one)
+        self._foreign: dict[Any, Stream] = {}
+        #: the private stream of each device for other libraries' arrays
+        self._interop: dict[tuple[int, int], Stream] = {}
+        #: per device: backend streams made ahead (see _make_pool)
+        self._spares: dict[int, list[Any]] = {}
+        #: the bytes and number of the allocations made through this runtime
+        self.memory = MemoryLedger()
+        self.dispatcher = Dispatcher(backend, busy_poll_s)
+        for d in devices:
+            self._make_pool(d)
+
+    def _make_pool(self, device: int) -> None:
+        be = self.backend
+        if be.setup_waits_for_idle:
+            # creating a stream can block the calling thread until the device
+            # is idle (CUDA, when the driver grows its own pool of streams:
+            # seen on the H200, 0.19 s behind a kernel of another stream):
+            # every stream the pool may grow into, and the interop stream,
+            # are made now, before any work runs
+            count = max(self.streams_per_device, MAX_POOL_STREAMS) + 1
+            self._spares[device] = [be.create_stream(device) for _ in range(count)]
+        pool = [
+            self.adopt(device, self.new_raw_stream(device)) for _ in range(self.streams_per_device)
+        ]
+        self._pools[device] = pool
+        self.device_streams[device] = list(pool)
+
+    def new_raw_stream(self, device: int) -> Any:
+        """A backend stream of ``device``: one made ahead, while there is one."""
+        spares = self._spares.get(device)
+        if spares:
+            try:
+                return spares.pop()
+            except IndexError:  # taken by another thread meanwhile
+                pass
+        return self.backend.create_stream(device)
+
+    def adopt(self, device: int, raw: Any) -> Stream:
+        """The :class:`Stream` of a backend stream just made, known by its handle."""
+        s = Stream(self, device, raw)
+        s._lane = self.dispatcher.lane(raw, device)
+        try:
+            handle = self.backend.stream_handle(raw)
+        except Exception:  # a backend without handles: no other library can name it
+            return s
+        with self._handles_lock:
+            by_handle = self._by_handle
+            if len(by_handle) >= self._by_handle_sweep_at:
+                for h in [h for h, ref in by_handle.items() if ref() is None]:
+                    del by_handle[h]
+                self._by_handle_sweep_at = max(_SWEEP_HANDLES_AT, 2 * len(by_handle))
+            by_handle[handle] = weakref.ref(s)
+        return s
+
+    def foreign_stream(self, raw: Any, device: int) -> Stream:
+        """The :class:`Stream` of another library's backend stream ``raw``."""
+        s = self._foreign.get(raw)
+        if s is not None and s._life is self._lives.get(device):
+            return s
+        with self._handles_lock:
+            if len(self._foreign) >= MAX_FOREIGN_STREAMS:
+                for old in self._foreign:  # (made again on their next use)
+                    self.dispatcher.retire_stream(old)
+                self._foreign.clear()
+            s = self._foreign[raw] = Stream(self, device, raw)
+            s._lane = self.dispatcher.lane(raw, device)
+        return s
+
+    def own_streams(self) -> list[Stream]:
+        """gpuflow's own live streams (every one made where the backend has handles)."""
+        with self._handles_lock:
+            refs = list(self._by_handle.values())
+        return [s for s in (ref() for ref in refs) if s is not None]
+
+    def stream_by_handle(self, handle: int) -> Stream | None:
+        """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
+        ref = self._by_handle.get(handle)
+        return None if ref is None else ref()
+
+    def current(self, stream: Stream) -> bool:
+        """Whether ``stream`` belongs to this runtime, live, and to its
+        device's context as it is now (not one a reset replaced)."""
+        return self.live and stream._life is self._lives.get(stream._device)
+
+    def is_interop(self, stream: Stream) -> bool:
+        """Whether ``stream`` is a device's interop stream (never makes one)."""
+        return self._interop.get((stream.device, stream._generation)) is stream
+
+    def interop_stream(self, device: int) -> Stream:
+        """The private stream of ``device`` on which other libraries' arrays arrive.
+
+        What is enqueued on it is waits for other libraries' pending work
+        (and host copies of DLPack exports to the host): gpuflow never makes
+        it the last writer of memory it frees, so waiting for it waits for
+        arrivals only.  One a device (and context generation), made on first use.
+        """
+        key = (device, self.generation(device))
+        s = self._interop.get(key)
+        if s is not None:
+            return s
+        self.check_device(device)
+        made = self.adopt(device, self.new_raw_stream(device))
+        with self._handles_lock:
+            s = self._interop.get(key)
+            if s is None:
+                for stale in [k for k in self._interop if k[0] == device]:
+                    del self._interop[stale]  # made before a reset: invalid now
+                s = self._interop[key] = made
+                return s
+        self.backend.destroy_stream(made._raw)  # another thread made it first
+        return s
+
+    def generation(self, device: int) -> int:
+        return self._generations.get(device, 0)
+
+    def check_device(self, device: int) -> int:
+        known = isinstance(device, int) and not isinstance(device, bool)
+        if not known or device not in self._generations:
+            raise UsageError(
+                f"device {device} is not initialised (devices: {self.devices}); "
+                "see gf.init_device_contexts(num_devices=...)"
+            )
+        return device
+
+    def pool(self, device: int) -> list[Stream]:
+        """The ``streams_per_device`` streams made with the device's context:
+        what round robin deals and stream leases take."""
+        try:
+            return self._pools[device]
+        except KeyError:
+            self.check_device(device)
+            raise
+
+    def streams(self, device: int) -> list[Stream]:
+        """The pool followed by the streams :meth:`grow` added; the list only
+        grows (in place), until a reset of the device replaces it."""
+        try:
+            return self.device_streams[device]
+        except KeyError:
+            self.check_device(device)
+            raise
+
+    def grow(self, device: int, limit: int) -> Stream | None:
+        """Add a stream to ``device``'s streams unless it has ``limit`` already;
+        the new stream, or None.  Added streams live as long as the pool."""
+        with self._lock:
+            streams = self.device_streams.get(device)
+            if streams is None or len(streams) >= limit or not self.live:
+                return None
+            s = self.adopt(device, self.new_raw_stream(device))
+            streams.append(s)
+            return s
+
+    def startable(self, stream: Stream) -> bool:
+        """Whether a run may start on ``stream`` (:meth:`check_startable`
+        says why not)."""
+        state = self._states.get(stream._device)
+        return (
+            state is not None
+            and state.fault is None
+            and self.live
+            and stream._life is self._lives[stream._device]
+        )
+
+    def check_startable(self, stream: Stream) -> None:
+        """A run may start on ``stream``: it is :meth:`current`, and its
+        device has no sticky fault (else the error that says which)."""
+        device = stream._device
+        state = self._states.get(device)
+        if (
+            state is not None
+            and state.fault is None
+            and self.live
+            and stream._life is self._lives[device]
+        ):
+            return
+        if not self.current(stream):
+            raise UsageError(
+                f"{stream!r} belongs to a runtime or device context that was replaced or reset"
+            )
+        self.check_fault(device)
+
+    def check_fault(self, device: int) -> None:
+        state = self._states.get(device)
+        fault = state.fault if state is not None else self.backend.device_fault(device)
+        if fault is not None:
+            raise DeviceFaultError(
+                f"device {device} has a sticky fault; call gf.reset_device({device}) "
+                f"to recover: {fault}",
+                code=fault.code,
+                name=fault.name,
+                device=device,
+            ) from fault
+
+    def reset_device(self, device: int) -> None:
+        self.check_device(device)
+        with self._lock:
+            self.dispatcher.fail_device(
+                device,
+                DeviceFaultError(f"device {device} was reset with work pending", device=device),
+            )
+            # raises (and changes nothing of ours) where the driver refuses
+            self.backend.reset_device(device)
+            self._spares.pop(device, None)  # gone with the context
+            self._pools.pop(device, None)
+            old = self.device_streams.pop(device, [])
+            self._generations[device] += 1
+            self._lives[device] = object()
+            self._make_pool(device)
+        with self._handles_lock:  # other libraries' streams there: named anew from now
+            for raw in [raw for raw, s in self._foreign.items() if s._device == device]:
+                self.dispatcher.retire_stream(raw)
+                del self._foreign[raw]
+        for s in old:
+            self.backend.destroy_stream(s._raw)
+
+    def close(self, backend: bool = True) -> None:
+        """Retire this runtime (its arrays and streams become invalid); close
+        its backend too unless the runtime replacing it goes on with it."""
+        run_finalized()  # (frees of its arrays, in stream order, while it is live)
+        self.live = False
+        self.dispatcher.close()
+        # the streams it made go with it (work still on them completes first;
+        # a stream given out by new_stream goes with its last reference)
+        be = self.backend
+        with self._lock:
+            made = [raw for spares in self._spares.values() for raw in spares]
+            made += [s._raw for streams in self.device_streams.values() for s in streams]
+            made += [s._raw for s in self._interop.values()]
+            self._spares.clear()
+        for raw in made:
+            self.dispatcher.retire_stream(raw)
+            be.destroy_stream(raw)
+        if backend:
+            be.close()
+
+
+class _Current:
+    """The runtime in use: an attribute every run reads where it starts (no
+    call); :func:`get_runtime` makes one where there is none yet."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+
+
+CURRENT = _Current()
+_runtime_lock = threading.Lock()
+
+#: Called with each new runtime, before it is used (``gpuflow._kernel`` loads
+#: the modules compiled so far where loading can wait for an idle device).
+runtime_started: list[Callable[[Runtime], None]] = []
+
+
+def init_device_contexts(
+    default_device: int = 0,
+    num_devices: int | None = None,
+    streams_per_device: int = 4,
+    backend: str | Backend = "auto",
+    *,
+    busy_poll_us: float | None = None,
+) -> str:
+    """Initialise gpuflow: choose the backend, the devices and their stream pools.
+
+    ``backend`` is ``"auto"``, ``"cuda"``, ``"sim"``, the name of a backend
+    registered with :func:`gpuflow.lowlevel.register_backend`, or a
+    :class:`gpuflow.lowlevel.Backend` instance (tests and benchmarks give
+    one of their own).  ``"auto"`` (also what the first use of gpuflow
+    without this call picks) is the backend the ``GPUFLOW_BACKEND``
+    environment variable names where it is set (``GPUFLOW_BACKEND=sim``
+    runs a program written for a GPU on the simulation; a name that is no
+    backend is a :class:`UsageError`), else ``cuda`` when the CUDA driver
+    reports a device, else ``sim``.  Falling back to ``sim`` on a machine
+    whose CUDA driver is installed but unusable (``cuInit`` fails, or GPU
+    device files exist but the driver sees no device) raises a
+    :class:`RuntimeWarning` that says why, with the driver's error code and
+    name: the program would otherwise run every kernel as its NumPy
+    reference without a word.  With no driver at all the choice is only
+    logged.  ``num_devices=None`` takes every device.  Calling it again
+    replaces the runtime; arrays and streams made before belong to the old
+    one.  Returns the name of the backend chosen (also logged on the
+    ``gpuflow`` logger).
+
+    ``busy_poll_us`` is how long an event loop that awaits GPU work keeps
+    reading the GPU's completion words, once per loop turn, before it arms a
+    wake-up and sleeps in its selector (``None``: the ``GPUFLOW_BUSY_POLL_US``
+    environment variable, else 200).  Polling completes a short run within a
+    few microseconds of the GPU finishing it; the wake-up costs tens of
+    microseconds more but no CPU.  ``0`` turns polling off.  A loop busy with
+    other tasks reads the words once per turn either way.
+    """
+    poll_s = _busy_poll_s(busy_poll_us)
+    if not isinstance(streams_per_device, int) or streams_per_device < 1:
+        raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
+    if num_devices is not None and (not isinstance(num_devices, int) or num_devices < 1):
+        raise UsageError(f"num_devices must be a positive int or None, not {num_devices!r}")
+    be = load_backend(backend, num_devices)
+    given = be is backend  # the caller's instance: closed by its runtime, not on an error here
+    count = be.device_count
+    if num_devices is not None and num_devices > count:
+        if not given:
+            be.close()
+        raise UsageError(f"num_devices={num_devices}, but backend {be.name!r} has {count}")
+    n = count if num_devices is None else num_devices
+    if not 0 <= default_device < n:
+        if not given:
+            be.close()
+        raise UsageError(f"default_device={default_device} is not one of the {n} devices")
+    rt = Runtime(be, default_device, list(range(n)), streams_per_device, poll_s)
+    for started in runtime_started:
+        started(rt)
+    with _runtime_lock:
+        old, CURRENT.runtime = CURRENT.runtime, rt
+    if old is not None:
+        old.close(backend=old.backend is not be)
+    return be.name
+
+
+#: How long a process that exits waits for the GPU work still pending.
+EXIT_DRAIN_S = 5.0
+#: How long it waits before it says so (most work pending at exit is short).
+EXIT_QUIET_S = 0.1
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    # What pending runs keep (another library's memory, whose DLPack deleter
+    # may need a live interpreter) is released by the dispatcher thread when
+    # the GPU is done: let it finish before the interpreter goes away, rather
+    # than from a daemon thread during finalization (on the H200, PyTorch's
+    # deleter called then aborted the process at exit).  A wait that is not
+    # over at once says so, and a Ctrl-C ends it: the process then exits
+    # with that memory still held, which the driver reclaims with the
+    # process (a leak, never a free under running work).
+    rt = CURRENT.runtime
+    if rt is None:
+        return
+    try:
+        run_finalized()
+        dispatcher = rt.dispatcher
+        if dispatcher.drain(EXIT_QUIET_S):
+            return
+        print(
+            f"gpuflow: waiting up to {EXIT_DRAIN_S:g} s for {dispatcher.pending} run(s) still "
+            "on the GPU, so that what they use is released in order; press Ctrl-C again "
+            "to exit now (the driver then reclaims that memory with the process)",
+            file=sys.stderr,
+            flush=True,
+        )
+        dispatcher.drain(EXIT_DRAIN_S)
+    except KeyboardInterrupt:
+        pass
+
+
+def get_runtime() -> Runtime:
+    rt = CURRENT.runtime
+    if rt is None:
+        with _runtime_lock:
+            rt = CURRENT.runtime
+        if rt is None:
+            init_device_contexts()
+            rt = CURRENT.runtime
+            assert rt is not None
+    return rt
+
+
+def current_runtime() -> Runtime | None:
+    """The runtime in use, or None before the first use (never makes one)."""
+    return CURRENT.runtime
+
+
+def current_device() -> int:
+    """The device that operations started from this task or thread run on."""
+    d = current_device_var.get()
+    return get_runtime().default_device if d is None else d
+
+
+def device_count_option(text: str) -> int:
+    """The number of devices a command line asks for (``--devices N``,
+    ``--gpuflow-devices N``): a positive int, else argparse's error, which
+    says what was given."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of devices, not {text!r}")
+    return n
+
+
+def device_count() -> int:
+    """How many devices gpuflow runs on (those :func:`init_device_contexts` took)."""
+    return len(get_runtime().devices)
+
+
+@contextmanager
+def use_device(device: int) -> Iterator[int]:
+    """Make ``device`` current for operations started inside the ``with`` block.
+
+    The current device is a context variable: it applies to this task or
+    thread (and to tasks started from it), never to others, and is restored
+    on exit however the block is left.
+    """
+    get_runtime().check_device(device)
+    token = current_device_var.set(device)
+    try:
+        yield device
+    finally:
+        current_device_var.reset(token)
+
+
+def new_stream(device: int | None = None) -> Stream:
+    """A new stream of its own on ``device`` (default: the current device).
+
+    The stream is destroyed when the last reference to it goes; work already
+    enqueued on it still completes.
+    """
+    rt = get_runtime()
+    dev = rt.check_device(current_device() if device is None else device)
+    raw = rt.new_raw_stream(dev)
+    s = rt.adopt(dev, raw)
+    weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s._final)
+    return s
+
+
+def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
+    """A dropped stream's lane, then the stream (its finalizer's work, done
+    later: :mod:`._finalizers`).  ``final`` gets an event recorded after all
+    its work: a collection that finds the stream unreachable together with
+    an array it used retires the stream first, and the array's free, still
+    ordered after that use, waits for this event."""
+    try:
+        rt.dispatcher.retire_stream(raw)
+    except Exception as exc:  # never from a finalizer
+        warnings.warn(f"gpuflow: signalling a stream being destroyed failed: {exc!r}",
+                      stacklevel=1)
+    try:
+        final.append(rt.backend.record_event(raw))
+    except Exception:  # a faulted device: what still waits for it leaks
+        pass
+    rt.backend.destroy_stream(raw)
+
+
+def current_backend() -> str:
+    """The name of the backend in use (``"cuda"`` or ``"sim"``)."""
+    return get_runtime().backend.name
+
+
+class MemoryStats(NamedTuple):
+    """Device memory of one device, as :func:`memory_stats` reports it."""
+
+    device: int
+    #: bytes of the arrays gpuflow allocated that are still alive (as
+    #: ``torch.cuda.memory_allocated`` or CuPy's ``MemoryPool.used_bytes``)
+    in_use_bytes: int
+    #: bytes the backend holds for the device: on ``cuda`` the memory pool's
+    #: reserved memory (freed memory stays in the pool for reuse, as
+    #: ``torch.cuda.memory_reserved``); on ``sim`` what is not yet freed in
+    #: stream order; None where a backend cannot tell
+    reserved_bytes: int | None
+    #: how many of gpuflow's allocations are alive
+    live_allocations: int
+
+
+def memory_stats(device: int | None = None) -> MemoryStats:
+    """How much memory of ``device`` (default: the current device) gpuflow uses.
+
+    ``in_use_bytes`` and ``live_allocations`` count the arrays gpuflow
+    allocated and a program (or GPU work still running) still holds; an
+    array stops counting as soon as its last reference goes, although its
+    memory is freed only after the work enqueued before that (in stream
+    order), which ``reserved_bytes`` shows.  Another library's memory taken
+    with :func:`gpuflow.from_dlpack` is not counted.  On ``cuda`` the
+    reserved bytes are the device's default memory pool's, which other
+    libraries allocating from that pool share.  The counts are of the
+    current runtime (:func:`init_device_contexts` starts new ones).  Any
+    thread; cheap enough to poll.
+    """
+    rt = get_runtime()
+    dev = rt.check_device(current_device() if device is None else device)
+    run_finalized()  # (so that reserved_bytes sees the frees of arrays dropped so far)
+    nbytes, count = rt.memory.totals(dev)
+    return MemoryStats(dev, nbytes, rt.backend.memory_reserved(dev), count)
+
+
+def reset_device(device: int | None = None) -> None:
+    """Recover ``device`` (default: the current one) from a sticky fault.
+
+    Pending operations on it fail with :class:`DeviceFaultError`; its pool
+    streams are replaced; arrays and kernels made on it before are invalid
+    (as after CUDA's primary context reset).
+    """
+    rt = get_runtime()
+    rt.reset_device(current_device() if device is None else device)

@@ -1,0 +1,148 @@
+"""Streams: handles on one backend stream of one device.
+
+gpuflow makes streams in exactly two places, both in :mod:`._runtime`: the
+per-device pool that :func:`init_device_contexts` creates, and
+:func:`new_stream`.  Operations never create streams; a scheduling policy
+(:mod:`._policy`) picks one per run.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from . import _finalizers
+from ._loops import refuse_blocking
+
+if TYPE_CHECKING:
+    from ._completion import Lane
+    from ._runtime import Runtime
+
+_blocking_lock = threading.Lock()
+
+
+class Stream:
+    """A device stream: work enqueued on it runs in order.
+
+    Hashable; there is one ``Stream`` object for each underlying stream
+    (``copy`` returns it), so two are equal when they are the same stream.
+    Safe to use from any thread.  Implements
+    ``__cuda_stream__``, so CuPy, PyTorch and cuda.core can enqueue on it
+    (``torch.cuda.ExternalStream``, ``cupy.cuda.ExternalStream``); on
+    ``sim`` its handle maps back to the simulated stream, for
+    :func:`gpuflow.wait_stream` and the array protocols.
+    """
+
+    __slots__ = (
+        "__weakref__", "_device", "_final", "_generation", "_lane", "_life", "_raw",
+        "_runtime", "_syncs", "leased",
+    )  # fmt: skip
+
+    def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
+        self._runtime = runtime
+        self._device = device
+        self._raw = raw
+        self._generation = runtime.generation(device)
+        self._life = runtime._lives[device]  # (see Runtime._lives)
+        #: blocking runs (``sync``, ``sync_on``) on this stream now: the
+        #: dispatcher never sees them, a scheduling policy should
+        self._syncs = 0
+        #: the dispatcher's record of the stream's marks (set by the runtime)
+        self._lane: Lane | None = None
+        #: held by a stream lease: the default policy gives it to no other run
+        self.leased = False
+        #: once the stream is destroyed, an event recorded after all its work
+        #: (what a free still ordered after a use on it waits for)
+        self._final: list[Any] = []
+
+    @property
+    def device(self) -> int:
+        """The ordinal of the stream's device."""
+        return self._device
+
+    def current(self) -> bool:
+        """The stream belongs to the runtime in use and to its device's
+        context as it is now (not one that a reset or a new
+        :func:`gpuflow.init_device_contexts` replaced)."""
+        return self._runtime.current(self)
+
+    # -- what a scheduling policy asks (reads without a lock: a race with the
+    # GPU or another thread makes an answer slightly stale, never unsafe)
+    def idle(self) -> bool:
+        """Nothing is pending on the stream: the GPU has reached the end of
+        every run enqueued on it, and no blocking run (``sync``) is in
+        flight there.  At most a read of its completion word, no driver call."""
+        lane = self._lane
+        # (what lane.idle() says, without the call: every run asks this)
+        return not self._syncs and (
+            lane is None
+            or (
+                not lane.unmarked
+                and (lane.completed >= lane.issued or lane.read() >= lane.issued)
+            )
+        )
+
+    def load(self) -> int:
+        """How many runs on the stream the GPU has not finished (blocking
+        runs in flight included)."""
+        lane = self._lane
+        return self._syncs + (0 if lane is None else lane.backlog())
+
+    def stalled(self, since: float) -> bool:
+        """The stream has runs pending and finished none since ``since``
+        (``time.monotonic``): it is running long work."""
+        lane = self._lane
+        return lane is not None and lane.since < since and lane.read() <= lane.completed
+
+    def begin_blocking(self) -> None:
+        """A blocking run (``sync``) starts on the stream: it counts as busy
+        until :meth:`end_blocking` (the dispatcher never sees such a run)."""
+        with _blocking_lock:
+            self._syncs += 1
+
+    def end_blocking(self) -> None:
+        """The blocking run that :meth:`begin_blocking` counted has ended."""
+        with _blocking_lock:
+            self._syncs -= 1
+
+    def synchronize(self) -> None:
+        """Block the calling thread until all work enqueued on the stream is done.
+
+        Raises :class:`DeviceFaultError` if the device faulted, and
+        :class:`UsageError` in a thread that runs an event loop, which it
+        would stop: there, ``await gf.wait_stream(stream)`` waits for the
+        same work without blocking.  The frees of arrays dropped before the
+        call are enqueued first (on their own streams), so the memory of one
+        dropped on this stream is freed when it returns.
+        """
+        refuse_blocking(
+            "stream.synchronize()", "in async code, `await gf.wait_stream(stream)`"
+        )
+        _finalizers.run_finalized()  # (at once where nothing is left)
+        lane = self._lane
+        if lane is not None and lane.unmarked:  # (its runs are done on return)
+            lane.dispatcher.mark_owed(lane)
+        self._runtime.backend.synchronize(self._raw)
+
+    @property
+    def raw(self) -> Any:
+        """The backend's own stream object, for code that calls the backend
+        directly (:mod:`gpuflow.lowlevel`): operations enqueue on
+        ``ctx.stream.raw`` through ``ctx.backend``."""
+        return self._raw
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: ``(version, CUstream address)``."""
+        return (0, self._runtime.backend.stream_handle(self._raw))
+
+    # one Stream object for each backend stream, so that a Stream is equal
+    # (and hashes equal) only to itself: hazard tracking keys its sets and
+    # dicts by streams, and identity is what makes that cost nothing
+    def __copy__(self) -> Stream:
+        return self
+
+    def __deepcopy__(self, memo: object) -> Stream:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<gpuflow.Stream device={self._device} {self._raw!r}>"

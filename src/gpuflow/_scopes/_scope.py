@@ -1,0 +1,324 @@
+"""Structured lifetimes: stream leases and device groups.
+
+Every run started inside a scope (in its task or in tasks started from it)
+is tracked by the scope through a context variable.  Leaving the scope —
+normally, by an exception or by cancellation — waits, shielded, until the
+GPU has finished every tracked run, and only then gives back what the scope
+held.  Nothing enqueued outlives its scope.  Except for Ctrl-C: a scope
+left by the user's interrupt (:func:`._loops.interrupted`) lets it through
+at once; what the GPU still uses stays alive until it is done, as for a
+cancelled await, and the process's exit waits for it (``_runtime``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from .._core import (
+    Handoff,
+    Run,
+    Runtime,
+    Stream,
+    cancel_points,
+    current_device,
+    current_device_var,
+    current_runtime,
+    ended_by,
+    enter_scope,
+    get_runtime,
+    interrupted,
+    leave_scope,
+)
+from .._errors import UsageError
+
+_PRUNE_AT = 64
+
+
+class Tracked:
+    """The runs started inside a scope that may still be running."""
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: list[Run] = []
+
+    def track(self, run: Run) -> None:
+        runs = self._runs
+        if len(runs) >= _PRUNE_AT:
+            runs[:] = [s for s in runs if not s.done]
+        runs.append(run)
+
+    async def drain(self) -> None:
+        """Wait until every tracked run is done: shielded from cancellation,
+        except for runs with collectives, which may wait for a peer for ever:
+        a cancellation of the wait for one aborts its communicators (their
+        collectives then return), and the wait goes on shielded."""
+        try:
+            for run in [s for s in self._runs if s.comms is not None]:
+                if not run.done:
+                    try:
+                        await run.wait()
+                    except Exception:
+                        pass  # the run's own awaiter reports its failure
+        except BaseException as exc:
+            for run in self._runs:
+                if run.comms is not None and not run.done:
+                    for comm in run.comms:
+                        comm.abort(f"a scope's wait for its collectives {ended_by(exc)}")
+            await self._drain_shielded()
+            raise
+        await self._drain_shielded()
+
+    async def _drain_shielded(self) -> None:
+        with anyio.CancelScope(shield=True):
+            while self._runs:
+                run = self._runs.pop()
+                if not run.done:
+                    try:
+                        await run.wait()
+                    except Exception:
+                        pass
+
+    def pending(self) -> int:
+        return sum(not s.done for s in self._runs)
+
+
+class _LeasePool:
+    """Which pool streams of one device are leased; fair, cross-thread waiting."""
+
+    def __init__(self, streams: list[Stream], freed: Callable[[int], None]) -> None:
+        self.free = list(streams)
+        self.waiters = Handoff()
+        self.lock = threading.Lock()
+        self.held = 0
+        #: told when a stream goes back to the pool (awaits may wait for one)
+        self._freed = freed
+
+    def release(self, stream: Stream) -> None:
+        with self.lock:
+            self.held -= 1
+            ticket = self.waiters.hand(stream)
+            if ticket is None:
+                stream.leased = False
+                self.free.append(stream)
+            else:
+                self.held += 1
+        if ticket is None:
+            self._freed(stream.device)
+        else:
+            ticket.wake()
+
+    def _take(self) -> Stream:
+        """The free stream the GPU is least busy with: one with nothing
+        pending where there is one (a lease must not start behind work it
+        does not depend on, such as what a cancelled await left running).
+        Under the lock."""
+        best = min(range(len(self.free)), key=lambda i: self.free[i].load())
+        stream = self.free.pop(best)
+        stream.leased = True
+        return stream
+
+    async def acquire(self) -> Stream:
+        with self.lock:
+            if self.free and not self.waiters:
+                self.held += 1
+                return self._take()
+            ticket = self.waiters.join()
+        try:
+            await ticket.event.wait()
+        except BaseException:
+            with self.lock:
+                handed = self.waiters.leave(ticket)
+            if handed:  # handed over just as we were cancelled: pass it on
+                self.release(ticket.value)
+            raise
+        stream: Stream = ticket.value
+        return stream
+
+
+_lease_pools_lock = threading.Lock()
+
+
+def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
+    # kept on the runtime: a replaced runtime takes its pools (and streams) along
+    key = (device, rt.generation(device))
+    with _lease_pools_lock:
+        pool: _LeasePool | None = rt.lease_pools.get(key)
+        if pool is None:
+            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device), rt.dispatcher.stream_freed)
+        return pool
+
+
+def leases_held() -> int:
+    """How many stream leases of the current runtime are held now, over every device."""
+    rt = current_runtime()
+    if rt is None:
+        return 0
+    with _lease_pools_lock:
+        return sum(p.held for p in rt.lease_pools.values())
+
+
+class StreamLease:
+    """One pool stream held by one scope (see :func:`open_stream_lease`)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._stream: Stream | None = None
+        self._tracked = Tracked()
+        self._pool: _LeasePool | None = None
+        self._token: Any = None
+
+    @property
+    def stream(self) -> Stream:
+        """The leased stream; operations awaited in the scope run on it, in order."""
+        if self._stream is None:
+            raise UsageError("the stream lease is not held (use it inside `async with`)")
+        return self._stream
+
+    def track(self, run: Run) -> None:
+        self._tracked.track(run)
+
+    async def __aenter__(self) -> StreamLease:
+        watcher = cancel_points.watcher
+        if watcher is not None:
+            await watcher(cancel_points.ENTER_LEASE)
+        rt = get_runtime()
+        rt.check_device(self.device)
+        self._pool = _lease_pool(rt, self.device)
+        self._stream = await self._pool.acquire()
+        self._token = enter_scope(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        leave_scope(self._token)
+        try:
+            if not interrupted(exc):
+                await self._tracked.drain()
+        finally:
+            stream, self._stream = self._stream, None
+            assert self._pool is not None and stream is not None
+            self._pool.release(stream)
+        watcher = cancel_points.watcher
+        if watcher is not None and exc_type is None:
+            # where a cancellation that came while the scope was left lands
+            # first: right after it, with nothing of the scope left to release
+            await watcher(cancel_points.LEAVE_LEASE)
+
+
+def open_stream_lease(device: int | None = None) -> StreamLease:
+    """Lease one stream of ``device``'s pool (default: the current device) for a scope.
+
+    ``async with gf.open_stream_lease() as lease:`` — operations awaited in
+    the scope, in this task and in tasks it starts, run on ``lease.stream``
+    in order (unless given an explicit policy).  Leaving the scope, however
+    it is left, waits (shielded) until the GPU has finished what the scope
+    enqueued, then returns the stream; left by Ctrl-C, it lets the
+    interrupt through at once instead (what the GPU still uses stays alive
+    until it is done).  Two leases never hold the same stream; when every
+    stream is leased, a new lease waits for one (fairly, FIFO).
+    """
+    return StreamLease(current_device() if device is None else device)
+
+
+class DeviceGroup:
+    """A task group for multi-device fan-out (see :func:`open_device_group`)."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._tracked = Tracked()
+        self._token: Any = None
+        self._next = 0
+
+    @property
+    def stream(self) -> Stream | None:
+        return None
+
+    def track(self, run: Run) -> None:
+        self._tracked.track(run)
+
+    def start_soon(
+        self,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        device: int | None = None,
+        name: object = None,
+    ) -> None:
+        """Start ``fn(*args)`` as a child task with ``device`` current.
+
+        ``device=None`` takes the group's devices in turn.  A failure in one
+        child cancels the others, as in any AnyIO task group.
+        """
+        if self._tg is None:
+            raise UsageError("start_soon() outside the device group's `async with`")
+        if device is None:
+            device = self.devices[self._next % len(self.devices)]
+            self._next += 1
+        elif device not in self.devices:
+            raise UsageError(f"device {device} is not in this group (devices {self.devices})")
+
+        async def child() -> None:
+            current_device_var.set(device)
+            await fn(*args)
+
+        self._tg.start_soon(child, name=name or getattr(fn, "__qualname__", None))
+
+    async def __aenter__(self) -> DeviceGroup:
+        watcher = cancel_points.watcher
+        if watcher is not None:
+            await watcher(cancel_points.ENTER_GROUP)
+        self._token = enter_scope(self)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None
+        raised = exc
+        try:
+            suppressed = await self._tg.__aexit__(exc_type, exc, tb)
+        except BaseException as group_exc:
+            raised = group_exc
+            raise
+        finally:
+            self._tg = None
+            leave_scope(self._token)
+            if not interrupted(raised):
+                await self._tracked.drain()
+        watcher = cancel_points.watcher
+        if watcher is not None and exc_type is None:
+            await watcher(cancel_points.LEAVE_GROUP)  # (as a stream lease's)
+        return suppressed
+
+
+def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
+    """An AnyIO task group whose children each run with one device current.
+
+    ``async with gf.open_device_group() as group: group.start_soon(fn, device=d)``.
+    ``devices=None`` means every initialised device.  The group exits only
+    after every child has finished and the GPU work they enqueued on every
+    device is done (a shielded wait, also after a failure or cancellation;
+    not after Ctrl-C, which reaches the program at once while what the GPU
+    still uses stays alive until it is done).
+    """
+    rt = get_runtime()
+    devs = list(rt.devices) if devices is None else [rt.check_device(d) for d in devices]
+    if not devs:
+        raise UsageError("open_device_group() needs at least one device")
+    return DeviceGroup(devs)

@@ -1,0 +1,129 @@
+"""``python -m gpuflow info``: the facts a bug report needs, in one paste.
+
+As ``cupy.show_config()`` and ``python -m torch.utils.collect_env`` do:
+gpuflow's and Python's versions, the packages gpuflow runs with and the
+optional ones (event loops, MPI, NCCL; "not installed" where absent), the CUDA
+driver and devices (or why there are none), the backend gpuflow would pick
+and its devices (name, compute capability, memory), and whether PyTorch
+and CuPy can be imported here, with the CUDA they were built for.  Nothing
+fails: a part that cannot be learnt says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import platform
+import sys
+from typing import Any
+
+from .._backends import BACKEND_ENV, cuda_probe, load_backend
+
+_PACKAGES = ("numpy", "anyio", "cuda-bindings", "nvidia-cuda-nvrtc")
+#: What extras install: event loops, the bootstrap under mpiexec, NCCL, and
+#: the tests' DLPack reader
+_OPTIONAL = ("trio", "uvloop", "mpi4py", "nccl4py", "nvidia-nccl-cu13", "cuda-core")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _backend_lines() -> list[str]:
+    try:
+        be = load_backend("auto", None)
+    except Exception as exc:
+        return [f"backend: none could be started ({type(exc).__name__}: {exc})"]
+    try:
+        chosen = os.environ.get(BACKEND_ENV)
+        why = f"; {BACKEND_ENV}={chosen!r}" if chosen else ""
+        lines = [f"backend: {be.name} (what init_device_contexts() picks here{why})"]
+        n = be.device_count
+        if be.name == "sim":
+            how = (
+                "the simulation makes as many as asked for: "
+                "gf.init_device_contexts(num_devices=N); `python -m gpuflow demo` asks for 2, "
+                "`python -m gpuflow bench --devices N` and pytest's --gpuflow-devices N "
+                "choose; 1 unless asked"
+            )
+        else:
+            how = (
+                "every device by default; gf.init_device_contexts(num_devices=N) takes "
+                "the first N"
+            )
+        lines.append(f"devices: {n} ({how})")
+        for d in range(be.device_count):
+            desc = be.describe_device(d)
+            cc = "simulated" if desc.compute_capability is None else (
+                f"compute capability {desc.compute_capability}"
+            )
+            lines.append(f"  {d}: {desc.name}, {cc}, {_gib(desc.total_memory)}")
+        return lines
+    finally:
+        be.close()
+
+
+def _library(name: str, describe: Any) -> str:
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError:
+        return "not installed"
+    except Exception as exc:  # installed but broken: that is worth reporting
+        return f"installed, but import fails: {type(exc).__name__}: {exc}"
+    try:
+        return str(describe(module))
+    except Exception as exc:
+        return f"{getattr(module, '__version__', '?')} (could not ask more: {exc})"
+
+
+def _torch(torch: Any) -> str:
+    cuda = torch.version.cuda or "no CUDA"
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"{torch.__version__} (built for CUDA {cuda}; {devices} CUDA device(s) usable)"
+
+
+def _cupy(cupy: Any) -> str:
+    try:
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as exc:
+        return f"{cupy.__version__} (its CUDA runtime cannot start: {type(exc).__name__})"
+    return f"{cupy.__version__} (CUDA runtime {runtime // 1000}.{runtime % 1000 // 10})"
+
+
+def report() -> str:
+    """The report ``python -m gpuflow info`` prints."""
+    from_pkg = _version("gpuflow")
+    lines = [
+        f"gpuflow {sys.modules['gpuflow'].__version__} (installed: {from_pkg})",
+        f"python {platform.python_version()} ({platform.python_implementation()}, "
+        f"{platform.system()} {platform.machine()})",
+        "packages: " + ", ".join(f"{p} {_version(p)}" for p in _PACKAGES),
+        "optional: " + ", ".join(f"{p} {_version(p)}" for p in _OPTIONAL),
+    ]
+    count, driver, problem = cuda_probe()
+    lines.append(f"CUDA driver: {driver if driver else 'none'}")
+    lines.append(f"CUDA devices: {count}" if count else f"CUDA devices: no CUDA device: {problem}")
+    lines += _backend_lines()
+    lines.append(f"PyTorch: {_library('torch', _torch)}")
+    lines.append(f"CuPy: {_library('cupy', _cupy)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    argparse.ArgumentParser(
+        prog="python -m gpuflow info",
+        description="Print what a bug report needs: gpuflow's, Python's and the packages' "
+        "versions (optional ones too), the CUDA driver and devices, the backend gpuflow "
+        "picks here, and whether PyTorch and CuPy import.",
+    ).parse_args(argv)
+    print(report())
+    return 0
