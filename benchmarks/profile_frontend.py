@@ -187,7 +187,7 @@ class NullBackend(_base.Backend):
     def launch_graph(self, graph: Any, stream: Any) -> None:
         pass
 
-    def _device_state(self, device: int) -> Any:
+    def device_state(self, device: int) -> Any:
         return self._lookup(self._devices, device)
 
     def device_arch(self, device: int) -> str:
@@ -720,7 +720,7 @@ PIECES = (
     "gpuflow._core._completion:Dispatcher.advance",
     "gpuflow._core._completion:Dispatcher.complete",
     "gpuflow._core._completion:Dispatcher.deliver",
-    "gpuflow._interop._libraries:_WaitStream._stream_alone",
+    "gpuflow._interop._libraries:_WaitStream.stream_alone",
     "gpuflow._backends._cuda._backend:CudaBackend.foreign_stream",
     "gpuflow._backends._cuda._words:EventMarks.reached",
     "gpuflow._comm._comm:_Collective._prepare",

@@ -241,3 +241,221 @@ print(len(executed), problems)
     count, problems = out.stdout.split(" ", 1)
     assert int(count) > 15, out.stdout  # the watch saw the package being imported
     assert problems.strip() == "[]", problems
+
+
+#: The folders from the bottom up: a module imports only from its own folder
+#: and the folders below it.  ``""`` is the package's top: the public
+#: namespaces (``gpuflow``, ``lowlevel``, ``testing``) and ``__main__``.
+LAYERS = ["_errors", "_backends", "_core", "_memory", "_kernels", "_scopes", "_interop",
+          "_comm", "_testing", "_tools", ""]  # fmt: skip
+
+#: The public modules, all that the commands of ``_tools`` may import.
+PUBLIC = {"gpuflow", "gpuflow.lowlevel", "gpuflow.testing"}
+
+#: What the commands still take from below the public namespaces, each a
+#: name that has no public form yet.
+TOOLS_BELOW_PUBLIC = {
+    # NVRTC for the raw cuda-bindings baseline, the --devices option, the
+    # runtime's backend for the bare close-a-pipe baseline
+    ("gpuflow._tools._bench", "gpuflow._backends", "compile_source"),
+    ("gpuflow._tools._bench", "gpuflow._core", "device_count_option"),
+    ("gpuflow._tools._bench", "gpuflow._core", "get_runtime"),
+    # a poller of the completion side's own, polled directly for its turn's cost
+    ("gpuflow._tools._bench_poll", "gpuflow._core", "Poller"),
+    ("gpuflow._tools._bench_poll", "gpuflow._core", "current_loop"),
+    ("gpuflow._tools._bench_poll", "gpuflow._core", "get_runtime"),
+    # which backend "auto" picks and why, without starting a runtime
+    ("gpuflow._tools._info", "gpuflow._backends", "BACKEND_ENV"),
+    ("gpuflow._tools._info", "gpuflow._backends", "cuda_probe"),
+    ("gpuflow._tools._info", "gpuflow._backends", "load_backend"),
+}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in ("lowlevel", "testing", "__main__"):
+        return ""
+    return parts[1]
+
+
+def _imports_of(name: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """Every gpuflow import of a module, type-only ones and those inside
+    functions included: (the module imported from, the names, line)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                if path.name != "__init__.py":
+                    base.pop()
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] == "gpuflow":
+                found.append((module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("gpuflow")]
+    return found
+
+
+def _offered(package: str, mods: dict[str, Path]) -> set[str]:
+    """The names a folder's ``__init__`` lists in ``__all__``."""
+    for node in ast.parse(mods[package].read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {e.value for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+def _layer_problems() -> list[str]:
+    mods = _modules()
+    problems = []
+    for name, path in sorted(mods.items()):
+        mine = _folder(name)
+        for module, names, line in _imports_of(name, path):
+            where = f"{name}:{line}"
+            theirs = _folder(module)
+            if theirs == mine:
+                continue
+            if mine == "_tools":
+                if module in PUBLIC:
+                    continue
+                below = [n for n in names if (name, module, n) not in TOOLS_BELOW_PUBLIC]
+                if below or not names:
+                    problems.append(f"{where}: a command imports {module} {below}")
+                continue
+            if name == "gpuflow.__main__" and theirs == "_tools":
+                continue  # (a command's module, loaded only when it runs)
+            if LAYERS.index(theirs) > LAYERS.index(mine):
+                problems.append(f"{where}: {mine or 'the top'} imports {module}, a layer above it")
+                continue
+            package = f"gpuflow.{theirs}"
+            if theirs == "_errors":  # (a module: the exception hierarchy)
+                continue
+            if module != package:
+                problems.append(f"{where}: imports the module {module}, not {package}'s names")
+                continue
+            missing = set(names) - _offered(package, mods)
+            if missing:
+                problems.append(f"{where}: {package}'s __all__ does not offer {sorted(missing)}")
+    return problems
+
+
+def test_a_folder_imports_only_names_the_folders_below_it_offer() -> None:
+    assert len(_modules()) > 40, "the package was not found"
+    assert _layer_problems() == []
+
+
+def test_the_layer_check_finds_an_import_from_above_and_one_past_a_folders_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the checker itself, on a planted package: an import of a layer above,
+    # one of a folder's module rather than its names, one of a name its
+    # __init__ does not offer
+    pkg = tmp_path / "gpuflow"
+    for folder, init in {"_core": '__all__ = ["run"]\nfrom ._run import run\n',
+                         "_memory": '__all__ = ["array"]\n'}.items():  # fmt: skip
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text(init)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_core" / "_run.py").write_text("from .._memory import array\n")
+    (pkg / "_memory" / "_array.py").write_text(
+        "from .._core._run import run\nfrom .._core import hidden\nfrom .._core import run\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    assert _layer_problems() == [
+        "gpuflow._core._run:1: _core imports gpuflow._memory, a layer above it",
+        "gpuflow._memory._array:1: imports the module gpuflow._core._run, "
+        "not gpuflow._core's names",
+        "gpuflow._memory._array:2: gpuflow._core's __all__ does not offer ['hidden']",
+    ]
+
+
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    # a module's own underscore names are its own; modules (``from . import
+    # _run``) are imported by their names
+    mods = _modules()
+    found = [
+        f"{name}:{line} imports {n} from {module}"
+        for name, path in mods.items()
+        for module, names, line in _imports_of(name, path)
+        for n in names
+        if n.startswith("_") and not n.startswith("__") and f"{module}.{n}" not in mods
+    ]
+    assert found == []
+
+
+#: Underscore attributes of objects that are not gpuflow's, read where no
+#: public way gives the same (each module's own, with why).
+FOREIGN_PRIVATE = {
+    # the loop fast paths, in one place: AnyIO's record of a task's cancel
+    # scopes and Trio's of a task's runner and cancel status, asked without
+    # a coroutine (tests/test_loops.py pins each to the versions installed)
+    "gpuflow._core._loops": {
+        "_task_states", "_cancel_called", "_shield", "_parent_scope", "_cancel_status",
+        "_runner", "_get_running_loop", "_thread_id",
+    },
+    # the caller's frame, for the line a failure names
+    "gpuflow._testing._cancel_at_every_point": {"_getframe"},
+    # a named tuple's own method (public, despite its underscore)
+    "gpuflow._backends._cuda._timing": {"_replace"},
+    # nccl4py's communicator gives its bindings' handle object only so
+    "gpuflow._backends._cuda._nccl": {"_comm"},
+    "gpuflow._tools._bench_comm": {"_comm"},
+}  # fmt: skip
+
+
+def _attribute_problems() -> list[str]:
+    """Reads of an underscore attribute that no class of the reading module
+    defines, other than on ``self`` or ``cls``: another module's private state."""
+    problems = []
+    for name, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text(), str(path))
+        own: set[str] = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                own.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                own.add(n.target.id)
+            elif isinstance(n, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in n.targets
+            ):
+                own |= {c.value for c in ast.walk(n.value) if isinstance(c, ast.Constant)}
+        allowed = own | FOREIGN_PRIVATE.get(name, set())
+        for n in ast.walk(tree):
+            if (
+                isinstance(n, ast.Attribute)
+                and n.attr.startswith("_")
+                and not n.attr.startswith("__")
+                and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+                and n.attr not in allowed
+            ):
+                problems.append(f"{name}:{n.lineno} reads {ast.unparse(n.value)}.{n.attr}")
+    return problems
+
+
+def test_no_module_reads_another_modules_underscore_attributes() -> None:
+    assert len(_modules()) > 40, "the package was not found"
+    assert _attribute_problems() == []
+
+
+def test_the_attribute_check_finds_a_read_of_another_modules_private_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / "gpuflow"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_a.py").write_text("class A:\n    def __init__(self):\n        self._x = 1\n")
+    (pkg / "_b.py").write_text(
+        "def f(a, b):\n    return a._x + b._y\n"
+        "class B:\n    __slots__ = ('_y',)\n    def g(self, other):\n        return self._z\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    # a._x is A's (another module's); b._y is B's own; self._z is self's
+    assert _attribute_problems() == ["gpuflow._b:2 reads a._x"]

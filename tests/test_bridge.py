@@ -772,7 +772,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
             if behind == "marked":
                 K.slow_fill(y, 2.0, 1.5).enqueue_on(one.stream)
             else:
-                lane = one.stream._lane
+                lane = one.stream.lane
                 assert lane is not None
                 with monkeypatch.context() as m:
 
@@ -994,6 +994,9 @@ class _StoppedLoop:
         self.target: Any = self
         self.poller: Any = None
 
+    def fast_paths(self) -> dict[str, bool]:
+        return {}
+
     def others_ready(self) -> bool:
         return True
 
@@ -1150,7 +1153,7 @@ async def test_silent_marks_and_marks_a_loop_reads_share_a_stream(
     kinds: list[bool] = []
     one = gf.SingleStream()
     stream = one.stream
-    lane: Any = stream._lane
+    lane: Any = stream.lane
     mark = lane.mark  # (the stream's marks, made once)
 
     def spy(polled: bool = True) -> int:
@@ -1212,7 +1215,7 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
     out and the loop arms a wake-up."""
     reinit(busy_poll_us=2_000_000)
     stream = gf.new_stream()
-    lane = stream._lane
+    lane = stream.lane
     assert lane is not None
     x = await gf.zeros(16, F32)
     y = await gf.zeros(16, F32)
@@ -1244,7 +1247,7 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
 
 def test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_dispatcher_thread() -> None:
     stream = gf.new_stream()
-    lane = stream._lane
+    lane = stream.lane
     assert lane is not None
     x = gf.zeros(16, F32).sync()
     K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)  # marked at once: the stream was idle
@@ -1260,7 +1263,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
     """After ``stream.synchronize()`` every run enqueued on the stream before
     it is seen done at the next read of its word, owed mark or not."""
     stream = gf.new_stream()
-    lane = stream._lane
+    lane = stream.lane
     assert lane is not None
     x = gf.zeros(16, F32).sync()
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
@@ -1279,7 +1282,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
 def test_a_stream_dropped_with_a_mark_owed_enqueues_it_first() -> None:
     x = gf.zeros(16, F32).sync()
     stream = gf.new_stream()
-    lane = stream._lane
+    lane = stream.lane
     assert lane is not None
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
     lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)

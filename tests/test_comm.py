@@ -200,14 +200,14 @@ async def test_a_collective_awaited_over_a_pools_streams_is_checked_once_a_strea
         blank = await put(np.full(6, -1, F32), 0)
         op = comm.all_reduce([x], "max", out=[y])
         checked: list[gf.Stream] = []
-        real = gf.DeviceArray._check_usable
+        real = gf.DeviceArray.check_usable
 
         def counted(self: gf.DeviceArray, ctx: Any, what: str) -> None:
             if what == "all_reduce":  # (not the copy's)
                 checked.append(ctx.stream)
             real(self, ctx, what)
 
-        monkeypatch.setattr(gf.DeviceArray, "_check_usable", counted)
+        monkeypatch.setattr(gf.DeviceArray, "check_usable", counted)
         runs = 24
         spread = gf.StreamPoolRoundRobin()
         for k in range(runs):

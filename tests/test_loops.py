@@ -1,7 +1,9 @@
 """The loop adapters' fast paths: each answers from what the loop already
 keeps, and each is checked here against the AnyIO, Trio and asyncio this
 suite runs with, so that a release that keeps them otherwise fails a test
-rather than making every await slower without a word.
+rather than making every await slower without a word.  Each adapter names
+its fast paths (``Loop.fast_paths``) and whether it found what each reaches
+for; every one, by name, must be found:
 
 * Whether the task's cancel scope is cancelled (an await enqueues nothing
   then): AnyIO's record of its asyncio tasks' scopes, Trio's task state.
@@ -22,6 +24,58 @@ import gpuflow as gf
 from gpuflow._core import _loops
 
 pytestmark = pytest.mark.anyio
+
+#: Every fast path of each loop, by the name its adapter gives it.
+FAST_PATHS = {
+    "asyncio": [
+        "AnyIO's record of a task's cancel scopes",
+        "AnyIO's backend checkpoint_if_cancelled",
+        "asyncio's Runner counts Ctrl-C",
+        "asyncio's loop keeps its thread",
+        "asyncio's loop keeps its ready callbacks",
+        "asyncio's dictionary of current tasks",
+    ],
+    "uvloop": [
+        "AnyIO's record of a task's cancel scopes",
+        "AnyIO's backend checkpoint_if_cancelled",
+        "asyncio's Runner counts Ctrl-C",
+    ],
+    "trio": [
+        "Trio's task cancel status",
+        "Trio's run queue",
+        "Trio's park trap",
+        "Trio's nursery pending errors",
+    ],
+}
+
+
+def _loop_name(anyio_backend_name: str, anyio_backend_options: dict[str, object]) -> str:
+    if anyio_backend_name == "asyncio" and anyio_backend_options.get("use_uvloop"):
+        return "uvloop"
+    return anyio_backend_name
+
+
+async def test_every_fast_path_finds_what_it_reaches_for(
+    anyio_backend_name: str, anyio_backend_options: dict[str, object]
+) -> None:
+    found = _loops.current_loop().fast_paths()
+    names = FAST_PATHS[_loop_name(anyio_backend_name, anyio_backend_options)]
+    assert sorted(found) == sorted(names), "a fast path was added or removed: name it here"
+    # each one missing is named: the slower public way is taken there
+    assert [name for name, ok in found.items() if not ok] == []
+
+
+async def test_a_fast_path_not_found_is_reported_as_such(anyio_backend_name: str) -> None:
+    # the report itself: an adapter whose cancellation check fell back says so
+    loop = _loops.current_loop()
+    name = next(n for n in loop.fast_paths() if "cancel" in n)
+    real = loop.may_be_cancelled
+    loop.may_be_cancelled = _loops._true
+    try:
+        assert loop.fast_paths()[name] is False
+    finally:
+        loop.may_be_cancelled = real
+    assert loop.fast_paths()[name] is True
 
 
 async def test_the_cancellation_check_reads_the_loops_own_record(anyio_backend_name: str) -> None:

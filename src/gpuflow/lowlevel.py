@@ -42,7 +42,7 @@ def pool_streams(device: int | None = None) -> list[Stream]:
 
 def graph_exec_handle(graph: Graph[object]) -> int:
     """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
-    return get_runtime().backend.graph_handle(graph._rec.raw)
+    return get_runtime().backend.graph_handle(graph.recording.raw)
 
 
 def current_completion_statistics() -> CompletionStatistics:

@@ -98,7 +98,7 @@ MUTATIONS = [
         "M2b",
         'a shared() clone consumed on another stream does not wait for the producer',
         '_core/_operation.py',
-        '            ctx.backend.wait_event(ctx.stream._raw, st.event)\n',
+        '            ctx.backend.wait_event(ctx.stream.raw, st.event)\n',
         '            pass\n',
         ('tests/test_lifetimes.py', 'tests/test_operations.py', 'tests/test_hazards.py'),
     ),
@@ -112,7 +112,7 @@ MUTATIONS = [
         "            for op, arm in builtins.zip(self._ops, arms, strict=True):\n"
         "                if prev is not None and arm.stream != prev:\n"
         "                    be = ctx.backend\n"
-        "                    be.wait_event(arm.stream._raw, be.record_event(prev._raw))\n"
+        "                    be.wait_event(arm.stream.raw, be.record_event(prev.raw))\n"
         "                outs.append(op.execute(arm))\n"
         "                prev = arm.stream\n",
         ("tests/test_operations.py",),
@@ -148,8 +148,8 @@ MUTATIONS = [
         'an allocation is freed without waiting for its readers on other streams',
         '_core/_hazards.py',
         '        wait_for_uses(uses, stream)\n'
-        '        uses.backend.free(buffer, stream._raw)\n',
-        '        uses.backend.free(buffer, stream._raw)\n',
+        '        uses.backend.free(buffer, stream.raw)\n',
+        '        uses.backend.free(buffer, stream.raw)\n',
         ('tests/test_hazards.py', 'tests/test_cancellation.py'),
     ),
     Mutation(
@@ -308,10 +308,10 @@ MUTATIONS = [
         'a graph replay is no reader of its inputs: an update does not wait for it',
         '_core/_capture.py',
         '                alloc.before_read(ctx.stream, ctx.run)\n'
-        '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
+        '        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)\n',
         '                alloc.before_read(ctx.stream, ctx.run)\n'
         '                alloc.readers.pop(ctx.stream, None)\n'
-        '        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)\n',
+        '        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)\n',
         ('tests/test_graph.py',),
     ),
     Mutation(
@@ -354,7 +354,7 @@ MUTATIONS = [
         '_interop/_libraries.py',
         '        release = Run(stream.device)\n'
         '        release.hold((owner,))\n'
-        '        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)\n',
+        '        rt.dispatcher.submit(stream.raw, release, polled=False)  # (no task awaits it)\n',
         '        pass\n',
         ("tests/test_interop.py",),
     ),
@@ -398,7 +398,7 @@ MUTATIONS = [
         "foreign() does not order the arrays it is given",
         "_interop/_libraries.py",
         "            for a in arrays:  # the code may write any array it gets\n"
-        "                a._alloc.before_write(stream, ctx.run)\n",
+        "                a.allocation.before_write(stream, ctx.run)\n",
         "            pass\n",
         ("tests/test_interop.py",),
     ),
@@ -415,7 +415,7 @@ MUTATIONS = [
         "a read after another library's use does not wait for it",
         '_core/_hazards.py',
         '                for ev in self.foreign.values():\n'
-        '                    be.wait_event(stream._raw, ev)\n'
+        '                    be.wait_event(stream.raw, ev)\n'
         '                order_after(be, stream, self.writer, self.wrote)\n',
         '                order_after(be, stream, self.writer, self.wrote)\n',
         ('tests/test_interop.py',),
@@ -425,7 +425,7 @@ MUTATIONS = [
         "a free does not wait for another library's use",
         '_core/_hazards.py',
         '        for ev in uses.foreign.values():\n'
-        '            backend.wait_event(stream._raw, ev)\n'
+        '            backend.wait_event(stream.raw, ev)\n'
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
         ('tests/test_interop.py',),
@@ -477,7 +477,7 @@ MUTATIONS = [
         "B9",
         "a use on another stream waits for whatever the writer's stream ran later",
         '_core/_hazards.py',
-        '    if point is None or not point.order(backend, stream._raw, on._raw):\n',
+        '    if point is None or not point.order(backend, stream.raw, on.raw):\n',
         '    if True:\n',
         ('tests/test_hazards.py',),
     ),
@@ -485,7 +485,7 @@ MUTATIONS = [
         "I15",
         "an import's first use waits for the interop stream's later imports too",
         '_interop/_libraries.py',
-        '        if stream._runtime.is_interop(stream):\n',
+        '        if stream.runtime.is_interop(stream):\n',
         '        if False:\n',
         ('tests/test_interop.py',),
     ),
@@ -535,7 +535,7 @@ MUTATIONS = [
         "K3",
         "a launch with scalar arguments only keeps its kernel past a reset of its device",
         '_kernels/_kernel.py',
-        '            if c is None or c[0] is not stream._life:\n',
+        '            if c is None or c[0] is not stream.life:\n',
         '            if c is None:\n',
         ('tests/test_faults.py',),
     ),
@@ -732,7 +732,7 @@ MUTATIONS = [
         "a collective reads before a write on another stream ends",
         '_comm/_comm.py',
         '            for arr, s in p.reads:\n'
-        '                arr._alloc.before_read(s, run)\n',
+        '                arr.allocation.before_read(s, run)\n',
         '',
         ('tests/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
     ),
@@ -741,7 +741,7 @@ MUTATIONS = [
         "a collective writes before a write on another stream ends",
         '_comm/_comm.py',
         '            for arr, s in p.writes:\n'
-        '                arr._alloc.before_write(s, run)\n',
+        '                arr.allocation.before_write(s, run)\n',
         '',
         ('tests/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
     ),
@@ -777,15 +777,15 @@ MUTATIONS = [
         '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if not prefer.leased and prefer.idle() and '
-        'prefer in prefer._runtime.streams(device):\n',
+        'prefer in prefer.runtime.streams(device):\n',
         ('tests/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
     ),
     Mutation(
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
         '_interop/_libraries.py',
-        '    _awaited_alone = True\n',
-        '    _awaited_alone = False\n',
+        '    awaited_alone = True\n',
+        '    awaited_alone = False\n',
         ('tests/test_interop.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
     ),
     Mutation(
@@ -868,12 +868,12 @@ MUTATIONS = [
         "a collective run from its plan takes arrays of a device reset since",
         '_comm/_comm.py',
         '            if x is not None:\n'
-        '                x._check_usable(ctx, what)\n'
+        '                x.check_usable(ctx, what)\n'
         '                if read:\n'
         '                    reads.append((x, stream))\n'
         '            if o is not None:\n'
         '                if o is not x:\n'
-        '                    o._check_usable(ctx, what)\n',
+        '                    o.check_usable(ctx, what)\n',
         '            if x is not None:\n'
         '                if read:\n'
         '                    reads.append((x, stream))\n'
@@ -934,8 +934,8 @@ MUTATIONS = [
         "E4",
         "a run no task awaits takes a mark the loops read (a word written between kernels)",
         '_core/_run.py',
-        'rt.dispatcher.submit(stream._raw, run, polled=False)',
-        'rt.dispatcher.submit(stream._raw, run)',
+        'rt.dispatcher.submit(stream.raw, run, polled=False)',
+        'rt.dispatcher.submit(stream.raw, run)',
         ('tests/test_bridge.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
     ),
     Mutation(
@@ -958,7 +958,7 @@ MUTATIONS = [
         "F2",
         "a free goes on its writer's stream even once that stream was destroyed",
         '_core/_hazards.py',
-        '    if backend.stream_destroyed(stream._raw):\n',
+        '    if backend.stream_destroyed(stream.raw):\n',
         '    if False:\n',
         ('tests/test_lifetimes.py::test_a_stream_collected_with_what_it_used_frees_and_releases_them',),
     ),
@@ -1138,16 +1138,16 @@ MUTATIONS = [
         "R1",
         "the common await's straight line is taken while a scope (or a trace, a watcher) is on",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
-        "    if policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
+        "    if policy is not None or not op.ordinary or _finalizers.queue:\n",
         ("tests/test_scopes.py", "tests/test_cancel_points.py"),
     ),
     Mutation(
         "R2",
         "the common await's straight line is taken though a policy was given",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
-        "    if UNUSUAL.n or not op._ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or not op.ordinary or _finalizers.queue:\n",
         ("tests/test_policy.py", "tests/test_running.py"),
     ),
     Mutation(
@@ -1155,7 +1155,7 @@ MUTATIONS = [
         "the common await's straight line is taken by an operation that waits for another "
         "library's stream alone",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
         ("tests/test_interop.py",),
     ),

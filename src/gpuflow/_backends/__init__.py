@@ -33,6 +33,12 @@ from ._nvrtc import CHECK_ARCH as CHECK_ARCH
 from ._nvrtc import compile_source as compile_source
 from ._sim import SimBackend
 
+__all__ = [
+    "BACKEND_ENV", "CHECK_ARCH", "COMM_DTYPES", "REDUCTIONS", "Activity", "Backend",
+    "BackendFactory", "CollectiveCall", "PointerArg", "RawBuffer", "activity_tag",
+    "backend_names", "compile_source", "cuda_probe", "load_backend", "register_backend",
+]
+
 log = logging.getLogger("gpuflow")
 
 #: Makes a backend for ``num_devices`` devices (None: every device it has).

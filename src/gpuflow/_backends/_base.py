@@ -200,13 +200,13 @@ class Backend(abc.ABC):
         )
 
     @abc.abstractmethod
-    def _device_state(self, device: int) -> DeviceState:
+    def device_state(self, device: int) -> DeviceState:
         """The per-device state of ``device`` (through :meth:`_lookup`): the
         same object for the life of the backend (the runtime keeps it)."""
 
     def device_fault(self, device: int) -> DeviceFaultError | None:
         """The sticky fault of ``device``, if one has been seen."""
-        return self._device_state(device).fault
+        return self.device_state(device).fault
 
     @abc.abstractmethod
     def device_arch(self, device: int) -> str:

@@ -363,6 +363,13 @@ class Communicator:
         """Why the communicator was aborted, once it was (else None)."""
         return self._error
 
+    @property
+    def raw(self) -> tuple[Any, ...]:
+        """The backend's own communicators, one per rank of this process
+        (empty while the communicator is not open), for code that calls the
+        backend directly (:mod:`gpuflow.lowlevel`), as :attr:`Stream.raw`."""
+        return tuple(self._raw or ())
+
     def __repr__(self) -> str:
         state = "open" if self._raw is not None else "closed"
         if self._error is not None:
@@ -673,7 +680,7 @@ class _Collective(DeviceOperation[Any]):
         like: tuple[tuple[int, ...], np.dtype[Any], int | None] | None = None,
     ) -> None:
         self._comm = comm
-        self._what = what  # the call's kind (``_kind`` is the picture's)
+        self._what = what  # the call's kind (``kind`` is the picture's)
         self._x = x
         self._out = out
         self._op = op
@@ -690,10 +697,10 @@ class _Collective(DeviceOperation[Any]):
     def _p2p(self) -> bool:
         return self._what in ("send", "recv")
 
-    _has_home = True
-    _ordinary = False
+    has_home = True
+    ordinary = False
 
-    def _stream_home(self, device: int) -> Stream | None:
+    def stream_home(self, device: int) -> Stream | None:
         # the stream of the rank's previous collective, which the default
         # policy looks at first (read without the hazard lock, as the other
         # ranks' in _part_stream: a stale one is only another stream, and
@@ -713,10 +720,10 @@ class _Collective(DeviceOperation[Any]):
         _issue(ctx, [p])
         return p.output
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return self._what + (f" ({self._op})" if self._op else "")
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "kernel"
 
     # -- getting the arrays ready ------------------------------------------------------------
@@ -799,7 +806,7 @@ class _Collective(DeviceOperation[Any]):
         comm = self._comm
         comm._usable()
         what = self._what
-        if ctx._capturing:
+        if ctx.capturing:
             raise UsageError(f"{what}: collectives cannot be captured into a graph")
         plan = self._plan
         if plan is not None and plan.holds(self._x, self._out):
@@ -861,8 +868,8 @@ class _Collective(DeviceOperation[Any]):
                 writes.append((o, stream))
             call = CollectiveCall(
                 what,
-                x._alloc.buffer if read and x is not None else None,
-                None if o is None else o._alloc.buffer,
+                x.allocation.buffer if read and x is not None else None,
+                None if o is None else o.allocation.buffer,
                 count,
                 ref.dtype,
                 self._op,
@@ -901,18 +908,18 @@ class _Collective(DeviceOperation[Any]):
                 stream = _part_stream(comm, i, dev)
                 local = False
             if x is not None:
-                x._check_usable(ctx, what)
+                x.check_usable(ctx, what)
                 if read:
                     reads.append((x, stream))
             if o is not None:
                 if o is not x:
-                    o._check_usable(ctx, what)
+                    o.check_usable(ctx, what)
                 writes.append((o, stream))
             calls.append((comm, i, call, stream))
         issue = None
         if local and len(calls) == 1:  # (one rank of this process: the usual case)
             comm_, i, call, _s = calls[0]
-            issue = ctx._runtime.backend.comm_issuer(comm_._usable()[i], call)
+            issue = ctx.runtime.backend.comm_issuer(comm_._usable()[i], call)
         prepared = _Prepared(calls, reads, writes, plan.output, issue)
         if local:
             if memo is None or memo[0] is not plan or len(memo[1]) >= _MEMO_STREAMS:
@@ -940,10 +947,10 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
         _issue(ctx, prepared)
         return tuple(p.output for p in prepared)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"nccl group ({len(self._ops)})"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return self._ops
 
 
@@ -952,14 +959,14 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     devices' streams back into the run's."""
     one = prepared[0].issue if len(prepared) == 1 else None
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
-    be = ctx._runtime.backend
+    be = ctx.runtime.backend
     run = ctx.run
     with hazard_lock:
         for p in prepared:
             for arr, s in p.reads:
-                arr._alloc.before_read(s, run)
+                arr.allocation.before_read(s, run)
             for arr, s in p.writes:
-                arr._alloc.before_write(s, run)
+                arr.allocation.before_write(s, run)
         # a rank runs its collectives in the order they were issued, as NCCL
         # requires of every rank (two on different streams could otherwise
         # run in one order on one rank and the other order on another): after
@@ -971,9 +978,9 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
                 order_after(be, s, tail[0], tail[1])
             tails[i] = (s, run)
         if one is not None:  # (one call on the run's stream, run again: its issuer)
-            one(calls[0][3]._raw)
+            one(calls[0][3].raw)
         else:
-            be.comm_group([(comm._usable()[i], call, s._raw) for comm, i, call, s in calls])
+            be.comm_group([(comm._usable()[i], call, s.raw) for comm, i, call, s in calls])
     here = ctx.stream
     if len(calls) == 1:  # (one device's rank: nothing to join)
         comm, _i, _call, s = calls[0]

@@ -84,22 +84,22 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     run = Run(device)
     ctx = ExecutionContext(rt, cap_stream, policy, run, capturing=True)
     log: dict[int, tuple[Allocation, bool]] = {}
-    lane = cap_stream._lane
+    lane = cap_stream.lane
     if lane is not None and lane.unmarked:  # (a mark cannot be enqueued while it captures)
         lane.dispatcher.mark_owed(lane)
     token = capture_log.set(log)
     UNUSUAL.begin()  # (runs take the long path, which refuses them in a capture)
-    be.begin_capture(cap_stream._raw)
+    be.begin_capture(cap_stream.raw)
     try:
         out = op.execute(ctx)
     except BaseException:
         capture_log.reset(token)
         UNUSUAL.end()
-        be.end_capture(cap_stream._raw)
+        be.end_capture(cap_stream.raw)
         raise
     capture_log.reset(token)
     UNUSUAL.end()
-    raw = be.end_capture(cap_stream._raw)
+    raw = be.end_capture(cap_stream.raw)
     if is_pending(out):
         raise UsageError("a captured operation cannot produce host data (gf.to_host)")
     return Recording(
@@ -114,7 +114,7 @@ def check_launch(rec: Recording[Any], ctx: ExecutionContext) -> None:
         raise UsageError(
             f"a graph captured on device {rec.device} launched on device {ctx.device}"
         )
-    if rec.runtime is not ctx._runtime or rec.generation != ctx._runtime.generation(rec.device):
+    if rec.runtime is not ctx.runtime or rec.generation != ctx.runtime.generation(rec.device):
         raise UsageError("the graph belongs to a device context that was reset or replaced")
     if ctx.capturing:
         raise UsageError("a graph launch cannot itself be captured")
@@ -128,5 +128,5 @@ def replay(rec: Recording[T], ctx: ExecutionContext) -> T:
                 alloc.before_write(ctx.stream, ctx.run)
             else:
                 alloc.before_read(ctx.stream, ctx.run)
-        ctx.backend.launch_graph(rec.raw, ctx.stream._raw)
+        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)
     return rec.output

@@ -26,10 +26,11 @@ class ExecutionContext:
     thread running it.  ``device`` is the ordinal of the run's device,
     ``stream`` the :class:`gpuflow.Stream` to enqueue on, and ``run`` the
     :class:`gpuflow.lowlevel.Run` the work belongs to (what a use of an
-    array made by this work is ordered after: ``Allocation.before_read``).
+    array made by this work is ordered after: ``Allocation.before_read``);
+    ``runtime`` is the runtime the run belongs to.
     """
 
-    __slots__ = ("_capturing", "_policy", "_runtime", "device", "run", "stream")
+    __slots__ = ("_capturing", "_policy", "device", "run", "runtime", "stream")
 
     def __init__(
         self,
@@ -39,9 +40,9 @@ class ExecutionContext:
         run: Run,
         capturing: bool = False,
     ) -> None:
-        self._runtime = runtime
+        self.runtime = runtime
         self.stream = stream
-        self.device = stream._device
+        self.device = stream.device
         self._policy = policy
         self.run = run
         self._capturing = capturing
@@ -49,12 +50,12 @@ class ExecutionContext:
     @property
     def backend(self) -> Backend:
         """The backend the work is enqueued on."""
-        return self._runtime.backend
+        return self.runtime.backend
 
     @property
     def backend_name(self) -> str:
         """The name of the backend (``"cuda"``, ``"sim"``)."""
-        return self._runtime.backend.name
+        return self.runtime.backend.name
 
     @property
     def capturing(self) -> bool:
@@ -68,7 +69,7 @@ class ExecutionContext:
     def with_stream(self, stream: Stream) -> ExecutionContext:
         """The same run, enqueueing on ``stream``."""
         return ExecutionContext(
-            self._runtime, stream, self._policy, self.run, self._capturing
+            self.runtime, stream, self._policy, self.run, self._capturing
         )
 
     def fork(self) -> Stream:
@@ -82,13 +83,13 @@ class ExecutionContext:
         (the join of work this run forked onto ``other``): the event also
         marks, for hazard tracking, where the run's work on ``other`` ends."""
         if other != self.stream:
-            be = self._runtime.backend
-            event = be.record_event(other._raw)
-            be.wait_event(self.stream._raw, event)
+            be = self.runtime.backend
+            event = be.record_event(other.raw)
+            be.wait_event(self.stream.raw, event)
             run = self.run
             if run.arms is None:
                 run.arms = {}
-            run.arms[other._raw] = event
+            run.arms[other.raw] = event
 
     def __repr__(self) -> str:
         return f"<gpuflow.ExecutionContext device={self.device} stream={self.stream!r}>"

@@ -78,9 +78,9 @@ def order_after(backend: Backend, stream: Stream, on: Stream, point: Point | Non
     (for a use with no known point, for everything enqueued on ``on``)."""
     if on == stream:
         return
-    if point is None or not point.order(backend, stream._raw, on._raw):
-        final = on._final  # (a destroyed stream takes no new event)
-        backend.wait_event(stream._raw, final[0] if final else backend.record_event(on._raw))
+    if point is None or not point.order(backend, stream.raw, on.raw):
+        final = on.final  # (a destroyed stream takes no new event)
+        backend.wait_event(stream.raw, final[0] if final else backend.record_event(on.raw))
 
 
 #: The hazard log of the capture running in this context, if any: allocation
@@ -187,7 +187,7 @@ class Allocation:
         self.ledger = ledger
         if ledger is not None:
             ledger.allocated(buffer.device, buffer.nbytes)
-        self.generation = stream._generation
+        self.generation = stream.generation
         self.writer: Stream = stream  # the allocation itself is ordered on it
         self.wrote: Point | None = point  # where on it
         self.synced: set[Stream] = {stream}  # streams already ordered after the last write
@@ -216,7 +216,7 @@ class Allocation:
             if stream not in self.synced:
                 be = self.backend
                 for ev in self.foreign.values():
-                    be.wait_event(stream._raw, ev)
+                    be.wait_event(stream.raw, ev)
                 order_after(be, stream, self.writer, self.wrote)
                 self.synced.add(stream)
             # the latest read of a stream stands for the earlier ones: its
@@ -283,7 +283,7 @@ def wait_for_uses(uses: UseState, stream: Stream) -> None:
     backend = uses.backend
     if stream not in uses.synced:
         for ev in uses.foreign.values():
-            backend.wait_event(stream._raw, ev)
+            backend.wait_event(stream.raw, ev)
         order_after(backend, stream, uses.writer, uses.wrote)
     for s, point in uses.readers.items():
         order_after(backend, stream, s, point)
@@ -306,8 +306,8 @@ def usable_stream(backend: Backend, stream: Stream) -> Stream:
     unreachable together runs the stream's finalizer first, so its
     retirement is queued before the free: the free then goes on a live
     stream, after the same uses."""
-    if backend.stream_destroyed(stream._raw):
-        return stream._runtime.pool(stream.device)[0]
+    if backend.stream_destroyed(stream.raw):
+        return stream.runtime.pool(stream.device)[0]
     return stream
 
 
@@ -315,12 +315,12 @@ def _free(buffer: RawBuffer, uses: Uses) -> None:
     """Free a dropped allocation's buffer on its last writer's stream, after
     every use (an allocation's finalizer, done later: :mod:`._finalizers`)."""
     writer = uses.writer
-    rt = writer._runtime
+    rt = writer.runtime
     if not rt.current(writer):
         return  # the context is gone with its memory: leak, never dangle
     try:
         stream = usable_stream(uses.backend, writer)
         wait_for_uses(uses, stream)
-        uses.backend.free(buffer, stream._raw)
+        uses.backend.free(buffer, stream.raw)
     except Exception as exc:
         warnings.warn(f"gpuflow: could not free {buffer!r}: {exc!r}", stacklevel=1)

@@ -101,6 +101,13 @@ class Loop(Protocol):
         """Whether another task or callback of the loop is ready to run now
         (True where the loop cannot tell)."""
 
+    def fast_paths(self) -> dict[str, bool]:
+        """Each fast path the adapter reaches into the loop's or AnyIO's
+        private state for, by name, and whether it was found where it
+        looked: False means the slower public way is taken (the test suite
+        fails on one, rather than every await getting slower unnoticed).
+        From a task of the loop."""
+
     #: The loop (or Trio token): the identity completions are grouped by.
     target: Any
 
@@ -164,6 +171,16 @@ def _true() -> bool:
     return True
 
 
+def _asyncio_current_tasks() -> dict[Any, Any] | None:
+    """asyncio's own dictionary of each loop's current task, where
+    ``asyncio.current_task`` is Python code that reads it (a C
+    ``current_task`` is as fast as the dictionary): else None."""
+    current_tasks = getattr(asyncio.tasks, "_current_tasks", None)
+    if isinstance(current_tasks, dict) and not isinstance(asyncio.current_task, type(len)):
+        return current_tasks
+    return None
+
+
 def _anyio_asyncio_scopes(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
     """``may_be_cancelled`` under asyncio: AnyIO's own record of the current
     task's cancel scopes, read as its ``checkpoint_if_cancelled`` reads it
@@ -182,10 +199,8 @@ def _anyio_asyncio_scopes(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]
         by_ref = states.data.get  # type: ignore[attr-defined]  # (a WeakKeyDictionary's own)
     except Exception:
         return _true
-    current_tasks = getattr(asyncio.tasks, "_current_tasks", None)
-    if isinstance(current_tasks, dict) and not isinstance(
-        asyncio.current_task, type(len)
-    ):  # (asyncio's own dictionary, where current_task is Python that reads it)
+    current_tasks = _asyncio_current_tasks()
+    if current_tasks is not None:
         current_task: Callable[[], Any] = functools.partial(current_tasks.get, loop)
     else:
         current_task = functools.partial(asyncio.current_task, loop)
@@ -296,6 +311,22 @@ class _Asyncio:
 
     def park(self) -> asyncio.Future[None]:
         return self._new_future()
+
+    def fast_paths(self) -> dict[str, bool]:
+        """Each fast path this adapter reaches into AnyIO or asyncio for, and
+        whether it was found (False: the slower public way is taken)."""
+        paths = {
+            "AnyIO's record of a task's cancel scopes": self.may_be_cancelled is not _true,
+            "AnyIO's backend checkpoint_if_cancelled": (
+                self.checkpoint_if_cancelled is not anyio.lowlevel.checkpoint_if_cancelled
+            ),
+            "asyncio's Runner counts Ctrl-C": _asyncio_runner_counts_interrupts(),
+        }
+        if self._tells_thread:  # (asyncio's own loops; uvloop keeps these in C)
+            paths["asyncio's loop keeps its thread"] = hasattr(self._loop, "_thread_id")
+            paths["asyncio's loop keeps its ready callbacks"] = self._ready is not None
+            paths["asyncio's dictionary of current tasks"] = _asyncio_current_tasks() is not None
+        return paths
 
     wake = staticmethod(_wake_future)
 
@@ -444,6 +475,19 @@ class _Trio:
     def park(self) -> _TrioPark:
         return _TrioPark(self._trio.lowlevel, self._trap)
 
+    def fast_paths(self) -> dict[str, bool]:
+        """Each fast path this adapter reaches into Trio for, and whether it
+        was found (False: the slower public way is taken).  Asked from a
+        task of the run."""
+        nursery = self._trio.lowlevel.current_task().parent_nursery
+        return {
+            "Trio's task cancel status": self.may_be_cancelled is not _true,
+            "Trio's run queue": self._runq is not None,
+            "Trio's park trap": self._trap is not None,
+            "Trio's nursery pending errors": nursery is None
+            or isinstance(getattr(nursery, "_pending_excs", None), list),
+        }
+
     wake = staticmethod(_TrioPark.wake)
 
     def start_poller(self, poll: Callable[[], bool]) -> Call:
@@ -526,6 +570,10 @@ def running_loop_name() -> str | None:
     # (the running loop, without raising where there is none: every blocking
     # run asks this)
     return None if asyncio._get_running_loop() is None else "asyncio"
+
+
+def _asyncio_runner_counts_interrupts() -> bool:
+    return isinstance(getattr(asyncio.Runner(), "_interrupt_count", None), int)
 
 
 def _asyncio_interrupted() -> bool:

@@ -165,18 +165,18 @@ class DeviceOperation(Generic[T]):
 
     # -- for the run path ----------------------------------------------------------------
     #: nothing about it takes an ``await`` off the straight line (an
-    #: operation that sets :attr:`_has_home` says False): see
+    #: operation that sets :attr:`has_home` says False): see
     #: ``_run.await_run``
-    _ordinary = True
+    ordinary = True
     #: where its work was prepared once (a launch whose arguments are final):
-    #: the device context's life it is valid in (``Stream._life``), and the
+    #: the device context's life it is valid in (``Stream.life``), and the
     #: call that enqueues it on a raw stream of that context; else None
-    _direct: tuple[object, Callable[[Any], None]] | None = None
+    direct: tuple[object, Callable[[Any], None]] | None = None
 
-    #: an ``await`` of it alone asks :meth:`_stream_alone` where it completes
-    _awaited_alone = False
+    #: an ``await`` of it alone asks :meth:`stream_alone` where it completes
+    awaited_alone = False
 
-    def _stream_alone(self) -> Stream | None:
+    def stream_alone(self) -> Stream | None:
         """Where an ``await`` of this operation alone completes, whatever the
         lease or the policy (None: it runs where they say, as any run).
         Such a run does not execute: nothing is enqueued but its completion
@@ -184,17 +184,17 @@ class DeviceOperation(Generic[T]):
         operation is kept until the mark is reached."""
         return None
 
-    #: a run of it under the default policy asks :meth:`_stream_home` first
-    _has_home = False
+    #: a run of it under the default policy asks :meth:`stream_home` first
+    has_home = False
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def output_dtype(self) -> np.dtype[Any] | None:
         """The dtype of the :class:`DeviceArray` every run of this operation
         produces, where that is known before it runs (None: not known, or
         not an array): a launch taking the operation as an argument checks
         it when the launch is built, not when it runs."""
         return None
 
-    def _stream_home(self, device: int) -> Stream | None:
+    def stream_home(self, device: int) -> Stream | None:
         """The stream of ``device`` the default policy looks at first for a
         run of this operation, taking it where it is free (None: none)."""
         return None
@@ -209,21 +209,21 @@ class DeviceOperation(Generic[T]):
         return _dot.to_dot(self)
 
     # -- for to_dot ----------------------------------------------------------------------
-    def _label(self) -> str:
+    def label(self) -> str:
         return type(self).__name__.lstrip("_")
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return ()
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "op"
 
-    def _dot_key(self) -> int:
+    def dot_key(self) -> int:
         """Operations with one key are one node of the picture."""
         return id(self)
 
     def __repr__(self) -> str:
-        return f"<gpuflow.DeviceOperation {self._label()}>"
+        return f"<gpuflow.DeviceOperation {self.label()}>"
 
 
 # ``await op`` makes the run's generator itself (see DeviceOperation.__await__)
@@ -239,7 +239,7 @@ class _Value(DeviceOperation[T]):
     def execute(self, ctx: ExecutionContext) -> T:
         return self._x
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"value {type(self._x).__name__}"
 
 
@@ -263,7 +263,7 @@ class _WithContext(DeviceOperation[T]):
             )
         return op.execute(ctx)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"with_context {callable_name(self._fn)}"
 
 
@@ -299,7 +299,7 @@ class _Then(DeviceOperation[U]):
             op = op._op
         out: Any = op.execute(ctx)
         stream = ctx.stream
-        life, raw = stream._life, stream._raw
+        life, raw = stream.life, stream.raw
         for fn in reversed(fns):
             if out is not None and is_pending(out):
                 raise UsageError(
@@ -312,7 +312,7 @@ class _Then(DeviceOperation[U]):
                     f"then: {callable_name(fn)} must return a DeviceOperation, returned "
                     f"{type(nxt).__name__} (use .map() for a host-side transform)"
                 )
-            direct = nxt._direct
+            direct = nxt.direct
             if direct is not None and direct[0] is life:
                 direct[1](raw)  # (a launch prepared once: a chain's usual step)
                 out = None
@@ -320,13 +320,13 @@ class _Then(DeviceOperation[U]):
                 out = nxt.execute(ctx)
         return cast(U, out)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"then {callable_name(self._fn)}"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "then"
 
 
@@ -343,13 +343,13 @@ class _Map(DeviceOperation[U]):
             return PendingMap(self._fn, out)  # type: ignore[return-value]
         return self._fn(out)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"map {callable_name(self._fn)}"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "map"
 
 
@@ -376,8 +376,8 @@ class _Zip(DeviceOperation[tuple[Any, ...]]):
                 if stream not in forked:
                     be = ctx.backend
                     if fork_point is None:
-                        fork_point = be.record_event(ctx.stream._raw)
-                    be.wait_event(stream._raw, fork_point)
+                        fork_point = be.record_event(ctx.stream.raw)
+                    be.wait_event(stream.raw, fork_point)
                     forked.append(stream)
                 arms.append(ctx.with_stream(stream))
             for op, arm in builtins.zip(self._ops, arms, strict=True):
@@ -388,13 +388,13 @@ class _Zip(DeviceOperation[tuple[Any, ...]]):
                 ctx.wait_for(s)
         return tuple(outs)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"zip ({len(self._ops)})"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return self._ops
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "join"
 
 
@@ -457,7 +457,7 @@ class SharedOperation(DeviceOperation[T]):
                 st.stream = ctx.stream
                 # right after the source: a clone on another stream waits for
                 # it, not for whatever its stream runs later
-                st.event = ctx.backend.record_event(ctx.stream._raw)
+                st.event = ctx.backend.record_event(ctx.stream.raw)
             except BaseException as exc:
                 st.error = exc
                 raise
@@ -469,22 +469,22 @@ class SharedOperation(DeviceOperation[T]):
             raise st.error
         assert st.stream is not None
         if st.stream != ctx.stream:
-            ctx.backend.wait_event(ctx.stream._raw, st.event)
+            ctx.backend.wait_event(ctx.stream.raw, st.event)
         return st.output  # type: ignore[return-value]
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
-        return self._state.source._output_dtype()
+    def output_dtype(self) -> np.dtype[Any] | None:
+        return self._state.source.output_dtype()
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return "shared"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._state.source,)
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "shared"
 
-    def _dot_key(self) -> int:
+    def dot_key(self) -> int:
         return id(self._state)
 
 
@@ -513,10 +513,10 @@ class _Pick(DeviceOperation[Any]):
             raise UsageError(f"unzip({self._n}) of an operation producing {len(out)} values")
         return out[self._index]
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"{self._what} [{self._index}]"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
 
 
@@ -529,20 +529,21 @@ class Graph(Generic[T]):
     """
 
     def __init__(self, recording: _capture.Recording[T]) -> None:
-        self._rec = recording
+        #: the backend's graph and what it keeps alive (the record a replay runs)
+        self.recording = recording
         self._updates: list[DeviceOperation[Any]] = []
         self._lock = threading.Lock()
 
     @property
     def device(self) -> int:
         """The device the graph was captured on (and replays on)."""
-        return self._rec.device
+        return self.recording.device
 
     @property
     def nodes(self) -> int:
         """How many nodes the backend's graph has: one per kernel, copy or fill
         captured (the events joining ``zip`` arms are edges, not nodes)."""
-        return self._rec.nodes
+        return self.recording.nodes
 
     def launch(self) -> DeviceOperation[T]:
         """An operation that replays the graph (after any pending :meth:`update`).
@@ -571,17 +572,17 @@ class _GraphLaunch(DeviceOperation[T]):
 
     def execute(self, ctx: ExecutionContext) -> T:
         g = self._graph
-        _capture.check_launch(g._rec, ctx)
+        _capture.check_launch(g.recording, ctx)
         with g._lock:
             updates, g._updates = g._updates, []
         for op in updates:
             op.execute(ctx)
-        out = _capture.replay(g._rec, ctx)
+        out = _capture.replay(g.recording, ctx)
         ctx.keep(g)
         return out
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"graph launch ({self._graph.nodes} nodes)"
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "kernel"

@@ -561,7 +561,7 @@ def _choose(
                 return s, _Pinned(s)
         policy = DEFAULT_POLICY
     if isinstance(policy, StreamPoolLeastLoaded):
-        home = op._stream_home(device) if op._has_home else None
+        home = op.stream_home(device) if op.has_home else None
         if not can_wait:
             return policy.next_stream(device, home), policy
         if get_runtime().dispatcher.stream_waiters(device):
@@ -578,7 +578,7 @@ async def _idle_stream(
     enqueued yet).  The first in turn looks again at least every
     ``stall_s`` seconds, whoever was to say that a stream went idle."""
     d = get_runtime().dispatcher
-    home = op._stream_home(device) if op._has_home else None
+    home = op.stream_home(device) if op.has_home else None
     ticket = d.wait_for_stream(device)
     used = False
     try:
@@ -618,11 +618,11 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
     scopes the task runs in track from now on."""
     if capture_log.get() is not None:
         refuse_in_capture(_Running(op))
-    rt = stream._runtime
+    rt = stream.runtime
     rt.check_startable(stream)
     if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
-    run = Run(stream._device)
+    run = Run(stream.device)
     for scope in current_scopes.get():
         scope.track(run)
     return rt, run
@@ -667,7 +667,7 @@ def _sync(
         raise
     finally:
         stream.end_blocking()
-        stream._runtime.dispatcher.stream_freed(stream.device)
+        stream.runtime.dispatcher.stream_freed(stream.device)
     if traced is not None:
         traced.ended(None)
     return out
@@ -680,7 +680,7 @@ def _sync_run(
     ctx: ExecutionContext,
     traced: _trace.TracedRun | None,
 ) -> Any:
-    dispatcher = stream._runtime.dispatcher
+    dispatcher = stream.runtime.dispatcher
     try:
         out = op.execute(ctx)
     except BaseException:
@@ -711,7 +711,7 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
             traced.ended(exc)
         raise
     finally:
-        rt.dispatcher.submit(stream._raw, run, polled=False)  # (no task awaits it)
+        rt.dispatcher.submit(stream.raw, run, polled=False)  # (no task awaits it)
     if traced is not None:
         traced.ended(None)
     if is_pending(out):
@@ -729,7 +729,7 @@ def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
     Where that stream takes no mark, the run (which enqueued nothing) is
     finished with the error."""
     try:
-        rt.dispatcher.submit(stream._raw, run, True)
+        rt.dispatcher.submit(stream.raw, run, True)
     except BaseException as exc:
         if not run.done:  # refused (a fault fails it instead)
             rt.dispatcher.finish(run, exc)
@@ -752,19 +752,19 @@ def await_run(
     stream alone (``gf.wait_stream(s)``) takes a line of its own beside it:
     its run is marked on that stream, and enqueues nothing else.  Anything
     else takes :func:`_await_long`."""
-    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:
+    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:
         return (yield from _await_long(op, policy))
     loop = current_loop()
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         yield from loop.checkpoint_if_cancelled().__await__()
     rt = CURRENT.runtime or get_runtime()
-    home = op._stream_alone() if op._awaited_alone else None
+    home = op.stream_alone() if op.awaited_alone else None
     if home is not None:
         # another library's stream: nothing is enqueued but the run's mark there
         if not rt.startable(home):
             return (yield from _await_long(op, policy, loop))
-        run = Run(home._device)
+        run = Run(home.device)
         run.hold((op,))  # (what it names is used until the mark is reached)
         _submit_foreign(rt, home, run)
         yield from _wait(run, loop)
@@ -777,12 +777,12 @@ def await_run(
         return (yield from _await_long(op, policy, loop))
     run = Run(device)
     out: Any = None
-    direct = op._direct
-    lane = stream._lane
+    direct = op.direct
+    lane = stream.lane
     assert lane is not None  # (every pool stream has one)
     try:
-        if direct is not None and direct[0] is stream._life:
-            direct[1](stream._raw)  # (prepared once: a launch with its arguments final)
+        if direct is not None and direct[0] is stream.life:
+            direct[1](stream.raw)  # (prepared once: a launch with its arguments final)
         else:
             out = op.execute(ExecutionContext(rt, stream, DEFAULT_POLICY, run))
     except BaseException:
@@ -813,7 +813,7 @@ def _await_long(
     # an operation that waits for another library's stream and does nothing
     # else completes on that stream itself: no stream of ours waits for it,
     # and nothing is enqueued but the run's mark there
-    home = op._stream_alone() if op._awaited_alone else None
+    home = op.stream_alone() if op.awaited_alone else None
     if home is not None:
         rt, run = _begin(op, home)
         run.hold((op,))  # (as on the straight line: used until the mark is reached)
@@ -841,14 +841,14 @@ def _await_long(
             if traced is not None:
                 traced.ended(exc)
             try:
-                rt.dispatcher.submit(stream._raw, run)
+                rt.dispatcher.submit(stream.raw, run)
             except Exception:  # the original failure is the one to report
                 pass
             raise
         del ctx  # (what the enqueue used: freed now, not when the GPU is done)
         if traced is not None:
             traced.enqueued()
-        rt.dispatcher.submit(stream._raw, run)
+        rt.dispatcher.submit(stream.raw, run)
     try:
         if watcher is not None:
             yield from watcher(_cancel_points.IN_FLIGHT, op).__await__()

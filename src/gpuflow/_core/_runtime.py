@@ -92,7 +92,7 @@ class Runtime:
         self._lives = {d: object() for d in devices}
         #: per device: the backend's state of it, whose ``fault`` every run
         #: checks (the same object for the backend's life)
-        self._states = {d: backend._device_state(d) for d in devices}
+        self._states = {d: backend.device_state(d) for d in devices}
         self._pools: dict[int, list[Stream]] = {}
         #: per device: the pool, then the streams grow() added (append only):
         #: what :meth:`streams` gives, read directly where a run starts
@@ -147,8 +147,8 @@ class Runtime:
 
     def adopt(self, device: int, raw: Any) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
-        s = Stream(self, device, raw)
-        s._lane = self.dispatcher.lane(raw, device)
+        s = Stream(self, device, raw, self.generation(device), self._lives[device])
+        s.lane = self.dispatcher.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
         except Exception:  # a backend without handles: no other library can name it
@@ -165,15 +165,17 @@ class Runtime:
     def foreign_stream(self, raw: Any, device: int) -> Stream:
         """The :class:`Stream` of another library's backend stream ``raw``."""
         s = self._foreign.get(raw)
-        if s is not None and s._life is self._lives.get(device):
+        if s is not None and s.life is self._lives.get(device):
             return s
         with self._handles_lock:
             if len(self._foreign) >= MAX_FOREIGN_STREAMS:
                 for old in self._foreign:  # (made again on their next use)
                     self.dispatcher.retire_stream(old)
                 self._foreign.clear()
-            s = self._foreign[raw] = Stream(self, device, raw)
-            s._lane = self.dispatcher.lane(raw, device)
+            s = self._foreign[raw] = Stream(
+                self, device, raw, self.generation(device), self._lives[device]
+            )
+            s.lane = self.dispatcher.lane(raw, device)
         return s
 
     def own_streams(self) -> list[Stream]:
@@ -190,11 +192,11 @@ class Runtime:
     def current(self, stream: Stream) -> bool:
         """Whether ``stream`` belongs to this runtime, live, and to its
         device's context as it is now (not one a reset replaced)."""
-        return self.live and stream._life is self._lives.get(stream._device)
+        return self.live and stream.life is self._lives.get(stream.device)
 
     def is_interop(self, stream: Stream) -> bool:
         """Whether ``stream`` is a device's interop stream (never makes one)."""
-        return self._interop.get((stream.device, stream._generation)) is stream
+        return self._interop.get((stream.device, stream.generation)) is stream
 
     def interop_stream(self, device: int) -> Stream:
         """The private stream of ``device`` on which other libraries' arrays arrive.
@@ -217,7 +219,7 @@ class Runtime:
                     del self._interop[stale]  # made before a reset: invalid now
                 s = self._interop[key] = made
                 return s
-        self.backend.destroy_stream(made._raw)  # another thread made it first
+        self.backend.destroy_stream(made.raw)  # another thread made it first
         return s
 
     def generation(self, device: int) -> int:
@@ -264,24 +266,24 @@ class Runtime:
     def startable(self, stream: Stream) -> bool:
         """Whether a run may start on ``stream`` (:meth:`check_startable`
         says why not)."""
-        state = self._states.get(stream._device)
+        state = self._states.get(stream.device)
         return (
             state is not None
             and state.fault is None
             and self.live
-            and stream._life is self._lives[stream._device]
+            and stream.life is self._lives[stream.device]
         )
 
     def check_startable(self, stream: Stream) -> None:
         """A run may start on ``stream``: it is :meth:`current`, and its
         device has no sticky fault (else the error that says which)."""
-        device = stream._device
+        device = stream.device
         state = self._states.get(device)
         if (
             state is not None
             and state.fault is None
             and self.live
-            and stream._life is self._lives[device]
+            and stream.life is self._lives[device]
         ):
             return
         if not self.current(stream):
@@ -318,11 +320,11 @@ class Runtime:
             self._lives[device] = object()
             self._make_pool(device)
         with self._handles_lock:  # other libraries' streams there: named anew from now
-            for raw in [raw for raw, s in self._foreign.items() if s._device == device]:
+            for raw in [raw for raw, s in self._foreign.items() if s.device == device]:
                 self.dispatcher.retire_stream(raw)
                 del self._foreign[raw]
         for s in old:
-            self.backend.destroy_stream(s._raw)
+            self.backend.destroy_stream(s.raw)
 
     def close(self, backend: bool = True) -> None:
         """Retire this runtime (its arrays and streams become invalid); close
@@ -335,8 +337,8 @@ class Runtime:
         be = self.backend
         with self._lock:
             made = [raw for spares in self._spares.values() for raw in spares]
-            made += [s._raw for streams in self.device_streams.values() for s in streams]
-            made += [s._raw for s in self._interop.values()]
+            made += [s.raw for streams in self.device_streams.values() for s in streams]
+            made += [s.raw for s in self._interop.values()]
             self._spares.clear()
         for raw in made:
             self.dispatcher.retire_stream(raw)
@@ -530,7 +532,7 @@ def new_stream(device: int | None = None) -> Stream:
     dev = rt.check_device(current_device() if device is None else device)
     raw = rt.new_raw_stream(dev)
     s = rt.adopt(dev, raw)
-    weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s._final)
+    weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s.final)
     return s
 
 

@@ -34,37 +34,42 @@ class Stream:
     """
 
     __slots__ = (
-        "__weakref__", "_device", "_final", "_generation", "_lane", "_life", "_raw",
-        "_runtime", "_syncs", "leased",
+        "__weakref__", "_syncs", "device", "final", "generation", "lane", "leased", "life",
+        "raw", "runtime",
     )  # fmt: skip
 
-    def __init__(self, runtime: Runtime, device: int, raw: Any) -> None:
-        self._runtime = runtime
-        self._device = device
-        self._raw = raw
-        self._generation = runtime.generation(device)
-        self._life = runtime._lives[device]  # (see Runtime._lives)
+    def __init__(
+        self, runtime: Runtime, device: int, raw: Any, generation: int, life: object
+    ) -> None:
+        #: the runtime that made the stream
+        self.runtime = runtime
+        #: the ordinal of the stream's device
+        self.device = device
+        #: the backend's own stream object, for code that calls the backend
+        #: directly (:mod:`gpuflow.lowlevel`): operations enqueue on
+        #: ``ctx.stream.raw`` through ``ctx.backend``
+        self.raw = raw
+        #: the device context's generation the stream was made in
+        self.generation = generation
+        #: the device context's life (an identity, replaced at a reset) the
+        #: stream was made in: what a prepared launch checks it still runs in
+        self.life = life
         #: blocking runs (``sync``, ``sync_on``) on this stream now: the
         #: dispatcher never sees them, a scheduling policy should
         self._syncs = 0
-        #: the dispatcher's record of the stream's marks (set by the runtime)
-        self._lane: Lane | None = None
+        #: the completion side's record of the stream's marks (set by the runtime)
+        self.lane: Lane | None = None
         #: held by a stream lease: the default policy gives it to no other run
         self.leased = False
         #: once the stream is destroyed, an event recorded after all its work
         #: (what a free still ordered after a use on it waits for)
-        self._final: list[Any] = []
-
-    @property
-    def device(self) -> int:
-        """The ordinal of the stream's device."""
-        return self._device
+        self.final: list[Any] = []
 
     def current(self) -> bool:
         """The stream belongs to the runtime in use and to its device's
         context as it is now (not one that a reset or a new
         :func:`gpuflow.init_device_contexts` replaced)."""
-        return self._runtime.current(self)
+        return self.runtime.current(self)
 
     # -- what a scheduling policy asks (reads without a lock: a race with the
     # GPU or another thread makes an answer slightly stale, never unsafe)
@@ -72,7 +77,7 @@ class Stream:
         """Nothing is pending on the stream: the GPU has reached the end of
         every run enqueued on it, and no blocking run (``sync``) is in
         flight there.  At most a read of its completion word, no driver call."""
-        lane = self._lane
+        lane = self.lane
         # (what lane.idle() says, without the call: every run asks this)
         return not self._syncs and (
             lane is None
@@ -85,13 +90,13 @@ class Stream:
     def load(self) -> int:
         """How many runs on the stream the GPU has not finished (blocking
         runs in flight included)."""
-        lane = self._lane
+        lane = self.lane
         return self._syncs + (0 if lane is None else lane.backlog())
 
     def stalled(self, since: float) -> bool:
         """The stream has runs pending and finished none since ``since``
         (``time.monotonic``): it is running long work."""
-        lane = self._lane
+        lane = self.lane
         return lane is not None and lane.since < since and lane.read() <= lane.completed
 
     def begin_blocking(self) -> None:
@@ -119,21 +124,14 @@ class Stream:
             "stream.synchronize()", "in async code, `await gf.wait_stream(stream)`"
         )
         _finalizers.run_finalized()  # (at once where nothing is left)
-        lane = self._lane
+        lane = self.lane
         if lane is not None and lane.unmarked:  # (its runs are done on return)
             lane.dispatcher.mark_owed(lane)
-        self._runtime.backend.synchronize(self._raw)
-
-    @property
-    def raw(self) -> Any:
-        """The backend's own stream object, for code that calls the backend
-        directly (:mod:`gpuflow.lowlevel`): operations enqueue on
-        ``ctx.stream.raw`` through ``ctx.backend``."""
-        return self._raw
+        self.runtime.backend.synchronize(self.raw)
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(version, CUstream address)``."""
-        return (0, self._runtime.backend.stream_handle(self._raw))
+        return (0, self.runtime.backend.stream_handle(self.raw))
 
     # one Stream object for each backend stream, so that a Stream is equal
     # (and hashes equal) only to itself: hazard tracking keys its sets and
@@ -145,4 +143,4 @@ class Stream:
         return self
 
     def __repr__(self) -> str:
-        return f"<gpuflow.Stream device={self._device} {self._raw!r}>"
+        return f"<gpuflow.Stream device={self.device} {self.raw!r}>"

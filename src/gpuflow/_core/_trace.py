@@ -171,10 +171,10 @@ class TracedRun:
         self.how = how
         self.device: int = stream.device
         self.stream = repr(stream)
-        backend: Backend = stream._runtime.backend
+        backend: Backend = stream.runtime.backend
         self.backend = backend
         self.stream_key: Key = (
-            stream.device, id(backend), backend.activity_stream_id(stream._raw)
+            stream.device, id(backend), backend.activity_stream_id(stream.raw)
         )
         self.thread = threading.get_native_id()
         self.enq = time.perf_counter_ns()
@@ -465,7 +465,7 @@ def begin(op: Any, how: str, stream: Any) -> TracedRun:
     """Record a run of ``op`` on ``stream`` that starts now (``how``: "await",
     "sync", "enqueue_on"); call only while :data:`active` is not empty."""
     recorders = active
-    run = TracedRun(recorders, op._label(), repr(op), how, stream)
+    run = TracedRun(recorders, op.label(), repr(op), how, stream)
     for r in recorders:
         r._opened(run)
     # what this run enqueues, from here to its end, is the run's

@@ -86,10 +86,10 @@ class ImportedAllocation(Allocation):
         self, backend: Backend, buffer: RawBuffer, stream: Stream, owner: object, readonly: bool
     ) -> None:
         super().__init__(backend, buffer, stream)
-        if stream._runtime.is_interop(stream):
+        if stream.runtime.is_interop(stream):
             # right after the waits for its producer: a first use waits for
             # this import's producer, not for those of imports made after it
-            self.wrote = EventPoint(backend.record_event(stream._raw))
+            self.wrote = EventPoint(backend.record_event(stream.raw))
         self.owner = owner
         self.readonly = readonly
 
@@ -104,7 +104,7 @@ def _release(owner: object, uses: Uses) -> None:
     (an import's finalizer, done later: :mod:`._finalizers`)."""
     try:
         stream = writer = uses.writer
-        rt = writer._runtime
+        rt = writer.runtime
         if not rt.current(writer):
             _leaked.append(owner)  # the context is gone: leak, never dangle
             return
@@ -116,7 +116,7 @@ def _release(owner: object, uses: Uses) -> None:
         wait_for_uses(uses, stream)
         release = Run(stream.device)
         release.hold((owner,))
-        rt.dispatcher.submit(stream._raw, release, polled=False)  # (no task awaits it)
+        rt.dispatcher.submit(stream.raw, release, polled=False)  # (no task awaits it)
     except Exception as exc:
         _leaked.append(owner)
         warnings.warn(
@@ -224,7 +224,7 @@ def _from_dlpack_protocol(rt: Runtime, x: Any, stream: Stream | None, what: str)
     _check_device_type(int(device_type), what)
     device = _our_device(rt, int(device_id), what)
     s = _arrival(rt, device, stream)
-    handle = rt.backend.stream_handle(s._raw)
+    handle = rt.backend.stream_handle(s.raw)
     try:
         try:
             capsule = x.__dlpack__(stream=handle, max_version=dlpack.VERSION)
@@ -328,7 +328,7 @@ class _WaitStream(DeviceOperation[None]):
     # gpuflow's waits for the foreign work (another run placed on that
     # stream would wait for it too, and the GPU would hop streams to say it
     # is done).
-    _awaited_alone = True
+    awaited_alone = True
 
     def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
         """The stream waited for, and whether it is gpuflow's own: on the
@@ -338,7 +338,7 @@ class _WaitStream(DeviceOperation[None]):
             return stream_for(rt, self._handle, self._device, True)
         return stream_for(rt, self._handle, current_device() if here is None else here)
 
-    def _stream_alone(self) -> Stream | None:
+    def stream_alone(self) -> Stream | None:
         s, own = self._resolve(get_runtime(), None)
         return None if own else s
 
@@ -352,25 +352,25 @@ class _WaitStream(DeviceOperation[None]):
             ctx.keep(self._source)  # (its handle is used until the run completes)
         be = ctx.backend
         here = ctx.stream
-        if be.stream_handle(here._raw) == self._handle and (
+        if be.stream_handle(here.raw) == self._handle and (
             self._device is None or here.device == self._device
         ):
             return  # the run is on that stream: its work so far comes first
-        s, own = self._resolve(ctx._runtime, ctx.device)
+        s, own = self._resolve(ctx.runtime, ctx.device)
         if own:
             ctx.wait_for(s)
         elif s is not here:
-            if be.stream_capturing(s._raw):  # (our stream would join the capture)
+            if be.stream_capturing(s.raw):  # (our stream would join the capture)
                 raise UsageError(
                     f"wait_stream of {describe_stream(self._handle)}, which is being "
                     "captured into a graph: its work runs when the graph is launched"
                 )
-            be.wait_event(here._raw, be.record_event(s._raw))
+            be.wait_event(here.raw, be.record_event(s.raw))
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"wait_stream {describe_stream(self._handle)}"
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "join"
 
 
@@ -405,7 +405,7 @@ StreamAdapter = Callable[[Stream], AbstractContextManager[Any] | None]
 
 def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     torch: Any = sys.modules.get("torch")
-    if torch is None or stream._runtime.backend.name != "cuda" or not torch.cuda.is_available():
+    if torch is None or stream.runtime.backend.name != "cuda" or not torch.cuda.is_available():
         return None
     external = torch.cuda.ExternalStream(
         stream.__cuda_stream__()[1], device=torch.device("cuda", stream.device)
@@ -415,7 +415,7 @@ def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
 
 def _cupy_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     cupy: Any = sys.modules.get("cupy")
-    if cupy is None or stream._runtime.backend.name != "cuda":
+    if cupy is None or stream.runtime.backend.name != "cuda":
         return None
     handle = stream.__cuda_stream__()[1]
     stack = contextlib.ExitStack()
@@ -494,7 +494,7 @@ class _Foreign(DeviceOperation[Any]):
         kwargs = {k: _resolve(v, ctx) for k, v in self._kwargs.items()}
         arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, DeviceArray)]
         for a in arrays:
-            a._check_usable(ctx, what)
+            a.check_usable(ctx, what)
             if a.device != ctx.device:
                 raise UsageError(
                     f"{what}: {a!r} is on device {a.device}, the run on device {ctx.device}"
@@ -503,7 +503,7 @@ class _Foreign(DeviceOperation[Any]):
         # ordering, the foreign enqueues and the imports are one step (as a launch)
         with hazard_lock:
             for a in arrays:  # the code may write any array it gets
-                a._alloc.before_write(stream, ctx.run)
+                a.allocation.before_write(stream, ctx.run)
             with contextlib.ExitStack() as on_stream:
                 with _adapters_lock:
                     adapters = list(_adapters)
@@ -519,7 +519,7 @@ class _Foreign(DeviceOperation[Any]):
     @staticmethod
     def _imports(ctx: ExecutionContext, out: Any) -> Any:
         def one(v: Any) -> Any:
-            return import_array(ctx._runtime, v, ctx.stream) if _is_device_array(v) else v
+            return import_array(ctx.runtime, v, ctx.stream) if _is_device_array(v) else v
 
         if isinstance(out, tuple):
             return tuple(one(v) for v in out)
@@ -527,10 +527,10 @@ class _Foreign(DeviceOperation[Any]):
             return [one(v) for v in out]
         return one(out)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"foreign {callable_name(self._fn)}"
 
-    def _children(self) -> tuple[DeviceOperation[Any], ...]:
+    def children(self) -> tuple[DeviceOperation[Any], ...]:
         return tuple(
             a for a in (*self._args, *self._kwargs.values()) if isinstance(a, DeviceOperation)
         )

@@ -256,7 +256,7 @@ class Module:
         return f"<gpuflow.Module kernels: {', '.join(self._kernels) or 'none'}>"
 
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
-        return self._load_on(ctx._runtime, ctx.device, name)
+        return self._load_on(ctx.runtime, ctx.device, name)
 
     def _load_on(self, rt: Runtime, device: int, name: str) -> Any:
         # a kernel handle belongs to one runtime, device and context generation
@@ -469,7 +469,7 @@ class Kernel:
         checked: list[Any] = []
         for p, a in zip(self.params, args, strict=True):
             if isinstance(a, DeviceOperation):
-                dtype = a._output_dtype()  # (what it produces, where known already)
+                dtype = a.output_dtype()  # (what it produces, where known already)
                 if dtype is not None:
                     if not p.pointer:
                         raise UsageTypeError(
@@ -499,13 +499,13 @@ class Kernel:
 
 
 class _Launch(DeviceOperation[Any]):
-    __slots__ = ("_args", "_cache", "_config", "_direct", "_kernel", "_plain")
+    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "direct")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
         self._kernel = kernel
         self._config = config
         self._args = args
-        self._direct: tuple[object, Callable[[Any], None]] | None = None
+        self.direct: tuple[object, Callable[[Any], None]] | None = None
         # scalars only: nothing to resolve, no hazards, the arguments are final
         self._plain = not any(
             p.pointer or isinstance(a, DeviceOperation)
@@ -518,27 +518,27 @@ class _Launch(DeviceOperation[Any]):
         # there (and, for a launch whose arguments are final, the backend's
         # launcher of it), for the life of that device's context in that runtime
         c = self._cache
-        life = ctx.stream._life
+        life = ctx.stream.life
         if c is None or c[0] is not life:
             raw = self._kernel.module._load(ctx, self._kernel.name)
             cfg = self._config
             launch_on = (
-                ctx._runtime.backend.launcher(raw, cfg.grid, cfg.block, cfg.shmem, self._args)
+                ctx.runtime.backend.launcher(raw, cfg.grid, cfg.block, cfg.shmem, self._args)
                 if self._plain
                 else None
             )
             c = self._cache = (life, raw, launch_on)
             if launch_on is not None:  # (prepared once: the common await calls it)
-                self._direct = (life, launch_on)
+                self.direct = (life, launch_on)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:
         if self._plain:
             c = self._cache
             stream = ctx.stream
-            if c is None or c[0] is not stream._life:
+            if c is None or c[0] is not stream.life:
                 c = self._loaded(ctx)
-            c[2](stream._raw)  # type: ignore[misc]  # (a plain launch has its launcher)
+            c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its launcher)
             return None
         cfg = self._config
         k = self._kernel
@@ -563,7 +563,7 @@ class _Launch(DeviceOperation[Any]):
         stream = ctx.stream
         for p, a in zip(k.params, values, strict=True):
             if p.pointer:
-                a._check_usable(ctx, f"kernel {k.name!r}, parameter {p.describe()!r}")
+                a.check_usable(ctx, f"kernel {k.name!r}, parameter {p.describe()!r}")
                 if a.device != ctx.device:
                     raise UsageError(
                         f"kernel {k.name!r}, parameter {p.describe()!r}: the array is on "
@@ -571,16 +571,17 @@ class _Launch(DeviceOperation[Any]):
                         "(gf.copy(array, device=...) moves it)"
                     )
                 dt = a.dtype if p.dtype is None else p.dtype
-                args.append(PointerArg(a._alloc.buffer, dt, a.nbytes // dt.itemsize, not p.const))
+                buf = a.allocation.buffer
+                args.append(PointerArg(buf, dt, a.nbytes // dt.itemsize, not p.const))
                 if p.const:
-                    reads.append(a._alloc)
+                    reads.append(a.allocation)
                 else:
                     if a.readonly:
                         raise UsageError(
                             f"kernel {k.name!r}, parameter {p.describe()!r}: the array is "
                             "read-only memory of another library; declare the parameter const"
                         )
-                    writes.append(a._alloc)
+                    writes.append(a.allocation)
                     written.append(a)
             else:
                 args.append(a)
@@ -591,16 +592,16 @@ class _Launch(DeviceOperation[Any]):
                 alloc.before_read(stream, run)
             for alloc in writes:
                 alloc.before_write(stream, run)
-            ctx.backend.launch(raw, cfg.grid, cfg.block, cfg.shmem, args, stream._raw)
+            ctx.backend.launch(raw, cfg.grid, cfg.block, cfg.shmem, args, stream.raw)
         if not written:
             return None
         return written[0] if len(written) == 1 else tuple(written)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"kernel {self._kernel.name}"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return tuple(a for a in self._args if isinstance(a, DeviceOperation))
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "kernel"

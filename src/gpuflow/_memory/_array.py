@@ -71,10 +71,12 @@ class DeviceArray:
     and so are ``size``, ``ndim``, ``nbytes`` and ``len(arr)``.
     """
 
-    __slots__ = ("__weakref__", "_alloc", "dtype", "shape")
+    __slots__ = ("__weakref__", "allocation", "dtype", "shape")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
-        self._alloc = alloc
+        #: the buffer and the record of its uses (:mod:`gpuflow.lowlevel`:
+        #: an operation orders its use with ``before_read``/``before_write``)
+        self.allocation = alloc
         self.shape = shape
         self.dtype = dtype
 
@@ -96,19 +98,19 @@ class DeviceArray:
     @property
     def device(self) -> int:
         """The ordinal of the device the memory is on."""
-        return self._alloc.buffer.device
+        return self.allocation.buffer.device
 
     @property
     def ptr(self) -> int:
         """The device address of the first element."""
-        return self._alloc.buffer.ptr
+        return self.allocation.buffer.ptr
 
     def reshape(self, *shape: SupportsIndex | Sequence[SupportsIndex]) -> DeviceArray:
         """The same memory with another shape (same number of elements)."""
         new = as_shape(shape[0] if len(shape) == 1 else shape)  # type: ignore[arg-type]
         if math.prod(new) != self.size:
             raise UsageError(f"cannot reshape an array of size {self.size} into {new}")
-        return DeviceArray(self._alloc, new, self.dtype)
+        return DeviceArray(self.allocation, new, self.dtype)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -121,7 +123,7 @@ class DeviceArray:
     @property
     def readonly(self) -> bool:
         """True for memory another library lent read-only: kernels may only read it."""
-        return self._alloc.readonly
+        return self.allocation.readonly
 
     # -- the array protocols (the machinery is in _export) ------------------------
     def __dlpack__(
@@ -146,7 +148,7 @@ class DeviceArray:
         blocks, so it is refused inside an event loop.
         """
         return _export.dlpack(
-            self._alloc,
+            self.allocation,
             self.shape,
             self.dtype,
             stream=stream,
@@ -157,13 +159,13 @@ class DeviceArray:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(2, device)``: CUDA memory (``kDLCUDA``) of the array's device."""
-        return _export.dlpack_device(self._alloc)
+        return _export.dlpack_device(self.allocation)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """The CUDA Array Interface, version 3: pointer, shape, typestr, and the
         ``stream`` the consumer must wait on before it uses the memory."""
-        return _export.cuda_array_interface(self._alloc, self.shape, self.dtype)
+        return _export.cuda_array_interface(self.allocation, self.shape, self.dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> NoReturn:
         raise UsageTypeError(
@@ -171,10 +173,14 @@ class DeviceArray:
             "to a NumPy array (await it, or .sync() outside an event loop)"
         )
 
-    def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
-        a = self._alloc
-        rt = ctx._runtime
-        if a.generation != rt._generations.get(a.buffer.device, 0) or a.writer._runtime is not rt:
+    def check_usable(self, ctx: ExecutionContext, what: str) -> None:
+        """Raise :class:`gpuflow.UsageError`, naming ``what``, where the array
+        belongs to a device context that was reset or replaced since it was
+        made (its memory is gone): what an operation checks of each array
+        it uses before it enqueues anything."""
+        a = self.allocation
+        rt = ctx.runtime
+        if a.generation != rt.generation(a.buffer.device) or a.writer.runtime is not rt:
             raise UsageError(
                 f"{what}: {self!r} belongs to a device context that was reset or replaced"
             )
@@ -193,8 +199,8 @@ def allocate(
             "before capturing and write into them (gf.copy(src, out=...), kernels)"
         )
     nbytes = math.prod(shape) * dtype.itemsize
-    buf = ctx.backend.alloc(s.device, nbytes, s._raw)
-    alloc = Allocation(ctx.backend, buf, s, ctx.run, s._runtime.memory)
+    buf = ctx.backend.alloc(s.device, nbytes, s.raw)
+    alloc = Allocation(ctx.backend, buf, s, ctx.run, s.runtime.memory)
     return DeviceArray(alloc, shape, dtype)
 
 
@@ -220,7 +226,7 @@ def _check_device_input(x: object, what: str) -> None:
 
 def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
     if type(x) is DeviceArray:  # (the common case, first: no isinstance walk)
-        x._check_usable(ctx, what)
+        x.check_usable(ctx, what)
         return x
     if isinstance(x, DeviceOperation):
         x = x.execute(ctx)
@@ -229,7 +235,7 @@ def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
             f"{what} needs a DeviceArray (or an operation producing one), "
             f"got {type(x).__name__}"
         )
-    x._check_usable(ctx, what)
+    x.check_usable(ctx, what)
     return x
 
 
@@ -257,16 +263,16 @@ class _Fill(DeviceOperation[DeviceArray]):
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         out = allocate(ctx, self._shape, self._dtype)
         if out.size:
-            ctx.backend.fill(out._alloc.buffer, self._value, out.size, ctx.stream._raw)
+            ctx.backend.fill(out.allocation.buffer, self._value, out.size, ctx.stream.raw)
         return out
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def output_dtype(self) -> np.dtype[Any] | None:
         return self._dtype
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"full {self._shape} {self._dtype} = {self._value}"
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "alloc"
 
 
@@ -295,19 +301,20 @@ class _Arange(DeviceOperation[DeviceArray]):
         self._step = step
         self._dtype = dtype
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def output_dtype(self) -> np.dtype[Any] | None:
         return self._dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         out = allocate(ctx, (self._n,), self._dtype)
         if self._n:
-            ctx.backend.arange(out._alloc.buffer, self._start, self._step, self._n, ctx.stream._raw)
+            buf = out.allocation.buffer
+            ctx.backend.arange(buf, self._start, self._step, self._n, ctx.stream.raw)
         return out
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"arange {self._n} {self._dtype}"
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "alloc"
 
 
@@ -330,7 +337,7 @@ class _FromHost(DeviceOperation[DeviceArray]):
     def __init__(self, host: np.ndarray[Any, Any]) -> None:
         self._host = host
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def output_dtype(self) -> np.dtype[Any] | None:
         dtype: np.dtype[Any] = self._host.dtype
         return dtype
 
@@ -344,14 +351,14 @@ class _FromHost(DeviceOperation[DeviceArray]):
             )
         out = allocate(ctx, src.shape, src.dtype)
         if out.nbytes:
-            ctx.backend.copy_from_host(out._alloc.buffer, src, ctx.stream._raw)
+            ctx.backend.copy_from_host(out.allocation.buffer, src, ctx.stream.raw)
             ctx.keep(src)
         return out
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"from_host {self._host.shape} {self._host.dtype}"
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "copy"
 
 
@@ -382,19 +389,19 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
             # the copy runs on the array's device; a run on another device joins it
             stream = ctx.stream if a.device == ctx.device else _stream_on(a.device)
             with hazard_lock:
-                a._alloc.before_read(stream, ctx.run)
-                ctx.backend.copy_to_host(out, a._alloc.buffer, stream._raw)
+                a.allocation.before_read(stream, ctx.run)
+                ctx.backend.copy_to_host(out, a.allocation.buffer, stream.raw)
             ctx.keep(out)
             ctx.wait_for(stream)
         return PendingHost(out)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return "to_host"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._src,) if isinstance(self._src, DeviceOperation) else ()
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "copy"
 
 
@@ -437,7 +444,7 @@ class _Copy(DeviceOperation[DeviceArray]):
         out = self._out
         nbytes = self._known
         if out is None:
-            dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
+            dev = ctx.device if self._device is None else ctx.runtime.check_device(self._device)
             stream = ctx.stream if dev == ctx.device else _stream_on(dev)
             dst = allocate(ctx, src.shape, src.dtype, stream)
         else:
@@ -452,25 +459,25 @@ class _Copy(DeviceOperation[DeviceArray]):
         # policy gives, so that it queues behind no unrelated work there);
         # the run's stream joins it
         stream = ctx.stream
-        if dst._alloc.buffer.device != stream._device:
+        if dst.allocation.buffer.device != stream.device:
             stream = _stream_on(dst.device)
         with hazard_lock:
-            src._alloc.before_read(stream, ctx.run)
-            dst._alloc.before_write(stream, ctx.run)
-            ctx._runtime.backend.copy_device(
-                dst._alloc.buffer, src._alloc.buffer, nbytes, stream._raw
+            src.allocation.before_read(stream, ctx.run)
+            dst.allocation.before_write(stream, ctx.run)
+            ctx.runtime.backend.copy_device(
+                dst.allocation.buffer, src.allocation.buffer, nbytes, stream.raw
             )
         if stream is not ctx.stream:
             ctx.wait_for(stream)
         return dst
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def output_dtype(self) -> np.dtype[Any] | None:
         # (the copy's dtype is its source's, or that of the array it fills)
         for x in (self._out, self._src):
             if isinstance(x, DeviceArray):
                 return x.dtype
         if self._out is None and isinstance(self._src, DeviceOperation):
-            return self._src._output_dtype()
+            return self._src.output_dtype()
         return None
 
     def _check_out(self, src: DeviceArray, dst: DeviceArray) -> int:
@@ -488,14 +495,14 @@ class _Copy(DeviceOperation[DeviceArray]):
             self._known = nbytes
         return nbytes
 
-    def _label(self) -> str:
+    def label(self) -> str:
         where = "" if self._device is None else f" -> device {self._device}"
         return "copy" + (" into out" if self._out is not None else "") + where
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def children(self) -> Sequence[DeviceOperation[Any]]:
         return tuple(x for x in (self._src, self._out) if isinstance(x, DeviceOperation))
 
-    def _kind(self) -> str:
+    def kind(self) -> str:
         return "copy"
 
 

@@ -55,7 +55,7 @@ _leaked: list[Allocation] = []
 
 
 def _check(alloc: Allocation, what: str) -> Runtime:
-    rt = alloc.writer._runtime
+    rt = alloc.writer.runtime
     if not rt.live or alloc.generation != rt.generation(alloc.buffer.device):
         raise UsageError(
             f"{what}: the array belongs to a device context that was reset or replaced"
@@ -113,13 +113,13 @@ def _keep(alloc: Allocation) -> None:
 def _after_consumer(alloc: Allocation, consumer: Stream) -> None:
     """The consumer let go: the allocation's later uses and its free wait for the
     work it enqueued on its stream so far.  Runs on the thread of the deleter."""
-    rt = consumer._runtime
+    rt = consumer.runtime
     if sys.is_finalizing():
         return  # the process is going away with its memory (and its streams)
     if not rt.current(consumer):
         return  # the context is gone with its memory (the allocation leaks)
     try:
-        event = rt.backend.record_event(consumer._raw)
+        event = rt.backend.record_event(consumer.raw)
     except Exception as exc:
         _leaked.append(alloc)
         warnings.warn(
@@ -128,7 +128,7 @@ def _after_consumer(alloc: Allocation, consumer: Stream) -> None:
             stacklevel=1,
         )
         return
-    key = (consumer.device, rt.backend.stream_handle(consumer._raw))
+    key = (consumer.device, rt.backend.stream_handle(consumer.raw))
     alloc.after_foreign(key, event)
 
 
@@ -171,11 +171,11 @@ def _device_copy(
     s = alloc.writer
     be = rt.backend
     nbytes = math.prod(shape) * dtype.itemsize
-    copy = Allocation(be, be.alloc(device, nbytes, s._raw), s, ledger=rt.memory)
+    copy = Allocation(be, be.alloc(device, nbytes, s.raw), s, ledger=rt.memory)
     if nbytes:
         with hazard_lock:
             alloc.before_read(s)
-            be.copy_device(copy.buffer, alloc.buffer, nbytes, s._raw)
+            be.copy_device(copy.buffer, alloc.buffer, nbytes, s.raw)
     return copy
 
 
@@ -198,8 +198,8 @@ def _host_capsule(
     if out.nbytes:
         with hazard_lock:
             alloc.before_read(s)
-            be.copy_to_host(out, alloc.buffer, s._raw)
-        be.synchronize(s._raw)
+            be.copy_to_host(out, alloc.buffer, s.raw)
+        be.synchronize(s.raw)
     try:
         capsule = out.__dlpack__(max_version=max_version)
     except TypeError:  # NumPy before 2.1 makes legacy capsules only
@@ -268,5 +268,5 @@ def cuda_array_interface(
         "strides": None,
         "descr": [("", dtype.str)],
         "version": 3,
-        "stream": rt.backend.stream_handle(writer._raw),
+        "stream": rt.backend.stream_handle(writer.raw),
     }

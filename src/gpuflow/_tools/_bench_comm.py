@@ -85,7 +85,7 @@ async def _bandwidth_rows(
     comm: gf.Communicator, nbytes: int, nb: Any, cu: Any, f32: int, total: int
 ) -> None:
     devs = comm.devices
-    raw_comms = [c.comm._comm for c in comm._raw or ()]
+    raw_comms = [c.comm._comm for c in comm.raw]
     count = nbytes // 4
     xs, ys = [], []
     for d in devs:
@@ -95,7 +95,7 @@ async def _bandwidth_rows(
     s0 = gf.new_stream(devs[0])
     op = comm.all_reduce(xs, out=ys)
     op.enqueue_on(s0)  # the first: every part finds its stream, kept after
-    handles = [s.__cuda_stream__()[1] for s in (s0, *(y._alloc.writer for y in ys[1:]))]
+    handles = [s.__cuda_stream__()[1] for s in (s0, *(y.allocation.writer for y in ys[1:]))]
     for h in handles:
         cu.cuStreamSynchronize(h)
     reps = 5 if nbytes >= 256 * _MiB else 20
@@ -125,7 +125,7 @@ async def _grouped_row(
 ) -> None:
     """``k`` all-reduces of ``xs`` as one run (``comm.group``) against NCCL's
     ``k`` calls in one group: algorithm bandwidth of the ``k`` together."""
-    raw_comms = [c.comm._comm for c in comm._raw or ()]
+    raw_comms = [c.comm._comm for c in comm.raw]
     count = nbytes // 4
     outs = []
     for _ in range(k):
@@ -210,7 +210,7 @@ def bench_collectives(quick: bool, cuda: bool) -> None:
 
         async def latency() -> tuple[tuple[list[float], list[float]], ...]:
             async with gf.open_communicator(devs) as comm:
-                raw_comms = [c.comm._comm for c in comm._raw or ()]
+                raw_comms = [c.comm._comm for c in comm.raw]
                 xs, ys = [], []
                 for d in devs:
                     with gf.use_device(d):

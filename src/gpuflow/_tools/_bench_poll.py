@@ -126,13 +126,13 @@ def bench_poll_turn(mod: gf.Module, quick: bool, cuda: bool) -> None:
                     tg.start_soon(spin.run, p)
                 else:
                     spin.enqueue_on(s)
-            while not all(s._lane is not None and s._lane.runs for s in streams):
+            while not all(s.lane is not None and s.lane.runs for s in streams):
                 await anyio.sleep(0.001)  # (the awaits submitted)
             # a poller of its own, polled directly: the loop's would stop after its budget
             poller = Poller(get_runtime().dispatcher, current_loop())
             for s in streams:
-                assert s._lane is not None
-                poller.lanes[s._lane] = None
+                assert s.lane is not None
+                poller.lanes[s.lane] = None
             poller.busy.deadline = time.monotonic() + 60  # (it polls as long as it is called)
             t0 = time.perf_counter()
             for _ in range(n):

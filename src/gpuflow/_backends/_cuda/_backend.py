@@ -85,7 +85,7 @@ class CudaBackend(CudaContexts):
         operations, else events."""
         super().__init__(num_devices, marks=marks)
         self._launch = self._cu.cuLaunchKernel
-        self._timer = Timer(self._cu, self._n, self._cur)  # the activity record
+        self._timer = Timer(self._cu, self._n, self.make_current)  # the activity record
         self._nccl = NcclComms(self)
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
         # Loaded modules stay loaded while the backend lives: cuModuleUnload
@@ -122,7 +122,7 @@ class CudaBackend(CudaContexts):
                 stream.destroyed = True
                 live = stream.token is dev.token and dev.fault is None
                 if live:
-                    self._cur(dev)
+                    self.make_current(dev)
                 marks = self._marks
                 if stream.word is not None and (
                     not live or not isinstance(marks, WordMarks) or marks.seal(dev, stream)
@@ -196,15 +196,15 @@ class CudaBackend(CudaContexts):
             raise error_for(int(err), "cuCtxGetCurrent", dev)
         prev = int(current)
         if prev == dev.ctx:
-            self._tls.token = dev.token  # current already (the common case): no call
+            self.thread_state.token = dev.token  # current already (the common case): no call
         else:
-            self._force_cur(dev)
+            self.force_current(dev)
         try:
             return fn()
         finally:
             if prev != dev.ctx:
                 self._n.ctx_set_current(prev or None)
-                self._tls.token = None  # our cache no longer says what is current
+                self.thread_state.token = None  # our cache no longer says what is current
 
     def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> CudaBuffer:
         if nbytes == 0:
@@ -212,7 +212,7 @@ class CudaBackend(CudaContexts):
             return CudaBuffer(self._dev(0 if device is None else device), 0, ptr, foreign=True)
         cu = self._cu
         attr = cu.CUpointer_attribute
-        self._cur(self._devices[0] if device is None else self._dev(device))
+        self.make_current(self._devices[0] if device is None else self._dev(device))
 
         def get(which: Any) -> tuple[int, int]:
             res = cu.cuPointerGetAttribute(which, ptr)
@@ -259,7 +259,7 @@ class CudaBackend(CudaContexts):
             raise UsageError("cannot synchronize a stream while it is being captured")
         if stream.token is not dev.token or stream.destroyed:
             return  # its work went with the context (or the stream is gone)
-        self._cur(dev)
+        self.make_current(dev)
         rc = self._n.stream_synchronize(stream.handle)
         if rc:
             raise error_for(rc, "cuStreamSynchronize", dev)
@@ -280,7 +280,7 @@ class CudaBackend(CudaContexts):
         with self._stream_lock:  # not destroyed while we ask
             if stream.token is not dev.token or stream.destroyed:
                 return True
-            self._cur(dev)
+            self.make_current(dev)
             if stream.capture is not None:
                 # querying a capturing stream would invalidate the capture: ask about
                 # the work enqueued before it began instead
@@ -297,12 +297,12 @@ class CudaBackend(CudaContexts):
 
     # -- events -------------------------------------------------------------------
     def record_event(self, stream: Any) -> CudaEvent:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if stream.foreign:
             return self._foreign_call(
                 dev, lambda: CudaEvent(dev, self._record(dev, stream.handle), None)
             )
-        self._cur(dev)
+        self.make_current(dev)
         return CudaEvent(dev, self._record(dev, stream.handle), stream.capture)
 
     def _worth_waiting(self, dev: Dev, other: Dev, token: Token) -> bool:
@@ -316,7 +316,7 @@ class CudaBackend(CudaContexts):
         return True
 
     def wait_event(self, stream: Any, event: Any) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if not self._worth_waiting(dev, event.dev, event.token):
             return
         if stream.foreign:
@@ -330,7 +330,7 @@ class CudaBackend(CudaContexts):
             if rc:
                 raise error_for(rc, "cuStreamWaitEvent", dev)
             return
-        self._cur(dev)
+        self.make_current(dev)
         if event.capture is not None and stream.capture is None:
             # CUDA's fork: waiting on an event recorded in a capture joins it.  What
             # the stream had before is marked for query (which must not touch it now).
@@ -347,10 +347,10 @@ class CudaBackend(CudaContexts):
     # -- memory -------------------------------------------------------------------
     def alloc(self, device: int, nbytes: int, stream: Any) -> CudaBuffer:
         dev = self._dev(device)
-        self._live(stream)
+        self.live_device(stream)
         if dev.fault is not None:
             raise dev.fault
-        self._cur(dev)
+        self.make_current(dev)
         # During a capture (or for another device than the stream's) the memory is
         # taken outside the graph, on a private stream, and made usable at once:
         # the graph then sees fixed addresses, as the sim backend does.
@@ -398,10 +398,10 @@ class CudaBackend(CudaContexts):
                 # free it on the stream when the capture ends instead
                 stream.capture.deferred_frees.append((buffer, stream))
                 return
-            self._cur(sdev)
+            self.make_current(sdev)
             rc = self._n.mem_free_async(buffer.ptr, stream.handle)
             if rc in CONTEXT_ERRORS:
-                self._force_cur(sdev)
+                self.force_current(sdev)
                 rc = self._n.mem_free_async(buffer.ptr, stream.handle)
             buffer.freed = True
             if rc:
@@ -411,7 +411,7 @@ class CudaBackend(CudaContexts):
 
     # -- copies (through pinned staging buffers: ._staging) -----------------------
     def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         n = int(src.nbytes)
         if n == 0:
             return
@@ -422,7 +422,7 @@ class CudaBackend(CudaContexts):
         buf = None
         if stream.capture is None and STAGE_H2D_MIN <= n <= STAGE_MAX:
             buf = self._staging.get(dev, n)
-        self._cur(dev)
+        self.make_current(dev)
         cu = self._cu
         timed = None
         if self._timer.records:
@@ -444,7 +444,7 @@ class CudaBackend(CudaContexts):
         self._staging.done(dev, Pending(ev, buf, None, n))
 
     def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         n = int(dst.nbytes)
         if n == 0:
             return
@@ -455,7 +455,7 @@ class CudaBackend(CudaContexts):
         buf = None
         if stream.capture is None and n <= STAGE_MAX:
             buf = self._staging.get(dev, n)
-        self._cur(dev)
+        self.make_current(dev)
         cu = self._cu
         timed = None
         if self._timer.records:
@@ -477,13 +477,13 @@ class CudaBackend(CudaContexts):
         self._staging.done(dev, Pending(ev, buf, flat, n))
 
     def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if nbytes <= 0:
             return
         cu = self._cu
         timed = None
         if self._timer.records:
-            self._cur(dev)
+            self.make_current(dev)
             timed = self._timer.start(dev, stream, f"copy {src!r} -> {dst!r}")
         # (the bindings take the stream object faster than its handle)
         if dst.dev is not src.dev:
@@ -521,7 +521,7 @@ class CudaBackend(CudaContexts):
         func = self._builtin(dev, fname)
         count = int(values[-1])
         blocks = min((count + FILL_THREADS - 1) // FILL_THREADS, FILL_MAX_BLOCKS)
-        ts = self._cur(dev)
+        ts = self.make_current(dev)
         st.pack_into(ts.params, VALUES_OFFSET, *values)
         (err,) = self._cu.cuLaunchKernel(
             func, blocks, 1, 1, FILL_THREADS, 1, 1, 0, stream.obj, ts.params_addr, 0
@@ -530,12 +530,12 @@ class CudaBackend(CudaContexts):
             raise error_for(int(err), f"built-in kernel {fname}", dev, launch=True)
 
     def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if count <= 0:
             return
         timed = None
         if self._timer.records:
-            self._cur(dev)
+            self.make_current(dev)
             timed = self._timer.start(dev, stream, f"fill of {dst!r}")
         self._fill(dev, dst, value, count, stream)
         self._timer.end(timed)
@@ -565,7 +565,7 @@ class CudaBackend(CudaContexts):
     def arange(
         self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
     ) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if count <= 0:
             return
         dtype = start.dtype
@@ -585,7 +585,7 @@ class CudaBackend(CudaContexts):
             st = BUILTIN_STRUCT
         timed = None
         if self._timer.records:
-            self._cur(dev)
+            self.make_current(dev)
             timed = self._timer.start(dev, stream, f"arange into {dst!r}")
         self._launch_builtin(dev, stream, fname, st, (dst.ptr, a, b, count))
         self._timer.end(timed)
@@ -606,7 +606,7 @@ class CudaBackend(CudaContexts):
                 mod = CudaModule(self, dev, int(h))
                 self._modules[key] = mod
                 self._load_functions(dev, h)
-        self._cur(dev)
+        self.make_current(dev)
         (f,) = check(
             self._cu.cuModuleGetFunction(mod.handle, name.encode()),
             "cuModuleGetFunction",
@@ -647,9 +647,9 @@ class CudaBackend(CudaContexts):
             raise dev.fault
         if kernel.token is not dev.token or stream.token is not dev.token or stream.destroyed:
             self._stale_launch(kernel, stream)
-        ts = self._tls
+        ts = self.thread_state
         if ts.token is not dev.token:
-            self._cur(dev)
+            self.make_current(dev)
         if args:
             key = tuple(map(type, args))
             st = self._plans.get(key)
@@ -696,7 +696,7 @@ class CudaBackend(CudaContexts):
         # activity record) goes through launch(), which checks and times it
         keep, params = packed(tuple(map(type, args)), tuple(args)) if args else (None, 0)
         launch, launch_failed, f = self.launch, self._launch_failed, self._launch
-        obj, tls, timer = kernel.obj, self._tls, self._timer
+        obj, tls, timer = kernel.obj, self.thread_state, self._timer
         gx, gy, gz = grid
         bx, by, bz = block
 
@@ -721,7 +721,7 @@ class CudaBackend(CudaContexts):
     def _stale_launch(self, kernel: CudaKernel, stream: CudaStream) -> NoReturn:
         if kernel.token is not kernel.dev.token:
             raise UsageError(f"kernel {kernel.name!r} was loaded before its device was reset")
-        self._live(stream)
+        self.live_device(stream)
         raise UsageError(f"kernel {kernel.name!r} belongs to another device than {stream!r}")
 
     def _launch_failed(
@@ -737,7 +737,7 @@ class CudaBackend(CudaContexts):
         dev = stream.dev
         retry = False
         if rc in CONTEXT_ERRORS:
-            self._force_cur(dev)
+            self.force_current(dev)
             retry = True
         elif rc == CUDA_ERROR_INVALID_VALUE and shmem > kernel.shmem_max:
             # more than 48 KiB of dynamic shared memory must be opted into
@@ -768,7 +768,7 @@ class CudaBackend(CudaContexts):
             and stream.token is dev.token
             and not stream.destroyed
             and stream.capture is None
-            and self._tls.token is dev.token
+            and self.thread_state.token is dev.token
         ):
             # every run's mark: what the checks below let through, without
             # their calls (another library's stream named by its handle
@@ -777,20 +777,20 @@ class CudaBackend(CudaContexts):
                 return self._marks.mark(dev, stream, polled)
             if stream.handle not in _DEFAULT_STREAM_HANDLES:
                 return self._foreign_mark(dev, stream)
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if stream.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")
         if stream.foreign:
             return self._ours_on_foreign(dev, stream, lambda: self._foreign_mark(dev, stream))
-        if self._tls.token is not dev.token:
-            self._cur(dev)
+        if self.thread_state.token is not dev.token:
+            self.make_current(dev)
         return self._marks.mark(dev, stream, polled)
 
     def marker(self, stream: Any) -> Callable[[bool], int]:
         marks = self._marks
         if stream.foreign or not isinstance(marks, WordMarks) or marks.bound is None:
             return super().marker(stream)
-        return marks.marker(stream, self._tls, self.mark)
+        return marks.marker(stream, self.thread_state, self.mark)
 
     def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
         if self._capturing(dev, stream):
@@ -804,27 +804,27 @@ class CudaBackend(CudaContexts):
         return (self._foreign_marks if stream.foreign else self._marks).reader(stream)
 
     def wait_mark(self, stream: Any, other: Any, number: int) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if not self._worth_waiting(dev, other.dev, other.token):
             return
         marks = self._foreign_marks if other.foreign else self._marks
         if stream.foreign:
             rc = self._foreign_call(dev, lambda: marks.wait(dev, stream, other, number))
         else:
-            if self._tls.token is not dev.token:
-                self._cur(dev)
+            if self.thread_state.token is not dev.token:
+                self.make_current(dev)
             rc = marks.wait(dev, stream, other, number)
         if rc:
             raise error_for(rc, "cuStreamWaitValue64", dev)
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if stream.capture is not None:
             return False  # a host node would close the fd again at every replay
         if stream.foreign:
             return self._ours_on_foreign(dev, stream, lambda: self._close_after(dev, stream, fd))
-        if self._tls.token is not dev.token:
-            self._cur(dev)
+        if self.thread_state.token is not dev.token:
+            self.make_current(dev)
         return self._close_after(dev, stream, fd)
 
     def _close_after(self, dev: Dev, stream: CudaStream, fd: int) -> bool:
@@ -838,7 +838,7 @@ class CudaBackend(CudaContexts):
     def stream_capturing(self, stream: Any) -> bool:
         if not stream.foreign:
             return stream.capture is not None
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         return self._ours_on_foreign(dev, stream, lambda: self._capturing(dev, stream))
 
     def _ours_on_foreign(self, dev: Dev, stream: CudaStream, fn: Callable[[], T]) -> T:
@@ -850,8 +850,8 @@ class CudaBackend(CudaContexts):
         last did, so it is asked; any other handle names its own context."""
         if stream.handle in _DEFAULT_STREAM_HANDLES:
             return self._foreign_call(dev, fn)
-        if self._tls.token is not dev.token:
-            self._cur(dev)
+        if self.thread_state.token is not dev.token:
+            self.make_current(dev)
         return fn()
 
     def _capturing(self, dev: Dev, stream: CudaStream) -> bool:
@@ -876,7 +876,7 @@ class CudaBackend(CudaContexts):
 
     def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
         for _comm, _call, stream in calls:
-            self._live(stream)
+            self.live_device(stream)
         self._nccl.group(calls)
 
     def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
@@ -896,10 +896,10 @@ class CudaBackend(CudaContexts):
         # Relaxed mode: other threads (the dispatcher's queries, finalizers' frees on
         # other streams, other tasks' work) stay legal during a capture; fork/join
         # through record_event/wait_event works in every mode.
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if stream.capture is not None:
             raise UsageError("the stream is already being captured")
-        self._cur(dev)
+        self.make_current(dev)
         pre = self._record(dev, stream.handle)
         cu = self._cu
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
@@ -919,7 +919,7 @@ class CudaBackend(CudaContexts):
             raise UsageError("the stream is not being captured")
         dev = stream.dev
         cu = self._cu
-        self._cur(dev)
+        self.make_current(dev)
         res = cu.cuStreamEndCapture(stream.handle)
         for s in cap.streams:
             s.capture = None
@@ -942,10 +942,10 @@ class CudaBackend(CudaContexts):
         return int(graph.exec)
 
     def launch_graph(self, graph: Any, stream: Any) -> None:
-        dev = self._live(stream)
+        dev = self.live_device(stream)
         if graph.token is not graph.dev.token:
             raise UsageError("the graph was captured before its device was reset")
-        self._cur(dev)
+        self.make_current(dev)
         timed = (
             self._timer.start(dev, stream, f"graph of {graph.nodes} nodes")
             if self._timer.records

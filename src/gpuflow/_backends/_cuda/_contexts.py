@@ -77,9 +77,9 @@ class CudaContexts(Backend):
                 f"num_devices={num_devices} but {available} CUDA device(s) are present"
             )
         self._n = Native()
-        self._tls = ThreadState()
+        self.thread_state = ThreadState()
         self._devices: list[Dev] = []
-        self._staging = Staging(self._devices, self._n, self._cur, self._call)
+        self._staging = Staging(self._devices, self._n, self.make_current, self._call)
         for i in range(n):
             (cudev,) = check(cu.cuDeviceGet(i), "cuDeviceGet")
             (raw,) = check(cu.cuDeviceGetName(256, cudev), "cuDeviceGetName")
@@ -113,7 +113,7 @@ class CudaContexts(Backend):
         #: enqueued where we cannot see when the stream goes, and an event is
         #: queried without its stream (which may be gone by then)
         self._foreign_marks = EventMarks(
-            self._record, self._n.event_query, self._n.stream_wait_event, self._cur
+            self._record, self._n.event_query, self._n.stream_wait_event, self.make_current
         )
         self._marks: WordMarks | EventMarks = self._choose_marks(marks)
 
@@ -138,7 +138,7 @@ class CudaContexts(Backend):
 
         dev = self._devices[0]
         probe = CudaStream(dev, self._cu.CUstream(dev.side), WORDS.take(self._register_host))
-        self._cur(dev)
+        self.make_current(dev)
         try:
             rc = write(probe, probe.word.addr, probe.issued, 0)  # type: ignore[union-attr]
         except Exception:  # bindings that take these arguments otherwise
@@ -171,7 +171,7 @@ class CudaContexts(Backend):
         (page-locked, mapped): ``(host address, device address)`` of it, or of
         memory the driver allocated where it refuses to register ours."""
         dev = self._devices[0]
-        self._cur(dev)
+        self.make_current(dev)
         cu = self._cu
         (err,) = cu.cuMemHostRegister(addr, SLAB_BYTES, _HOST_REGISTER_PORTABLE_DEVICEMAP)
         if int(err) not in (CUDA_SUCCESS, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
@@ -182,9 +182,9 @@ class CudaContexts(Backend):
         (dptr,) = check(cu.cuMemHostGetDevicePointer(addr, 0), "cuMemHostGetDevicePointer", dev)
         return addr, int(dptr)
 
-    def _cur(self, dev: Dev) -> ThreadState:
+    def make_current(self, dev: Dev) -> ThreadState:
         """Make ``dev``'s primary context current on this thread (cached per thread)."""
-        ts = self._tls
+        ts = self.thread_state
         if ts.token is not dev.token:
             rc = self._n.ctx_set_current(dev.ctx)
             if rc:
@@ -192,18 +192,18 @@ class CudaContexts(Backend):
             ts.token = dev.token
         return ts
 
-    def _force_cur(self, dev: Dev) -> None:
+    def force_current(self, dev: Dev) -> None:
         """Someone else changed this thread's context behind the cache: set it again."""
-        self._tls.token = None
-        self._cur(dev)
+        self.thread_state.token = None
+        self.make_current(dev)
 
-    def _learn_cur(self) -> None:
+    def learn_current(self) -> None:
         """Another library's calls (NCCL's) may have made another context
         current on this thread: ask the driver which, rather than set ours
         again at the next call (one query, no change)."""
         err, ctx = self._cu.cuCtxGetCurrent()
         dev = None if err else self._dev_of_ctx(int(ctx))
-        self._tls.token = None if dev is None else dev.token
+        self.thread_state.token = None if dev is None else dev.token
 
     def _dev_of_ctx(self, ctx: int | None) -> Dev | None:
         """The device whose context (gpuflow's: its primary one) ``ctx`` is."""
@@ -214,13 +214,13 @@ class CudaContexts(Backend):
 
     def _call(self, dev: Dev, what: str, fn: Any, *args: Any) -> tuple[Any, ...]:
         """A cuda.bindings call with ``dev``'s context current; one retry on a context error."""
-        if self._tls.token is not dev.token:
-            self._cur(dev)
+        if self.thread_state.token is not dev.token:
+            self.make_current(dev)
         res = fn(*args)
         if not res[0]:  # (CUDA_SUCCESS: every call but a failed one)
             return tuple(res[1:])
         if int(res[0]) in CONTEXT_ERRORS:
-            self._force_cur(dev)
+            self.force_current(dev)
             res = fn(*args)
         return check(res, what, dev)
 
@@ -262,7 +262,7 @@ class CudaContexts(Backend):
         for j in dev.peers:
             other = self._devices[j]
             try:
-                self._cur(dev)
+                self.make_current(dev)
                 res = cu.cuCtxEnablePeerAccess(other.ctx, 0)
                 if int(res[0]) != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:  # (before a reset)
                     check(res, "cuCtxEnablePeerAccess", dev)
@@ -281,9 +281,9 @@ class CudaContexts(Backend):
     def _dev(self, device: int) -> Dev:
         return self._lookup(self._devices, device)
 
-    _device_state = _dev
+    device_state = _dev
 
-    def _live(self, stream: CudaStream) -> Dev:
+    def live_device(self, stream: CudaStream) -> Dev:
         """The stream's device, after the fault and stale-handle checks of an enqueue."""
         dev = stream.dev
         if dev.fault is not None:
@@ -350,7 +350,7 @@ class CudaContexts(Backend):
             # no thread of ours keeps the old context current: this one lets go now,
             # the others set the new one at their next call (the token changes below)
             self._n.ctx_set_current(None)
-            self._tls.token = None
+            self.thread_state.token = None
             ctx: Any = None
             for attempt in range(3):
                 if attempt == 2:

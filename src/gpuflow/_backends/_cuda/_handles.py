@@ -177,7 +177,7 @@ class CudaModule:
         if token is not dev.token or dev.fault is not None:
             return  # gone with the context, or a faulted context: leak
         try:
-            self.backend._cur(dev)
+            self.backend.make_current(dev)
             (err,) = driver().cuModuleUnload(self.handle)
             if int(err):
                 warn_unless_fault(int(err), "cuModuleUnload", dev, f"unloading {self!r}")
@@ -224,7 +224,7 @@ class CudaGraph:
         if self.token is not dev.token or dev.fault is not None:
             return
         try:
-            self.backend._cur(dev)
+            self.backend.make_current(dev)
             cu = driver()
             (err,) = cu.cuGraphExecDestroy(self.exec)
             if int(err):

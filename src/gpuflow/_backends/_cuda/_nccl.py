@@ -113,10 +113,10 @@ class NcclComms:
         return b, self._types, self._ops
 
     def _current(self, dev: Dev) -> None:
-        self._be._force_cur(dev)
+        self._be.force_current(dev)
 
     def _forget_current(self) -> None:
-        self._be._tls.token = None
+        self._be.thread_state.token = None
 
     def unique_id(self) -> bytes:
         core, _ = _modules()
@@ -161,7 +161,7 @@ class NcclComms:
             for comm, _, _ in calls:
                 if comm.revoked or not comm.comm.is_valid:
                     raise _gone(comm)
-            self._be._cur(first)
+            self._be.make_current(first)
             if len(calls) == 1:  # one call needs no group: two calls of NCCL's fewer
                 comm, call, stream = calls[0]
                 self._bound(b, types, ops, comm, call)(stream.handle)
@@ -183,7 +183,7 @@ class NcclComms:
             # one device NCCL can only make that device's primary context
             # current, the one gpuflow's cache says is: a query saved.)
             if others:
-                self._be._learn_cur()
+                self._be.learn_current()
             for lock in held:
                 lock.release()
 
@@ -194,7 +194,7 @@ class NcclComms:
         bound = self._bound(b, types, ops, comm, call)
         lock, nccl_comm, dev = comm.lock, comm.comm, comm.dev
         be = self._be
-        live, cur, tls = be._live, be._cur, be._tls
+        live, cur, tls = be.live_device, be.make_current, be.thread_state
 
         def issue(stream: CudaStream) -> None:
             sdev = stream.dev

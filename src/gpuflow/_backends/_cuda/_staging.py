@@ -78,7 +78,7 @@ class Staging:
     ) -> None:
         self._devices = devices
         self._n = native
-        self._cur = cur  # make a device's context current on this thread
+        self.make_current = cur  # make a device's context current on this thread
         self._call = call  # a driver call with a device's context current
         self.lock = threading.Lock()
         self.d2h_pending = 0  # staged device-to-host copies not yet delivered
@@ -111,7 +111,7 @@ class Staging:
         """
         if not dev.pending or dev.fault is not None:
             return
-        self._cur(dev)
+        self.make_current(dev)
         keep: list[Pending] = []
         pending = dev.pending
         for i, p in enumerate(pending):

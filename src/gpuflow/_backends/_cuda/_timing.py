@@ -51,7 +51,7 @@ class Timer:
     def __init__(self, cu: Any, native: Any, cur: Callable[[Dev], object]) -> None:
         self._cu = cu
         self._n = native
-        self._cur = cur
+        self.make_current = cur
         #: the open records: empty (and free to check) when none is
         self.records: tuple[list[Activity], ...] = ()
         self._lock = threading.Lock()
@@ -134,7 +134,7 @@ class Timer:
                 ):
                     continue  # gone with its context (or faulted): leaked, never destroyed
                 try:
-                    self._cur(dev)
+                    self.make_current(dev)
                 except Exception:
                     continue  # its context cannot be made current: leaked
                 rc = self._n.event_query(item.end)
@@ -189,7 +189,7 @@ class Timer:
         if token is not dev.token or dev.fault is not None:
             return  # a context that is gone or faulted: leak rather than dangle
         try:
-            self._cur(dev)
+            self.make_current(dev)
             for ev in events:
                 if ev:
                     self._cu.cuEventDestroy(ev)

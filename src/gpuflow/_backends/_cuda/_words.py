@@ -271,7 +271,7 @@ class EventMarks:
         self._record = record
         self._query = query
         self._wait_event = wait_event
-        self._cur = cur  # queries need the device's context current
+        self.make_current = cur  # queries need the device's context current
 
     def mark(self, dev: Dev, stream: CudaStream, polled: bool = True) -> int:
         number = stream.issued + 1
@@ -296,7 +296,7 @@ class EventMarks:
                 dev.events.append(q.popleft()[1])
             if q:
                 try:
-                    self._cur(dev)
+                    self.make_current(dev)
                 except Exception:
                     return max(stream.reached, passed)
             first = True

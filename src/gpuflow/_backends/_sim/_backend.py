@@ -101,7 +101,7 @@ _EDGE_ITEMS = frozenset({"event record", "event wait", "mark wait", "host signal
 
 
 @dataclass(eq=False)
-class _SimDevice:
+class SimDevice:
     index: int
     memory_limit: int
     memory_used: int = 0
@@ -191,12 +191,12 @@ class SimStream:
     ``issued`` the number of the last one enqueued.
     """
 
-    def __init__(self, backend: SimBackend, device: _SimDevice) -> None:
+    def __init__(self, backend: SimBackend, device: SimDevice) -> None:
         self.backend = backend
         self.device = device
         # (what, item, the activity tag where it was enqueued)
         self.queue: collections.deque[tuple[str, Item, int | None]] = collections.deque()
-        self.cv = threading.Condition(backend._lock)
+        self.cv = threading.Condition(backend.lock)
         self.word = 0
         self.issued = 0
         self.closed = False
@@ -315,9 +315,9 @@ class SimBackend(Backend):
         # one lock for the whole simulated device, and conditions on it: this
         # one for events, marks, faults and communicators (what items wait
         # for), one per stream for its queue, one for the driver thread
-        self._lock = threading.Lock()
-        self.cond = threading.Condition(self._lock)
-        self._devices = [_SimDevice(i, memory_bytes) for i in range(n)]
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self._devices = [SimDevice(i, memory_bytes) for i in range(n)]
         self._streams: list[SimStream] = []
         self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
         self._default_streams: dict[int, SimStream] = {}  # device -> its legacy default stream
@@ -357,7 +357,7 @@ class SimBackend(Backend):
     def describe_device(self, device: int) -> DeviceDescription:
         return DeviceDescription(self.device_name(device), None, self._dev(device).memory_limit)
 
-    def _dev(self, device: int) -> _SimDevice:
+    def _dev(self, device: int) -> SimDevice:
         return self._lookup(self._devices, device)
 
     def memory_reserved(self, device: int) -> int:
@@ -367,7 +367,7 @@ class SimBackend(Backend):
         with self.cond:
             return dev.memory_used
 
-    _device_state = _dev
+    device_state = _dev
 
     def device_arch(self, device: int) -> str:
         """The simulated device is an H200's architecture: kernels are checked
@@ -380,7 +380,7 @@ class SimBackend(Backend):
             return self.use_after_free
 
     def _set_fault(
-        self, device: _SimDevice, what: str, exc: BaseException, generation: int
+        self, device: SimDevice, what: str, exc: BaseException, generation: int
     ) -> None:
         if isinstance(exc, DeviceFaultError):
             err = exc
@@ -499,13 +499,15 @@ class SimBackend(Backend):
             )
         return SimView(buf, ptr - buf.ptr, nbytes)
 
-    def _enqueue(self, stream: SimStream, what: str, item: Item, capturable: bool = True) -> bool:
+    def enqueue_item(
+        self, stream: SimStream, what: str, item: Item, capturable: bool = True
+    ) -> bool:
         """Enqueue ``item`` (or record it into the stream's capture); False,
         with nothing enqueued, for an item that must not be captured."""
         with self.cond:
-            return self._enqueue_locked(stream, what, item, capturable)
+            return self.enqueue_locked(stream, what, item, capturable)
 
-    def _enqueue_locked(self, stream: SimStream, what: str, item: Item, capturable: bool) -> bool:
+    def enqueue_locked(self, stream: SimStream, what: str, item: Item, capturable: bool) -> bool:
         fault = stream.device.fault
         if fault is not None:
             raise fault
@@ -539,14 +541,14 @@ class SimBackend(Backend):
             return not stream.queue
 
     # -- events --------------------------------------------------------------
-    def _not_destroyed(self, stream: SimStream) -> None:
+    def refuse_destroyed(self, stream: SimStream) -> None:
         # as a CUDA handle of a destroyed stream, which the driver refuses: work
         # queued on a stream whose worker has gone would never run
         if stream.closed:
             raise UsageError(f"{stream!r} was destroyed")
 
     def record_event(self, stream: Any) -> SimEvent:
-        self._not_destroyed(stream)
+        self.refuse_destroyed(stream)
         ev = SimEvent(stream.device.index, capture=stream.capture)
 
         def record() -> None:
@@ -554,11 +556,11 @@ class SimBackend(Backend):
                 ev.done = True
                 self.cond.notify_all()
 
-        self._enqueue(stream, "event record", record)
+        self.enqueue_item(stream, "event record", record)
         return ev
 
     def wait_event(self, stream: Any, event: Any) -> None:
-        self._not_destroyed(stream)
+        self.refuse_destroyed(stream)
         if event.capture is not None and stream.capture is None:
             # as on CUDA: waiting on an event recorded in a capture joins it
             stream.capture = event.capture
@@ -574,7 +576,7 @@ class SimBackend(Backend):
                 if other.fault is not None and not event.done:
                     raise other.fault
 
-        self._enqueue(stream, "event wait", wait)
+        self.enqueue_item(stream, "event wait", wait)
 
     # -- memory --------------------------------------------------------------
     def alloc(self, device: int, nbytes: int, stream: Any) -> SimBuffer:
@@ -622,13 +624,13 @@ class SimBackend(Backend):
                 cap.deferred_frees.append((buffer, stream))
                 return
         try:
-            self._enqueue(stream, f"free of {buffer!r}", release)
+            self.enqueue_item(stream, f"free of {buffer!r}", release)
         except DeviceFaultError:
             pass  # the context is gone with its memory; a reset reclaims it
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 
-    def _check(self, buffer: SimBuffer) -> None:
+    def check_buffer(self, buffer: SimBuffer) -> None:
         if buffer.freed:
             with self.cond:
                 self.use_after_free += 1
@@ -638,34 +640,34 @@ class SimBackend(Backend):
 
     def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
         def copy() -> None:
-            self._check(dst)
+            self.check_buffer(dst)
             flat = src.reshape(-1).view(np.uint8)
             dst.data[: flat.size] = flat
 
-        self._enqueue(stream, f"copy to {dst!r}", copy)
+        self.enqueue_item(stream, f"copy to {dst!r}", copy)
 
     def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
         def copy() -> None:
-            self._check(src)
+            self.check_buffer(src)
             flat = dst.reshape(-1).view(np.uint8)
             flat[:] = src.data[: flat.size]
 
-        self._enqueue(stream, f"copy from {src!r}", copy)
+        self.enqueue_item(stream, f"copy from {src!r}", copy)
 
     def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
         def copy() -> None:
-            self._check(src)
-            self._check(dst)
+            self.check_buffer(src)
+            self.check_buffer(dst)
             dst.data[:nbytes] = src.data[:nbytes]
 
-        self._enqueue(stream, f"copy {src!r} -> {dst!r}", copy)
+        self.enqueue_item(stream, f"copy {src!r} -> {dst!r}", copy)
 
     def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
         def fill() -> None:
-            self._check(dst)
+            self.check_buffer(dst)
             dst.data[: count * value.itemsize].view(value.dtype)[:] = value
 
-        self._enqueue(stream, f"fill of {dst!r}", fill)
+        self.enqueue_item(stream, f"fill of {dst!r}", fill)
 
     def arange(
         self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
@@ -673,11 +675,11 @@ class SimBackend(Backend):
         dtype = start.dtype
 
         def arange() -> None:
-            self._check(dst)
+            self.check_buffer(dst)
             out = dst.data[: count * dtype.itemsize].view(dtype)
             out[:] = start + np.arange(count).astype(dtype) * step
 
-        self._enqueue(stream, f"arange into {dst!r}", arange)
+        self.enqueue_item(stream, f"arange into {dst!r}", arange)
 
     # -- kernels -------------------------------------------------------------
     def load_kernel(self, device: int, module: ModuleSource, name: str) -> SimKernel:
@@ -714,7 +716,7 @@ class SimBackend(Backend):
             values: list[Any] = []
             for a in args:
                 if isinstance(a, PointerArg):
-                    self._check(a.buffer)  # type: ignore[arg-type]
+                    self.check_buffer(a.buffer)  # type: ignore[arg-type]
                     buf: SimBuffer = a.buffer  # type: ignore[assignment]
                     view = buf.data[: a.count * a.dtype.itemsize].view(a.dtype).view(Bounded)
                     if not a.writes:
@@ -726,9 +728,9 @@ class SimBackend(Backend):
             kernel.reference(*values)
             for a in args:
                 if isinstance(a, PointerArg):
-                    self._check(a.buffer)  # type: ignore[arg-type]
+                    self.check_buffer(a.buffer)  # type: ignore[arg-type]
 
-        self._enqueue(stream, f"kernel {kernel.name!r}", run)
+        self.enqueue_item(stream, f"kernel {kernel.name!r}", run)
 
     # -- completion marks and host signals (._simmarks) -------------------------
     def mark(self, stream: Any, polled: bool = True) -> int:
@@ -788,7 +790,7 @@ class SimBackend(Backend):
             for _what, item in graph.items:
                 item()
 
-        self._enqueue(stream, f"graph of {graph.node_count} nodes", replay)
+        self.enqueue_item(stream, f"graph of {graph.node_count} nodes", replay)
 
     def graph_node_count(self, graph: Any) -> int:
         return int(graph.node_count)

@@ -52,7 +52,7 @@ from .._base import CollectiveCall
 from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES, NCCL_REMOTE_ERROR
 
 if TYPE_CHECKING:
-    from ._backend import SimBackend, _SimDevice
+    from ._backend import SimBackend, SimDevice
 
 _ID_PREFIX = b"gpuflow-sim-nccl\0"
 #: how long a waiting rank sleeps between looks, at first and at most
@@ -130,7 +130,7 @@ class SimComm:
     """One rank's communicator."""
 
     def __init__(
-        self, backend: SimBackend, root: str, rank: int, nranks: int, device: _SimDevice
+        self, backend: SimBackend, root: str, rank: int, nranks: int, device: SimDevice
     ) -> None:
         self.backend = backend
         self.root = root
@@ -268,7 +268,7 @@ class SimComm:
                 )
 
     def _data(self, buf: Any, count: int, dtype: np.dtype[Any]) -> Any:
-        self.backend._check(buf)
+        self.backend.check_buffer(buf)
         return buf.data[: count * dtype.itemsize].view(dtype)
 
     @staticmethod
@@ -384,7 +384,7 @@ class SimComms:
 
     def init(
         self,
-        devices: Sequence[_SimDevice],
+        devices: Sequence[SimDevice],
         ranks: Sequence[int],
         nranks: int,
         unique_id: bytes | None,
@@ -447,7 +447,7 @@ class SimComms:
                 for _, finish in halves:
                     finish()
 
-            be._enqueue(stream, "nccl " + " + ".join(kinds), item)
+            be.enqueue_item(stream, "nccl " + " + ".join(kinds), item)
 
     @staticmethod
     def abort(comm: SimComm) -> None:

@@ -46,7 +46,7 @@ class SimCompletion:
     def __init__(self, backend: SimBackend) -> None:
         self._backend = backend
         #: the driver thread sleeps on it (the backend's lock, as every condition of the sim)
-        self._driver_cv = threading.Condition(backend._lock)
+        self._driver_cv = threading.Condition(backend.lock)
         #: what host signals do, run in order by the driver thread (under the lock)
         self.driver_queue: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
@@ -75,7 +75,7 @@ class SimCompletion:
     # -- marks ------------------------------------------------------------------
     def mark(self, stream: Any) -> int:
         be = self._backend
-        be._not_destroyed(stream)  # as the cuda backend refuses it
+        be.refuse_destroyed(stream)  # as the cuda backend refuses it
         cond = be.cond
         with cond:
             if stream.capture is not None:
@@ -87,7 +87,7 @@ class SimCompletion:
                     stream.word = number
                     cond.notify_all()  # mark waits
 
-            be._enqueue_locked(stream, "completion mark", reach, False)
+            be.enqueue_locked(stream, "completion mark", reach, False)
             stream.issued = number
             return number
 
@@ -98,7 +98,7 @@ class SimCompletion:
 
     def wait(self, stream: Any, other: Any, number: int) -> None:
         be = self._backend
-        be._not_destroyed(stream)
+        be.refuse_destroyed(stream)
         if other.word >= number and stream.capture is None:
             return  # reached: nothing to wait for
         peer = other.device
@@ -111,7 +111,7 @@ class SimCompletion:
                 if peer.fault is not None and other.word < number:
                     raise peer.fault
 
-        be._enqueue(stream, "mark wait", wait)
+        be.enqueue_item(stream, "mark wait", wait)
 
     # -- host signals -------------------------------------------------------------
     def _host_signal(self, deliver: Callable[[], None]) -> Callable[[], None]:
@@ -127,8 +127,8 @@ class SimCompletion:
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
         be = self._backend
-        be._not_destroyed(stream)
+        be.refuse_destroyed(stream)
         # a captured close would run again at every replay
-        return be._enqueue(
+        return be.enqueue_item(
             stream, "host signal", self._host_signal(lambda: os.close(fd)), capturable=False
         )
