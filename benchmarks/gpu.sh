@@ -18,7 +18,7 @@ installed gpuflow.
   suite     the whole test suite (sim and cuda)              suite.log
             $TEST_ARGS: more pytest arguments (e.g. '-k cuda -x');
             $TEST_TIMEOUT: per test (300 s); $SUITE_LIMIT: in all (560 s)
-  backend   tests/test_cuda_backend.py alone, with the       backend.log
+  backend   tests/backends/test_cuda_backend.py alone, with the       backend.log
             measurements its tests print
   demo      python -m gpuflow demo                            demo.log
   bench     python -m gpuflow bench $BENCH_ARGS               bench.log, bench.json
@@ -79,7 +79,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 cd "$root" || exit 2
 
 PYTEST=(python3 -m pytest -q -p no:cacheprovider)
-SOAK_TEST="tests/test_cancellation.py::test_random_pipelines_cancelled_at_random_points"
+SOAK_TEST="tests/core/test_cancellation.py::test_random_pipelines_cancelled_at_random_points"
 summary=$work/summary
 
 # note STEP STATUS DETAIL...: one line of the summary (STATUS FAILED: the run fails)
@@ -136,7 +136,7 @@ suite() {
 }
 
 backend() {
-    run backend backend.log 300 "${PYTEST[@]}" -rfEP tests/test_cuda_backend.py
+    run backend backend.log 300 "${PYTEST[@]}" -rfEP tests/backends/test_cuda_backend.py
 }
 
 demo() {

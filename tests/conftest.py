@@ -19,27 +19,14 @@ from importlib.util import find_spec
 from typing import Any
 
 import pytest
-from child import run_child
+from helpers import CUDA_DEVICES, NO_CUDA
+from helpers.child import run_child
 
 import gpuflow as gf
 from gpuflow import testing
 
-
-def _cuda_devices() -> int:
-    try:
-        # which backends the suite runs on is decided before any runtime exists
-        from gpuflow._backends._cuda import cuda_device_count
-    except ImportError:
-        return 0
-    return cuda_device_count()
-
-
-CUDA_DEVICES = _cuda_devices()
-
-#: Why every test's ``cuda`` variant is skipped where there is no GPU (about
-#: half the suite there: the summary counts them on one line)
-NO_CUDA = "cuda variant: no CUDA device present (the sim variant runs)"
-
+#: fixtures shared by the test folders (``lib``: the interop tests' other library)
+pytest_plugins = ["helpers.interop"]
 
 #: The event loops every async test runs under: asyncio, uvloop (an asyncio
 #: loop many services run on) where it is installed, and Trio.  Tests that

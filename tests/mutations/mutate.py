@@ -61,7 +61,7 @@ MUTATIONS = [
         '        loop.awaiting -= 1\n'
         '    if run.error is not None:\n'
         '        raise run.error\n',
-        ('tests/test_lifetimes.py',),
+        ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
         "M3b",
@@ -78,7 +78,7 @@ MUTATIONS = [
         '        loop.awaiting -= 1\n'
         '    if run.error is not None:\n'
         '        raise run.error\n',
-        ('tests/test_lifetimes.py',),
+        ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
         "M10",
@@ -92,7 +92,7 @@ MUTATIONS = [
         '            dispatcher.finish(run)\n',
         '    except BaseException:\n'
         '        dispatcher.finish(run)\n',
-        ('tests/test_lifetimes.py',),
+        ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
         "M2b",
@@ -100,7 +100,8 @@ MUTATIONS = [
         '_core/_operation.py',
         '            ctx.backend.wait_event(ctx.stream.raw, st.event)\n',
         '            pass\n',
-        ('tests/test_lifetimes.py', 'tests/test_operations.py', 'tests/test_hazards.py'),
+        ('tests/core/test_lifetimes.py', 'tests/core/test_operations.py',
+         'tests/core/test_hazards.py'),
     ),
     Mutation(
         "M5",
@@ -115,7 +116,7 @@ MUTATIONS = [
         "                    be.wait_event(arm.stream.raw, be.record_event(prev.raw))\n"
         "                outs.append(op.execute(arm))\n"
         "                prev = arm.stream\n",
-        ("tests/test_operations.py",),
+        ("tests/core/test_operations.py",),
     ),
     Mutation(
         "M6",
@@ -123,7 +124,7 @@ MUTATIONS = [
         "_backends/_sim/_backend.py",
         "            buffer.data.fill(_POISON)\n",
         "            pass\n",
-        ("tests/test_arrays.py", "tests/test_running.py", "tests/test_faults.py"),
+        ("tests/memory/test_arrays.py", "tests/core/test_running.py", "tests/core/test_faults.py"),
     ),
     Mutation(
         "M7",
@@ -132,7 +133,7 @@ MUTATIONS = [
         '                order_after(be, stream, self.writer, self.wrote)\n'
         '                self.synced.add(stream)\n',
         '                self.synced.add(stream)\n',
-        ('tests/test_hazards.py', 'tests/test_arrays.py'),
+        ('tests/core/test_hazards.py', 'tests/memory/test_arrays.py'),
     ),
     Mutation(
         "M8",
@@ -141,7 +142,7 @@ MUTATIONS = [
         '    for s, point in uses.readers.items():\n'
         '        order_after(backend, stream, s, point)\n',
         '    pass\n',
-        ('tests/test_hazards.py',),
+        ('tests/core/test_hazards.py',),
     ),
     Mutation(
         "M9",
@@ -150,7 +151,7 @@ MUTATIONS = [
         '        wait_for_uses(uses, stream)\n'
         '        uses.backend.free(buffer, stream.raw)\n',
         '        uses.backend.free(buffer, stream.raw)\n',
-        ('tests/test_hazards.py', 'tests/test_cancellation.py'),
+        ('tests/core/test_hazards.py', 'tests/core/test_cancellation.py'),
     ),
     Mutation(
         "M11",
@@ -158,7 +159,7 @@ MUTATIONS = [
         "_core/_operation.py",
         "            for s in forked:\n                ctx.wait_for(s)\n",
         "            pass\n",
-        ("tests/test_operations.py",),
+        ("tests/core/test_operations.py",),
     ),
     Mutation(
         "M12",
@@ -172,7 +173,7 @@ MUTATIONS = [
         "                if not run.done:\n"
         "                    try:\n"
         "                        await anyio.lowlevel.checkpoint()\n",
-        ("tests/test_scopes.py", "tests/test_lifetimes.py"),
+        ("tests/scopes/test_scopes.py", "tests/core/test_lifetimes.py"),
     ),
     Mutation(
         "M13",
@@ -181,7 +182,7 @@ MUTATIONS = [
         '        self.error = error\n'
         '        self._keep = None\n',
         '        self.error = error\n',
-        ("tests/test_lifetimes.py",),
+        ("tests/core/test_lifetimes.py",),
     ),
     Mutation(
         "B1",
@@ -189,7 +190,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '                while runs and runs[0].number <= reached:\n',
         '                while runs:\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B2",
@@ -197,7 +198,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '            return reached if now - lane.reached_at >= WATCHDOG_S else None\n',
         '            return None\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B3",
@@ -206,7 +207,7 @@ MUTATIONS = [
         '            for fd in fired:\n'
         '                os.close(fd)  # (also leaves the epoll set)\n',
         '            pass\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B4",
@@ -214,7 +215,8 @@ MUTATIONS = [
         '_backends/_sim/_marks.py',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "word")\n',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "issued")\n',
-        ('tests/test_bridge.py', 'tests/test_lifetimes.py', 'tests/test_hazards.py'),
+        ('tests/core/test_completion.py', 'tests/core/test_lifetimes.py',
+         'tests/core/test_hazards.py'),
     ),
     Mutation(
         "B5",
@@ -229,7 +231,7 @@ MUTATIONS = [
         '            if now < busy.deadline:\n'
         '                self.polling = False\n'
         '                return False\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B6",
@@ -238,7 +240,7 @@ MUTATIONS = [
         '            self.polling = False\n'
         '            self.arm()\n',
         '            self.polling = False\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "C1",
@@ -248,7 +250,7 @@ MUTATIONS = [
         '                comm.abort(',
         '            for comm in []:\n'
         '                comm.abort(',
-        ("tests/test_comm.py",),
+        ("tests/comm/test_comm.py",),
     ),
     Mutation(
         "C2",
@@ -258,7 +260,7 @@ MUTATIONS = [
         '            try:\n',
         '        for comm in []:\n'
         '            try:\n',
-        ('tests/test_comm.py',),
+        ('tests/comm/test_comm.py',),
     ),
     Mutation(
         "C7",
@@ -266,7 +268,7 @@ MUTATIONS = [
         '_comm/_comm.py',
         '        self._rt.dispatcher.watch_communicator(self)\n',
         '        pass\n',
-        ('tests/test_comm.py',),
+        ('tests/comm/test_comm.py',),
     ),
     Mutation(
         "M14",
@@ -275,7 +277,7 @@ MUTATIONS = [
         "        for device, err in faulted.items():\n"
         "            self.fail_device(device, err)\n",
         "        pass\n",
-        ("tests/test_faults.py",),
+        ("tests/core/test_faults.py",),
     ),
     Mutation(
         "M15",
@@ -285,7 +287,7 @@ MUTATIONS = [
         '                return s\n',
         '            if True:\n'
         '                return s\n',
-        ('tests/test_policy.py',),
+        ('tests/core/test_policy.py',),
     ),
     Mutation(
         "M16",
@@ -293,7 +295,7 @@ MUTATIONS = [
         '_core/_policy.py',
         '        if n < self._max:\n',
         '        if False:\n',
-        ('tests/test_policy.py',),
+        ('tests/core/test_policy.py',),
     ),
     Mutation(
         "M17",
@@ -301,7 +303,7 @@ MUTATIONS = [
         "_core/_stream.py",
         "            self._syncs += 1\n",
         "            pass\n",
-        ("tests/test_policy.py",),
+        ("tests/core/test_policy.py",),
     ),
     Mutation(
         "G1",
@@ -312,7 +314,7 @@ MUTATIONS = [
         '                alloc.before_read(ctx.stream, ctx.run)\n'
         '                alloc.readers.pop(ctx.stream, None)\n'
         '        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)\n',
-        ('tests/test_graph.py',),
+        ('tests/core/test_graph.py',),
     ),
     Mutation(
         "M18",
@@ -320,7 +322,7 @@ MUTATIONS = [
         "_scopes/_scope.py",
         "            while self._runs:\n                run = self._runs.pop()\n",
         "            for run in self._runs[-1:]:\n",
-        ("tests/test_scopes.py",),
+        ("tests/scopes/test_scopes.py",),
     ),
     Mutation(
         "I1",
@@ -330,7 +332,7 @@ MUTATIONS = [
         '            wait_for_uses(alloc, consumer)\n',
         '        else:\n'
         '            pass\n',
-        ('tests/test_interop.py',),
+        ('tests/interop/test_interop_arrays.py',),
     ),
     Mutation(
         "I2",
@@ -338,7 +340,7 @@ MUTATIONS = [
         "_memory/_export.py",
         "            alloc.before_write(consumer)\n",
         "            pass\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I3",
@@ -346,7 +348,7 @@ MUTATIONS = [
         "_memory/_export.py",
         "    alloc.after_foreign(key, event)\n",
         "    pass\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I4",
@@ -356,7 +358,7 @@ MUTATIONS = [
         '        release.hold((owner,))\n'
         '        rt.dispatcher.submit(stream.raw, release, polled=False)  # (no task awaits it)\n',
         '        pass\n',
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I5",
@@ -368,7 +370,7 @@ MUTATIONS = [
         "        pass\n"
         "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
         "shape, dtype)\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I6",
@@ -380,7 +382,7 @@ MUTATIONS = [
         "        if False:\n"
         "            ctx.wait_for(s)\n"
         "        elif False:\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I7",
@@ -391,7 +393,7 @@ MUTATIONS = [
         "                    if cm is not None:\n"
         "                        on_stream.enter_context(cm)\n",
         "                pass\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I8",
@@ -400,7 +402,7 @@ MUTATIONS = [
         "            for a in arrays:  # the code may write any array it gets\n"
         "                a.allocation.before_write(stream, ctx.run)\n",
         "            pass\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I9",
@@ -408,7 +410,7 @@ MUTATIONS = [
         "_memory/_export.py",
         "        alloc.before_write(alloc.writer)\n",
         "        pass\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I10",
@@ -418,7 +420,7 @@ MUTATIONS = [
         '                    be.wait_event(stream.raw, ev)\n'
         '                order_after(be, stream, self.writer, self.wrote)\n',
         '                order_after(be, stream, self.writer, self.wrote)\n',
-        ('tests/test_interop.py',),
+        ('tests/interop/test_interop_arrays.py',),
     ),
     Mutation(
         "I11",
@@ -428,7 +430,7 @@ MUTATIONS = [
         '            backend.wait_event(stream.raw, ev)\n'
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
-        ('tests/test_interop.py',),
+        ('tests/interop/test_interop_arrays.py',),
     ),
     Mutation(
         "I12",
@@ -436,7 +438,7 @@ MUTATIONS = [
         "_interop/_libraries.py",
         "            stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]\n",
         "            pass\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I13",
@@ -444,7 +446,7 @@ MUTATIONS = [
         "_memory/_dlpack.py",
         "    t.device = DLDevice(KDL_CUDA, device)\n",
         "    t.device = DLDevice(KDL_CUDA, 0)\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "I14",
@@ -452,7 +454,7 @@ MUTATIONS = [
         "_interop/_libraries.py",
         "(rt.backend, buffer, s, owner, t.readonly)",
         "(rt.backend, buffer, s, owner, False)",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
 
     Mutation(
@@ -461,7 +463,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
         '            if not self._pipe(lane, first):\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B8",
@@ -471,7 +473,7 @@ MUTATIONS = [
         '            # still being enqueued',
         '        if False:\n'
         '            # still being enqueued',
-        ('tests/test_cancellation.py', 'tests/test_hazards.py'),
+        ('tests/core/test_cancellation.py', 'tests/core/test_hazards.py'),
     ),
     Mutation(
         "B9",
@@ -479,7 +481,7 @@ MUTATIONS = [
         '_core/_hazards.py',
         '    if point is None or not point.order(backend, stream.raw, on.raw):\n',
         '    if True:\n',
-        ('tests/test_hazards.py',),
+        ('tests/core/test_hazards.py',),
     ),
     Mutation(
         "I15",
@@ -487,7 +489,7 @@ MUTATIONS = [
         '_interop/_libraries.py',
         '        if stream.runtime.is_interop(stream):\n',
         '        if False:\n',
-        ('tests/test_interop.py',),
+        ('tests/interop/test_interop_arrays.py',),
     ),
     Mutation(
         "I16",
@@ -496,7 +498,7 @@ MUTATIONS = [
         '        _arrive_after(rt, s, producer, device)  # (before the import marks its '
         'arrival there)\n',
         '        pass\n',
-        ('tests/test_interop.py::test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work',),
+        ('tests/interop/test_interop_arrays.py::test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work',),
     ),
     Mutation(
         "S1",
@@ -505,7 +507,7 @@ MUTATIONS = [
         '        if len(stream.queue) == 1:\n'
         '            stream.cv.notify_all()  # the worker sleeps only on an empty queue\n',
         '        self._wake_all()\n',
-        ('tests/test_sim.py',),
+        ('tests/backends/test_sim.py',),
     ),
     Mutation(
         "P1",
@@ -513,7 +515,7 @@ MUTATIONS = [
         '_scopes/_scope.py',
         '        best = min(range(len(self.free)), key=lambda i: self.free[i].load())\n',
         '        best = 0\n',
-        ('tests/test_stalls.py',),
+        ('tests/testing/test_stalls.py',),
     ),
     Mutation(
         "K1",
@@ -521,7 +523,7 @@ MUTATIONS = [
         '_kernels/_kernel.py',
         '        if not rt.backend.setup_waits_for_idle or not rt.live:\n',
         '        if True:\n',
-        ('tests/test_kernels.py',),
+        ('tests/kernels/test_kernels.py',),
     ),
     Mutation(
         "K2",
@@ -529,7 +531,7 @@ MUTATIONS = [
         '_kernels/_kernel.py',
         '        if c is None or c[0] is not life:\n',
         '        if c is None:\n',
-        ('tests/test_faults.py',),
+        ('tests/core/test_faults.py',),
     ),
     Mutation(
         "K3",
@@ -537,7 +539,7 @@ MUTATIONS = [
         '_kernels/_kernel.py',
         '            if c is None or c[0] is not stream.life:\n',
         '            if c is None:\n',
-        ('tests/test_faults.py',),
+        ('tests/core/test_faults.py',),
     ),
     Mutation(
         "B10",
@@ -545,7 +547,7 @@ MUTATIONS = [
         '_core/_run.py',
         '    alone = not loop.awaiting  # (the one place that decides: a lone await)\n',
         '    alone = True\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B11",
@@ -553,7 +555,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '        if ran_other or self.ran_other:\n',
         '        if False:\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B28",
@@ -562,7 +564,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '        ran_other = gap > BUSY_TURN_S and not _turns_slowed()\n',
         '        ran_other = gap > BUSY_TURN_S\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B14",
@@ -570,7 +572,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '        return max(self.deadline, now + LOOP_STALL_S)\n',
         '        return self.deadline\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B15",
@@ -578,7 +580,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '            lane.polled_until = 0.0  # (no more reads: the thread may take its runs)\n',
         '            pass\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B12",
@@ -586,7 +588,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
         '        if loop.awaiting > 1 or d.others_polled(loop):\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B13",
@@ -594,7 +596,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
         '        if now >= busy.deadline:\n',
-        ('tests/test_bridge.py',),
+        ('tests/core/test_completion.py',),
     ),
     Mutation(
         "B16",
@@ -602,7 +604,7 @@ MUTATIONS = [
         '_core/_run.py',
         '            loop, park = more.pop() if more else (None, None)\n',
         '            loop = None\n',
-        ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
+        ('tests/core/test_completion_lifetimes.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
     ),
     Mutation(
         "B17",
@@ -610,7 +612,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        parked = not run.done\n',
         '        parked = True\n',
-        ('tests/test_bridge.py::test_a_task_does_not_park_on_a_run_finished_as_it_parks',),
+        ('tests/core/test_completion_lifetimes.py::test_a_task_does_not_park_on_a_run_finished_as_it_parks',),
     ),
     Mutation(
         "B18",
@@ -618,7 +620,7 @@ MUTATIONS = [
         '_core/_run.py',
         '            if target is here:\n',
         '            if True:\n',
-        ('tests/test_bridge.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
+        ('tests/core/test_completion_lifetimes.py::test_every_task_waiting_for_one_run_is_woken_once_it_is_done',),
     ),
     Mutation(
         "B19",
@@ -627,7 +629,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '                number = self.issued + 1  # covered by the next mark\n',
         '                number = self.issued\n',
-        ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
+        ('tests/core/test_completion_lifetimes.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
          'dispatcher_thread',),
     ),
     Mutation(
@@ -637,7 +639,7 @@ MUTATIONS = [
         '        owed = [x for x in active if x.unmarked and self._mine(x, now) '
         'is not None]\n',
         '        owed: list[_Lane] = []\n',
-        ('tests/test_bridge.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
+        ('tests/core/test_completion_lifetimes.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
          'dispatcher_thread',),
     ),
     Mutation(
@@ -646,7 +648,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '                return reached  # (an earlier run of the lane may be reached)\n',
         '                return lane.read()\n',
-        ('tests/test_bridge.py::test_a_mark_reached_while_the_thread_looks_is_left_to_the_'
+        ('tests/core/test_completion.py::test_a_mark_reached_while_the_thread_looks_is_left_to_the_'
          'pipe_that_wakes_the_loop',),
     ),
     Mutation(
@@ -657,7 +659,7 @@ MUTATIONS = [
         '            self.mark_owed(lane)\n'
         '        with self._lock:\n',
         '        with self._lock:\n',
-        ('tests/test_bridge.py::test_a_stream_dropped_with_a_mark_owed_enqueues_it_first',),
+        ('tests/core/test_completion_lifetimes.py::test_a_stream_dropped_with_a_mark_owed_enqueues_it_first',),
     ),
     Mutation(
         "B22",
@@ -665,7 +667,7 @@ MUTATIONS = [
         '_core/_stream.py',
         '        if lane is not None and lane.unmarked:  # (its runs are done on return)\n',
         '        if False:\n',
-        ('tests/test_bridge.py::test_a_synchronize_enqueues_the_mark_its_streams_runs_owe',),
+        ('tests/core/test_completion_lifetimes.py::test_a_synchronize_enqueues_the_mark_its_streams_runs_owe',),
     ),
     Mutation(
         "B23",
@@ -674,7 +676,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
         '            if first != lane.issued or not self._pipe(lane, first):\n',
-        ('tests/test_bridge.py::test_a_fast_await_is_not_held_by_slow_work_queued_behind_it',),
+        ('tests/core/test_completion.py::test_a_fast_await_is_not_held_by_slow_work_queued_behind_it',),
     ),
     Mutation(
         "B24",
@@ -683,7 +685,7 @@ MUTATIONS = [
         '_core/_run.py',
         "    if lane.unmarked:  # (a run's mark failed: the next one covers it)\n",
         '    if False:\n',
-        ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
+        ('tests/core/test_completion_lifetimes.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
     ),
     Mutation(
         "B25",
@@ -693,7 +695,7 @@ MUTATIONS = [
         '                if lane.unmarked:  # (a mark that failed, among its runs\': no one else '
         'would)\n',
         '                if False:\n',
-        ('tests/test_bridge.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
+        ('tests/core/test_completion_lifetimes.py::test_an_await_of_a_run_that_owes_its_mark_enqueues_it',),
     ),
     Mutation(
         "C3",
@@ -701,7 +703,7 @@ MUTATIONS = [
         '_core/_loops.py',
         '                scope = scope._parent_scope\n',
         '                break\n',
-        ('tests/test_cancellation.py::test_a_cancelled_outer_scope_stops_a_run_and_a_shield_inside_it_does_not',),
+        ('tests/core/test_cancellation.py::test_a_cancelled_outer_scope_stops_a_run_and_a_shield_inside_it_does_not',),
     ),
     Mutation(
         "C4",
@@ -709,7 +711,7 @@ MUTATIONS = [
         '_core/_loops.py',
         '                if scope._cancel_called:\n                    return True\n',
         '                if False:\n                    return True\n',
-        ('tests/test_cancellation.py::test_an_already_cancelled_task_enqueues_nothing',),
+        ('tests/core/test_cancellation.py::test_an_already_cancelled_task_enqueues_nothing',),
     ),
     Mutation(
         "C10",
@@ -717,7 +719,7 @@ MUTATIONS = [
         '_core/_loops.py',
         '        (yield trap(self._abort)).unwrap()\n',
         '        (yield trap(self._abort))\n',
-        ('tests/test_bridge.py::test_a_parked_await_wakes_with_its_run_and_raises_its_cancellation',),
+        ('tests/core/test_completion.py::test_a_parked_await_wakes_with_its_run_and_raises_its_cancellation',),
     ),
     Mutation(
         "C11",
@@ -725,7 +727,7 @@ MUTATIONS = [
         '_comm/_comm.py',
         '                order_after(be, s, tail[0], tail[1])\n',
         '                pass\n',
-        ('tests/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
+        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
     ),
     Mutation(
         "C12",
@@ -734,7 +736,7 @@ MUTATIONS = [
         '            for arr, s in p.reads:\n'
         '                arr.allocation.before_read(s, run)\n',
         '',
-        ('tests/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
     ),
     Mutation(
         "C13",
@@ -743,7 +745,7 @@ MUTATIONS = [
         '            for arr, s in p.writes:\n'
         '                arr.allocation.before_write(s, run)\n',
         '',
-        ('tests/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
     ),
     Mutation(
         "C14",
@@ -751,7 +753,7 @@ MUTATIONS = [
         '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if not prefer.leased and prefer in streams:\n',
-        ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
+        ('tests/comm/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
         "C15",
@@ -759,7 +761,7 @@ MUTATIONS = [
         '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if prefer.idle() and prefer in streams:\n',
-        ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
+        ('tests/comm/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
         "C16",
@@ -769,7 +771,7 @@ MUTATIONS = [
         '            # step 1',
         '        if False:\n'
         '            # step 1',
-        ('tests/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
+        ('tests/comm/test_comm.py::test_the_default_policy_puts_a_collective_after_the_previous_one_when_idle',),
     ),
     Mutation(
         "C17",
@@ -778,7 +780,7 @@ MUTATIONS = [
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if not prefer.leased and prefer.idle() and '
         'prefer in prefer.runtime.streams(device):\n',
-        ('tests/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
+        ('tests/comm/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
     ),
     Mutation(
         "W1",
@@ -786,7 +788,7 @@ MUTATIONS = [
         '_interop/_libraries.py',
         '    awaited_alone = True\n',
         '    awaited_alone = False\n',
-        ('tests/test_interop.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
+        ('tests/interop/test_interop_work.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
     ),
     Mutation(
         "W2",
@@ -794,7 +796,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        if not run.done:  # refused (a fault fails it instead)\n',
         '        if False:\n',
-        ('tests/test_interop.py::test_a_refused_wait_stream_leaves_no_run_in_flight',),
+        ('tests/interop/test_interop_work.py::test_a_refused_wait_stream_leaves_no_run_in_flight',),
     ),
     Mutation(
         "W3",
@@ -802,7 +804,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        run.hold((op,))  # (what it names is used until the mark is reached)\n',
         '        pass\n',
-        ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
+        ('tests/interop/test_interop_work.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
     ),
     Mutation(
         "W3b",
@@ -811,7 +813,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        run.hold((op,))  # (as on the straight line: used until the mark is reached)\n',
         '        pass\n',
-        ('tests/test_interop.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
+        ('tests/interop/test_interop_work.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
     ),
     Mutation(
         "Q1",
@@ -819,7 +821,7 @@ MUTATIONS = [
         '_core/_finalizers.py',
         '    if not queue and not _drain_lock.locked():\n',
         '    if not queue:\n',
-        ('tests/test_quiescence.py::test_the_check_waits_for_a_finalizers_work_another_thread_is_doing',),
+        ('tests/testing/test_quiescence.py::test_the_check_waits_for_a_finalizers_work_another_thread_is_doing',),
     ),
     Mutation(
         "Q2",
@@ -827,7 +829,7 @@ MUTATIONS = [
         '_testing/_quiescence.py',
         '    if pending is None:\n        pending = pending_runs()\n',
         '    pending = pending_runs()\n',
-        ('tests/test_quiescence.py::test_the_check_reports_the_runs_its_last_look_saw',),
+        ('tests/testing/test_quiescence.py::test_the_check_reports_the_runs_its_last_look_saw',),
     ),
     Mutation(
         "D1",
@@ -837,7 +839,7 @@ MUTATIONS = [
         '                active = list(self._active)\n',
         '                    pass\n'
         '                active = list(self._active)\n',
-        ('tests/test_bridge.py::test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each',),
+        ('tests/core/test_completion.py::test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each',),
     ),
     Mutation(
         "C5",
@@ -845,7 +847,7 @@ MUTATIONS = [
         '_comm/_comm.py',
         '    return len(v) == len(kept) and all(map(operator.is_, v, kept))\n',
         '    return True\n',
-        ('tests/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
     ),
     Mutation(
         "C8",
@@ -853,7 +855,7 @@ MUTATIONS = [
         '_comm/_comm.py',
         '        if memo is not None and memo[0] is plan:\n',
         '        if memo is not None:\n',
-        ('tests/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
     ),
     Mutation(
         "C9",
@@ -861,7 +863,7 @@ MUTATIONS = [
         '_comm/_comm.py',
         'known = memo[1].get(ctx.stream)',
         'known = next(iter(memo[1].values()), None)',
-        ('tests/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
     ),
     Mutation(
         "C6",
@@ -880,7 +882,7 @@ MUTATIONS = [
         '            if o is not None:\n'
         '                if o is not x:\n'
         '                    pass\n',
-        ('tests/test_comm.py::test_a_collective_run_again_refuses_arrays_of_a_reset_device',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_refuses_arrays_of_a_reset_device',),
     ),
     Mutation(
         "B27",
@@ -896,7 +898,7 @@ MUTATIONS = [
         '                else:\n'
         '                    self.issued = number = self.mark(polled)\n'
         '                    self.unmarked = False\n',
-        ('tests/test_bridge.py::test_a_use_on_another_stream_waits_for_its_run_not_for_later_work',),
+        ('tests/core/test_completion_lifetimes.py::test_a_use_on_another_stream_waits_for_its_run_not_for_later_work',),
     ),
     Mutation(
         "E1",
@@ -907,7 +909,7 @@ MUTATIONS = [
         '            rc = self._events.wait(dev, stream, other, number, exact=True)\n',
         '        if False:\n'
         '            rc = self._events.wait(dev, stream, other, number, exact=True)\n',
-        ('tests/test_cuda_stand_in.py',),
+        ('tests/backends/test_cuda_stand_in.py',),
     ),
     Mutation(
         "E2",
@@ -916,7 +918,7 @@ MUTATIONS = [
         '_backends/_cuda/_words.py',
         '        if stream.worded >= stream.issued:\n',
         '        if True:\n',
-        ('tests/test_cuda_stand_in.py',),
+        ('tests/backends/test_cuda_stand_in.py',),
     ),
     Mutation(
         "E3",
@@ -928,7 +930,7 @@ MUTATIONS = [
         '                    dev.events.append(q.popleft()[1])\n',
         '                while q and q[0][0] <= number:\n'
         '                    dev.events.append(q.popleft()[1])\n',
-        ('tests/test_cuda_stand_in.py',),
+        ('tests/backends/test_cuda_stand_in.py',),
     ),
     Mutation(
         "E4",
@@ -936,7 +938,7 @@ MUTATIONS = [
         '_core/_run.py',
         'rt.dispatcher.submit(stream.raw, run, polled=False)',
         'rt.dispatcher.submit(stream.raw, run)',
-        ('tests/test_bridge.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
+        ('tests/core/test_completion_lifetimes.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
     ),
     Mutation(
         "M19",
@@ -944,7 +946,7 @@ MUTATIONS = [
         '_core/_hazards.py',
         'self.writer is stream and not self.readers and',
         'self.writer is stream and',
-        ('tests/test_hazards.py',),
+        ('tests/core/test_hazards.py',),
     ),
     Mutation(
         "F1",
@@ -952,7 +954,7 @@ MUTATIONS = [
         '_core/_runtime.py',
         '        final.append(rt.backend.record_event(raw))\n',
         '        pass\n',
-        ('tests/test_lifetimes.py::test_an_array_last_written_by_a_stream_collected_with_it_is_freed',),
+        ('tests/core/test_lifetimes.py::test_an_array_last_written_by_a_stream_collected_with_it_is_freed',),
     ),
     Mutation(
         "F2",
@@ -960,7 +962,7 @@ MUTATIONS = [
         '_core/_hazards.py',
         '    if backend.stream_destroyed(stream.raw):\n',
         '    if False:\n',
-        ('tests/test_lifetimes.py::test_a_stream_collected_with_what_it_used_frees_and_releases_them',),
+        ('tests/core/test_lifetimes.py::test_a_stream_collected_with_what_it_used_frees_and_releases_them',),
     ),
     Mutation(
         "F3",
@@ -979,7 +981,7 @@ MUTATIONS = [
         '        _drain()\n'
         '    finally:\n'
         '        _draining.on = False\n',
-        ('tests/test_lifetimes.py',),
+        ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
         "F4",
@@ -987,7 +989,7 @@ MUTATIONS = [
         '_core/_hazards.py',
         '        finalize_later(_free, self.buffer, self.uses())\n',
         '        _free(self.buffer, self.uses())\n',
-        ('tests/test_lifetimes.py',),
+        ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
         "Y1",
@@ -995,7 +997,7 @@ MUTATIONS = [
         '_core/_run.py',
         '            yield_now = not _slept(loop, since)\n',
         '            yield_now = False\n',
-        ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
+        ('tests/core/test_completion.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
     ),
     Mutation(
         "Y2",
@@ -1003,7 +1005,7 @@ MUTATIONS = [
         '_core/_run.py',
         '    slept = waits > loop.slept_waits and cpu - loop.slept_cpu < since / 2\n',
         '    slept = cpu - loop.slept_cpu < since / 2\n',
-        ('tests/test_bridge.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
+        ('tests/core/test_completion.py::test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running',),
     ),
     # -- what the suite let through before (each with the test that pins it down)
     Mutation(
@@ -1014,7 +1016,7 @@ MUTATIONS = [
         "                            self._lanes.pop(lane.raw, None)\n"
         "                        waiters",
         "                        waiters",
-        ("tests/test_bridge.py::test_a_stream_dropped_with_runs_in_flight_leaves_nothing_behind",),
+        ("tests/core/test_completion_lifetimes.py::test_a_stream_dropped_with_runs_in_flight_leaves_nothing_behind",),
     ),
     Mutation(
         "N2",
@@ -1022,7 +1024,7 @@ MUTATIONS = [
         "_scopes/_scope.py",
         "            runs[:] = [s for s in runs if not s.done]\n",
         "            runs.clear()\n",
-        ("tests/test_scopes.py::test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one",),
+        ("tests/scopes/test_scopes.py::test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one",),
     ),
     Mutation(
         "N3",
@@ -1031,7 +1033,7 @@ MUTATIONS = [
         "            if not _installed:\n"
         "                cancel_points.watcher = None\n",
         "            cancel_points.watcher = None\n",
-        ("tests/test_cancel_points.py::test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_end",),
+        ("tests/testing/test_cancel_points.py::test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_end",),
     ),
     Mutation(
         "N4",
@@ -1041,7 +1043,7 @@ MUTATIONS = [
         "        time.sleep(_POLL_S)\n",
         "    while (pending := look()) and time.monotonic() < deadline:\n"
         "        time.sleep(_POLL_S)\n",
-        ("tests/test_quiescence.py::test_the_blocking_check_waits_for_work_on_gpuflows_streams_outside_any_run",),
+        ("tests/testing/test_quiescence.py::test_the_blocking_check_waits_for_work_on_gpuflows_streams_outside_any_run",),
     ),
     Mutation(
         "N5",
@@ -1049,7 +1051,7 @@ MUTATIONS = [
         "_testing/_stalls.py",
         "        sys.setprofile(previous)\n",
         "        sys.setprofile(None)\n",
-        ("tests/test_stalls.py::test_the_profile_hook_installed_before_is_restored_after",),
+        ("tests/testing/test_stalls.py::test_the_profile_hook_installed_before_is_restored_after",),
     ),
     Mutation(
         "N6",
@@ -1057,7 +1059,7 @@ MUTATIONS = [
         "_core/_operation.py",
         "            updates, g._updates = g._updates, []\n",
         "            updates = list(g._updates)\n",
-        ("tests/test_graph.py::test_an_update_is_applied_once_not_again_at_later_launches",),
+        ("tests/core/test_graph.py::test_an_update_is_applied_once_not_again_at_later_launches",),
     ),
     Mutation(
         "N7",
@@ -1068,7 +1070,7 @@ MUTATIONS = [
         "    for s, point in uses.readers.items():\n"
         "        if s is not uses.writer:\n"
         "            order_after(backend, stream, s, point)\n",
-        ("tests/test_hazards.py::test_a_write_waits_for_a_read_on_the_arrays_own_last_writer_stream",),
+        ("tests/core/test_hazards.py::test_a_write_waits_for_a_read_on_the_arrays_own_last_writer_stream",),
     ),
     Mutation(
         "N8",
@@ -1076,7 +1078,7 @@ MUTATIONS = [
         "_core/_loops.py",
         "        self.parked = False  # cancelled: a later wake-up must not reschedule\n",
         "        pass\n",
-        ("tests/test_cancellation.py::test_an_await_cancelled_in_flight_is_not_woken_when_its_run_completes",),
+        ("tests/core/test_cancellation.py::test_an_await_cancelled_in_flight_is_not_woken_when_its_run_completes",),
     ),
     Mutation(
         "N9",
@@ -1085,7 +1087,7 @@ MUTATIONS = [
         "            alloc.before_read(s)\n"
         "            be.copy_device(copy.buffer",
         "            be.copy_device(copy.buffer",
-        ("tests/test_interop.py::test_an_export_that_copies_is_a_read_a_later_write_waits_for",),
+        ("tests/interop/test_interop_arrays.py::test_an_export_that_copies_is_a_read_a_later_write_waits_for",),
     ),
     # -- the defects fixed with them
     Mutation(
@@ -1094,7 +1096,7 @@ MUTATIONS = [
         "_core/_run.py",
         "        if not can_wait:\n",
         "        if True:\n",
-        ("tests/test_policy.py::test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work",),
+        ("tests/core/test_policy.py::test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work",),
     ),
     Mutation(
         "N11",
@@ -1102,7 +1104,7 @@ MUTATIONS = [
         "_testing/_cancel_at_every_point.py",
         "    if attempt.landed and not scope.cancelled_caught:\n",
         "    if False:\n",
-        ("tests/test_cancel_points.py::test_a_pipeline_that_swallows_the_cancellation_fails_naming_the_point",),
+        ("tests/testing/test_cancel_points.py::test_a_pipeline_that_swallows_the_cancellation_fails_naming_the_point",),
     ),
     Mutation(
         "N12",
@@ -1112,7 +1114,7 @@ MUTATIONS = [
         "            \"stream.synchronize()\", \"in async code, `await gf.wait_stream(stream)`\"\n"
         "        )\n",
         "",
-        ("tests/test_running.py::test_every_blocking_call_is_refused_in_the_loop_naming_its_own_alternative",),
+        ("tests/core/test_running.py::test_every_blocking_call_is_refused_in_the_loop_naming_its_own_alternative",),
     ),
     Mutation(
         "N13",
@@ -1121,7 +1123,7 @@ MUTATIONS = [
         "            if not interrupted(exc):\n"
         "                await self._tracked.drain()\n",
         "            await self._tracked.drain()\n",
-        ("tests/test_interrupts.py",),
+        ("tests/core/test_interrupts.py",),
     ),
     Mutation(
         "N14",
@@ -1131,7 +1133,7 @@ MUTATIONS = [
         "        pass\n",
         "    except ZeroDivisionError:\n"
         "        pass\n",
-        ("tests/test_interrupts.py",),
+        ("tests/core/test_interrupts.py",),
     ),
     # -- the common await's straight line (_run.await_run)
     Mutation(
@@ -1140,7 +1142,7 @@ MUTATIONS = [
         "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
         "    if policy is not None or not op.ordinary or _finalizers.queue:\n",
-        ("tests/test_scopes.py", "tests/test_cancel_points.py"),
+        ("tests/scopes/test_scopes.py", "tests/testing/test_cancel_points.py"),
     ),
     Mutation(
         "R2",
@@ -1148,7 +1150,7 @@ MUTATIONS = [
         "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or not op.ordinary or _finalizers.queue:\n",
-        ("tests/test_policy.py", "tests/test_running.py"),
+        ("tests/core/test_policy.py", "tests/core/test_running.py"),
     ),
     Mutation(
         "R3",
@@ -1157,7 +1159,7 @@ MUTATIONS = [
         "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
-        ("tests/test_interop.py",),
+        ("tests/interop/test_interop_arrays.py",),
     ),
     Mutation(
         "R4",
@@ -1165,7 +1167,7 @@ MUTATIONS = [
         "_core/_completion.py",
         "                while runs and runs[0].number <= reached:\n",
         "                while runs:\n",
-        ("tests/test_lifetimes.py", "tests/test_hazards.py"),
+        ("tests/core/test_lifetimes.py", "tests/core/test_hazards.py"),
     ),
     Mutation(
         "R5",
@@ -1173,7 +1175,7 @@ MUTATIONS = [
         "_core/_stream.py",
         "                and (lane.completed >= lane.issued or lane.read() >= lane.issued)\n",
         "                and (lane.completed + 1 >= lane.issued or lane.read() >= lane.issued)\n",
-        ("tests/test_policy.py",),
+        ("tests/core/test_policy.py",),
     ),
 ]
 

@@ -1,5 +1,5 @@
 /* A stand-in libcuda.so.1 for running the cuda backend's Python where there
- * is no GPU (tests/test_cuda_stand_in.py).  It is no simulation: "device"
+ * is no GPU (tests/backends/test_cuda_stand_in.py).  It is no simulation: "device"
  * memory is host memory, each enqueued item is done at once on the calling
  * thread, kernels do nothing, events and streams are always complete.  It
  * answers cuda-bindings (through cuGetProcAddress) and gpuflow's ctypes

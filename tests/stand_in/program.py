@@ -1,6 +1,6 @@
 """A program on the cuda backend, run against the stand-in libcuda (argv[1]).
 
-Run by tests/test_cuda_stand_in.py in a process of its own, with warnings as
+Run by tests/backends/test_cuda_stand_in.py in a process of its own, with warnings as
 errors: every line here goes through ``_backends/_cuda``'s Python, and the
 stand-in's memory is host memory, so copies come back as they went.
 """
