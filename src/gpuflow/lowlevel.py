@@ -10,6 +10,8 @@ from __future__ import annotations
 from ._backends import Backend as Backend
 from ._backends import CollectiveCall as CollectiveCall
 from ._backends import PointerArg as PointerArg
+from ._backends import cuda_probe as cuda_probe
+from ._backends import load_backend as load_backend
 from ._backends import register_backend as register_backend
 from ._core import CompletionStatistics as CompletionStatistics
 from ._core import ExecutionContext as ExecutionContext
@@ -20,7 +22,8 @@ from ._interop import StreamAdapter as StreamAdapter
 from ._interop import register_stream_adapter as register_stream_adapter
 
 __all__ = [
-    "Backend", "CollectiveCall", "PointerArg", "register_backend", "current_backend_object",
+    "Backend", "CollectiveCall", "PointerArg", "register_backend", "load_backend", "cuda_probe",
+    "current_backend_object",
     "ExecutionContext", "Run", "pool_streams", "graph_exec_handle",
     "ImportedAllocation", "StreamAdapter", "register_stream_adapter",
     "current_completion_statistics", "CompletionStatistics",

@@ -69,7 +69,17 @@ def _cuda_detect() -> tuple[int, str | None]:
 
 
 def cuda_probe() -> tuple[int, str | None, str | None]:
-    """``(CUDA devices, driver version, why none)``, without making a backend."""
+    """What the CUDA driver reports, without making a backend or a context.
+
+    Returns
+    -------
+    tuple
+        ``(devices, driver, problem)``: how many CUDA devices the driver
+        reports, its version (``"12.8"``; None where no driver loads), and
+        why there is no device (None where there is one).
+
+    Safe from any thread; never raises.
+    """
     try:
         from ._cuda import cuda_probe as probe
     except ImportError as exc:
@@ -118,8 +128,31 @@ def backend_names() -> tuple[str, ...]:
 
 
 def load_backend(name: str | Backend, num_devices: int | None) -> Backend:
-    """The backend called ``name`` (``"auto"``: see :func:`_auto`), or
-    ``name`` itself when it is a backend."""
+    """A backend, made as :func:`gpuflow.init_device_contexts` makes it, but
+    for no runtime: for tools that describe the machine.
+
+    Parameters
+    ----------
+    name
+        ``"cuda"``, ``"sim"``, a name given to :func:`register_backend`, or
+        ``"auto"``: the one named by ``GPUFLOW_BACKEND`` where that is set,
+        else ``cuda`` where the driver reports a device, else ``sim``.  A
+        :class:`Backend` instance is returned as it is.
+    num_devices
+        How many devices it serves (None: every device it has).
+
+    Returns
+    -------
+    Backend
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``name`` is no backend's.
+    gpuflow.DeviceError
+        The backend could not be started (the note says when ``"auto"``
+        chose it, and why).
+    """
     if isinstance(name, Backend):
         return name
     chosen_by = None

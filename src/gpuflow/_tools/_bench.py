@@ -33,15 +33,12 @@ import numpy as np
 
 import gpuflow as gf
 
-from .._backends import compile_source
-from .._core import device_count_option, get_runtime
 from ..lowlevel import pool_streams
 from ._bench_comm import bench_collectives
 from ._bench_poll import (
     bench_cpu,
     bench_enqueue,
     bench_in_flight,
-    bench_poll_turn,
     bench_torch_requests,
 )
 from ._bench_rows import (
@@ -104,7 +101,7 @@ class Raw:
             cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, cudev)[1]
         minor = cu.cuDeviceGetAttribute(
             cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, cudev)[1]
-        cubin = compile_source(EMPTY, f"sm_{major}{minor}", ())
+        cubin = gf.compile(EMPTY, references=_refs()).binary_for(f"sm_{major}{minor}")
         ctx = cu.cuDevicePrimaryCtxRetain(cudev)[1]
         cu.cuCtxSetCurrent(ctx)
         self.mod = cu.cuModuleLoadData(cubin)[1]
@@ -338,7 +335,7 @@ def bench_host_function_hold(mod: gf.Module, cuda: bool) -> None:
     e1 = cu.cuEventCreate(0)[1]
     op = gf.value(None)
     ahead = mod.spin(gf.LaunchConfig(1, 1), 1_000_000)
-    backend = get_runtime().backend
+    backend = gf.lowlevel.current_backend_object()
 
     def close_a_pipe() -> None:  # what a loop that goes to sleep enqueues
         r, w = os.pipe()
@@ -675,7 +672,6 @@ BENCHES = {
     "enqueue": "enqueue_on of a 4-byte copy: the Python of a run no loop awaits",
     "cpu": "the CPU an idle runtime uses over a second, and the CPU of one awaited "
            "1-second kernel",
-    "poll": "one turn of a loop's poller that completes nothing",
     "inflight": "200 short requests with 32 in flight against 8 (medians of three "
                 "runs each, in turns), and the latency at 32",
     "chain": "a 132-kernel then chain awaited once, and its captured graph replayed, "
@@ -729,10 +725,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", metavar="PATH",
                    help="also write the rows to PATH as JSON (backend, rows: each its "
                    "figures, target, loop and verdict)")
-    p.add_argument("--devices", metavar="N", type=device_count_option,
+    p.add_argument("--devices", metavar="N", type=int,
                    help="run on N devices (sim: simulate N, so that the two-device rows "
                    "run; default: every device the backend has)")
     args = p.parse_args(argv)
+    if args.devices is not None and args.devices < 1:
+        p.error(f"--devices: a positive number of devices, not '{args.devices}'")
     backend = gf.init_device_contexts(backend=args.backend, num_devices=args.devices)
     cuda = backend == "cuda"
     be = gf.lowlevel.current_backend_object()
@@ -768,8 +766,6 @@ def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None
         bench_enqueue(quick, cuda)
     if "cpu" in only:
         bench_cpu(mod, quick, cuda)
-    if "poll" in only:
-        bench_poll_turn(mod, quick, cuda)
     if "inflight" in only:
         bench_in_flight(mod, quick, cuda)
     if "chain" in only:

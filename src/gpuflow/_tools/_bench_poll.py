@@ -5,8 +5,6 @@
 * the CPU an idle runtime uses while its loop sleeps for a second, and the
   CPU of one awaited 1-second kernel (the busy-poll budget, then a sleep),
   against ``to_thread(stream.synchronize)`` of the same kernel;
-* one turn of a loop's poller that finds nothing completed, against an
-  empty turn of the loop;
 * a PyTorch request (a 4-layer bf16 MLP forward, batch 32, width 1024)
   awaited through ``gf.wait_stream``, against
   ``to_thread(torch.cuda.synchronize)``, one in flight and 64 (the two
@@ -30,7 +28,6 @@ import numpy as np
 
 import gpuflow as gf
 
-from .._core import Poller, current_loop, get_runtime
 from ._bench_rows import Completions, event_loops, interleaved, median_us, row
 
 
@@ -106,54 +103,6 @@ def bench_cpu(mod: gf.Module, quick: bool, cuda: bool) -> None:
             "the same sleep, no GPU work before", base, f"<= {50 * seconds:g} ms")
         row(f"CPU of one {seconds:g} s await ({lib})", run(long_await), "ms",
             "to_thread(stream.synchronize)", run(long_thread), f"<= {250 * seconds:g} ms")
-
-
-def bench_poll_turn(mod: gf.Module, quick: bool, cuda: bool) -> None:
-    """One poller turn with runs pending on four streams and none completed:
-    awaited runs (their marks, words the poller reads), then runs no task
-    awaits (silent marks, which a scope waiting for them has asked of the
-    driver)."""
-    n = 2000 if quick else 20000
-    print("a loop turn of the poller that completes nothing (4 streams pending)")
-    spin = mod.spin(gf.LaunchConfig(1, 1), int(0.5e9))
-
-    async def measure(awaited: bool) -> tuple[float, float]:
-        policies = [gf.SingleStream() for _ in range(4)]
-        streams = [p.stream for p in policies]
-        async with anyio.create_task_group() as tg:
-            for p, s in zip(policies, streams, strict=True):
-                if awaited:
-                    tg.start_soon(spin.run, p)
-                else:
-                    spin.enqueue_on(s)
-            while not all(s.lane is not None and s.lane.runs for s in streams):
-                await anyio.sleep(0.001)  # (the awaits submitted)
-            # a poller of its own, polled directly: the loop's would stop after its budget
-            poller = Poller(get_runtime().dispatcher, current_loop())
-            for s in streams:
-                assert s.lane is not None
-                poller.lanes[s.lane] = None
-            poller.busy.deadline = time.monotonic() + 60  # (it polls as long as it is called)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                poller.poll()
-            turn = (time.perf_counter() - t0) / n
-            for lane in poller.lanes:  # nobody polls them now: the dispatcher thread may
-                lane.polled_until = 0.0
-            poller.lanes.clear()
-            tg.cancel_scope.cancel()  # (the runs stay pending: the thread completes them)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            await anyio.lowlevel.checkpoint()
-        empty = (time.perf_counter() - t0) / n
-        for s in streams:
-            await anyio.to_thread.run_sync(s.synchronize)
-        return turn * 1e6, empty * 1e6
-
-    for awaited, what in ((True, "awaited runs"), (False, "runs no task awaits")):
-        turn, empty = anyio.run(measure, awaited)
-        row(f"poller turn, nothing completed, {what} (asyncio)", turn, "us",
-            "an empty loop turn", empty, "(small)")
 
 
 def mlp_forward() -> Callable[[], Any]:

@@ -19,7 +19,10 @@ import platform
 import sys
 from typing import Any
 
-from .._backends import BACKEND_ENV, cuda_probe, load_backend
+from ..lowlevel import cuda_probe, load_backend
+
+#: the environment variable that names the backend ``"auto"`` picks
+BACKEND_ENV = "GPUFLOW_BACKEND"
 
 _PACKAGES = ("numpy", "anyio", "cuda-bindings", "nvidia-cuda-nvrtc")
 #: What extras install: event loops, the bootstrap under mpiexec, NCCL, and
