@@ -27,7 +27,7 @@ import anyio
 import gpuflow as gf
 
 # the probe times the bridge's own steps, so it instruments private machinery
-from gpuflow._core._runtime import get_runtime
+from gpuflow._core._runtime import ensure_runtime
 
 pc = time.perf_counter
 
@@ -35,7 +35,7 @@ pc = time.perf_counter
 def instrument(marks: dict[str, float]) -> None:
     """Note in ``marks`` when a run is submitted (its mark enqueued), and
     when the loop has completed it and woken its task."""
-    disp = get_runtime().dispatcher
+    disp = ensure_runtime().completer
     orig_submit, orig_deliver = disp.submit, disp.deliver
 
     def submit(raw: Any, sub: Any) -> None:
@@ -48,7 +48,7 @@ def instrument(marks: dict[str, float]) -> None:
         orig_deliver(*a)
         marks.setdefault("woken", pc())
 
-    # instance attributes: the bridge looks these up on the dispatcher at each call
+    # instance attributes: the bridge looks these up on the completer at each call
     disp.submit = submit  # type: ignore[method-assign, assignment]
     disp.deliver = deliver  # type: ignore[method-assign, assignment]
 
@@ -94,7 +94,7 @@ async def tasks64(op: gf.DeviceOperation[Any]) -> None:
 
 def count_pipes() -> list[int]:
     """``[pipe wake-ups]`` enqueued from now on."""
-    be = get_runtime().backend
+    be = ensure_runtime().backend
     counts = [0]
     close = be.enqueue_close
 

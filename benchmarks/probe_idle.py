@@ -23,7 +23,7 @@ its loop a turn after 1 ms without one, unless the loop's thread slept
 meanwhile), owed a turn after 1 ms however the thread spent it (as before
 gpuflow looked whether it slept), and with no fairness yield at all
 (``_run.YIELD_EVERY_S`` set past any gap): what that yield costs
-after a gap, in the piece and in the whole.  Timers wrap the dispatcher's
+after a gap, in the piece and in the whole.  Timers wrap the completer's
 ``submit`` and ``advance``, which adds a little to each await.
 
 usage: python benchmarks/probe_idle.py [--pieces]   (a CUDA device)
@@ -125,7 +125,7 @@ def main() -> None:
 def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None:
     # when the await's submission ended, and when its run was first seen done
     marks: dict[str, float] = {}
-    submit, advance = _completion.Dispatcher.submit, _completion.Dispatcher.advance
+    submit, advance = _completion.Completer.submit, _completion.Completer.advance
 
     def timed_submit(self: Any, *args: Any, **kw: Any) -> Any:
         out = submit(self, *args, **kw)
@@ -138,8 +138,8 @@ def pieces(empty: gf.DeviceOperation[None], stream: gf.Stream, raw: Any) -> None
             marks["seen"] = time.perf_counter()
         return done
 
-    _completion.Dispatcher.submit = timed_submit  # type: ignore[method-assign]
-    _completion.Dispatcher.advance = timed_advance  # type: ignore[method-assign]
+    _completion.Completer.submit = timed_submit  # type: ignore[method-assign]
+    _completion.Completer.advance = timed_advance  # type: ignore[method-assign]
     yielded = [0]
     checkpoint = anyio.lowlevel.checkpoint
 

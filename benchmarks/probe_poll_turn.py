@@ -21,7 +21,7 @@ import time
 import anyio
 
 import gpuflow as gf
-from gpuflow._core import Poller, current_loop, get_runtime
+from gpuflow._core import Poller, current_loop, ensure_runtime
 from gpuflow._tools._bench_rows import row
 
 SPIN = r"""
@@ -57,7 +57,7 @@ def main() -> None:
                     spin.enqueue_on(s)
             while not all(s.lane is not None and s.lane.runs for s in streams):
                 await anyio.sleep(0.001)  # (the awaits submitted)
-            poller = Poller(get_runtime().dispatcher, current_loop())
+            poller = Poller(ensure_runtime().completer, current_loop())
             for s in streams:
                 assert s.lane is not None
                 poller.lanes[s.lane] = None
@@ -66,7 +66,7 @@ def main() -> None:
             for _ in range(n):
                 poller.poll()
             turn = (time.perf_counter() - t0) / n
-            for lane in poller.lanes:  # nobody polls them now: the dispatcher thread may
+            for lane in poller.lanes:  # nobody polls them now: the completer thread may
                 lane.polled_until = 0.0
             poller.lanes.clear()
             tg.cancel_scope.cancel()  # (the runs stay pending: the thread completes them)

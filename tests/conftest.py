@@ -50,7 +50,7 @@ _CUDA: list[Any] = []
 
 def _cuda_backend() -> Any:
     """One cuda backend for the session, as a long-running program has one
-    (each test still gets a runtime of its own: streams, pools, dispatcher);
+    (each test still gets a runtime of its own: streams, pools, completer);
     a new one where a test left a device faulted."""
     from gpuflow._backends import load_backend
 

@@ -15,7 +15,7 @@ from ._backends import load_backend as load_backend
 from ._backends import register_backend as register_backend
 from ._core import CompletionStatistics as CompletionStatistics
 from ._core import ExecutionContext as ExecutionContext
-from ._core import Graph, Stream, current_device, get_runtime
+from ._core import Graph, Stream, current_device, ensure_runtime
 from ._core import Run as Run
 from ._interop import ImportedAllocation as ImportedAllocation
 from ._interop import StreamAdapter as StreamAdapter
@@ -32,26 +32,26 @@ __all__ = [
 
 def current_backend_object() -> Backend:
     """The backend instance serving this process (raw handles, for interop and benchmarks)."""
-    return get_runtime().backend
+    return ensure_runtime().backend
 
 
 def pool_streams(device: int | None = None) -> list[Stream]:
     """The pool streams of ``device`` (default: the current one) now: the
     ``streams_per_device`` made at initialisation, then those the default
     policy (:class:`gpuflow.StreamPoolLeastLoaded`) added under load."""
-    rt = get_runtime()
+    rt = ensure_runtime()
     return list(rt.streams(rt.check_device(current_device() if device is None else device)))
 
 
 def graph_exec_handle(graph: Graph[object]) -> int:
     """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
-    return get_runtime().backend.graph_handle(graph.recording.raw)
+    return ensure_runtime().backend.graph_handle(graph.recording.raw)
 
 
 def current_completion_statistics() -> CompletionStatistics:
     """How the runs of this runtime were seen complete so far: by the
-    awaiting task's inline read, by a loop's poller, or by the dispatcher
+    awaiting task's inline read, by a loop's poller, or by the completer
     thread, and how many sleeping wake-ups were armed.  Take it before and
     after a piece of work to see what its busy-poll budget bought
     (``busy_poll_us``, :func:`gpuflow.init_device_contexts`).  Any thread."""
-    return get_runtime().dispatcher.statistics()
+    return ensure_runtime().completer.statistics()

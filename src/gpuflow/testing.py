@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ._backends import Activity as Activity
-from ._core import get_runtime
+from ._core import ensure_runtime
 from ._scopes import leases_held as leases_held
 from ._testing import CancellationPoint as CancellationPoint
 from ._testing import CancellationReport as CancellationReport
@@ -58,7 +58,7 @@ def record_activity() -> Iterator[list[Activity]]:
     it fills when the block exits, with the items done by then.  A backend
     that keeps no record raises :class:`gpuflow.UsageError`.
     """
-    backend = get_runtime().backend
+    backend = ensure_runtime().backend
     record = backend.start_activity_record()
     try:
         yield record

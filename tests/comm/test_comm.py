@@ -820,7 +820,7 @@ def test_a_rank_joins_while_another_rank_asks_whether_it_left() -> None:
     import time
 
     from gpuflow._backends._sim import _comm as _simcomm  # the simulated rendezvous itself
-    from gpuflow._core._runtime import get_runtime
+    from gpuflow._core._runtime import ensure_runtime
 
     uid = gf.new_unique_id()
     root = uid[len(_simcomm._ID_PREFIX) :].decode()
@@ -839,7 +839,7 @@ def test_a_rank_joins_while_another_rank_asks_whether_it_left() -> None:
         return t
 
     def join_rank_1() -> Any:
-        backend: Any = get_runtime().backend
+        backend: Any = ensure_runtime().backend
         return _simcomm.SimComm(backend, root, 1, 2, backend._dev(0))
 
     releaser = probe_held(0.01)
@@ -866,7 +866,7 @@ def test_a_rank_is_never_seen_gone_while_it_joins(monkeypatch: pytest.MonkeyPatc
     import time
 
     from gpuflow._backends._sim import _comm as _simcomm  # the simulated rendezvous itself
-    from gpuflow._core._runtime import get_runtime
+    from gpuflow._core._runtime import ensure_runtime
 
     uid = gf.new_unique_id()
     root = uid[len(_simcomm._ID_PREFIX) :].decode()
@@ -880,7 +880,7 @@ def test_a_rank_is_never_seen_gone_while_it_joins(monkeypatch: pytest.MonkeyPatc
         real_flock(fd, operation)
 
     monkeypatch.setattr(fcntl, "flock", slow_to_lock)
-    backend: Any = get_runtime().backend
+    backend: Any = ensure_runtime().backend
     comm = _simcomm.SimComm(backend, root, 1, 2, backend._dev(0))
     joiner = threading.Thread(target=comm.join)
     joining.append(joiner)

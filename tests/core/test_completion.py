@@ -5,11 +5,11 @@ into the stream's completion word.  A loop with runs pending reads the words
 once per turn and completes what they cover, in its own thread; once no run
 has completed for the busy-poll budget, it arms a wake-up (a pipe the GPU
 closes right after the oldest pending run, or, where work is already queued
-behind that run, the dispatcher thread watching the word) and sleeps.
+behind that run, the completer thread watching the word) and sleeps.
 Whatever ends a loop early (a cancellation, a loop that stops or ends), no
 run is left pending, and no file descriptor is left open.
 
-These tests drive the dispatcher and the loop adapters themselves, so they
+These tests drive the completer and the loop adapters themselves, so they
 import the private modules that hold them (``_bridge``, ``_runtime``,
 ``_loops``).
 """
@@ -33,12 +33,12 @@ import gpuflow as gf
 from gpuflow._core import _loops
 from gpuflow._core._loops import current_loop
 from gpuflow._core._run import Run
-from gpuflow._core._runtime import get_runtime
+from gpuflow._core._runtime import ensure_runtime
 
 
 def count_pipes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every pipe wake-up the backend is asked to enqueue (its stream)."""
-    backend = get_runtime().backend
+    backend = ensure_runtime().backend
     calls: list[Any] = []
     enqueue_close = backend.enqueue_close
 
@@ -131,7 +131,7 @@ async def watched_runtime(
 
 def seen_by_the_loop_alone(before: Any, pipes: list[Any]) -> Any:
     """Assert that since ``before`` (completion statistics) no sleeping
-    wake-up was armed and the dispatcher thread completed no run: the
+    wake-up was armed and the completer thread completed no run: the
     loop's own reads saw every run done.  Returns the statistics now."""
     after = gf.lowlevel.current_completion_statistics()
     assert pipes == []
@@ -143,7 +143,7 @@ def seen_by_the_loop_alone(before: Any, pipes: list[Any]) -> Any:
 
 def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every wake-up posted to a loop from another thread."""
-    from gpuflow._core import _completion  # the post the dispatcher thread makes
+    from gpuflow._core import _completion  # the post the completer thread makes
     from gpuflow._core._loops import post as real_post
 
     posts: list[Any] = []
@@ -260,7 +260,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     spins: list[bool] = []  # per call of spin: was the other task resumed by then
     inline_reads: list[bool] = []
     resumed = anyio.Event()
-    real_spin = _run._spin
+    real_spin = _run._pending_after_spin
 
     def spying(run: Any, loop: Any, lane: Any) -> bool:
         spins.append(resumed.is_set())
@@ -276,7 +276,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
         finally:
             lane.read = read
 
-    monkeypatch.setattr(_run, "_spin", spying)
+    monkeypatch.setattr(_run, "_pending_after_spin", spying)
     other = Run(0)  # never submitted: finished by hand below
 
     async def other_await() -> None:
@@ -286,7 +286,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     async with anyio.create_task_group() as tg:
         tg.start_soon(other_await)
         await anyio.wait_all_tasks_blocked()  # parked in its await
-        get_runtime().dispatcher.finish(other)  # woken: it resumes at a later turn
+        ensure_runtime().completer.finish(other)  # woken: it resumes at a later turn
         await K.slow_fill(x, 1.0, 0.0)  # submitted and awaited before that
     assert True not in spins  # (no spin began after the other await resumed)
     assert inline_reads == []  # the other await was in progress: no inline read
@@ -316,7 +316,7 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
 
     reinit(busy_poll_us=2_000_000)
     x = await gf.zeros(64, F32)
-    real_spin = _run._spin
+    real_spin = _run._pending_after_spin
 
     def spin_once_done(run: Any, loop: Any, lane: Any) -> bool:
         # sim's device is a thread of this process: the spin, holding the
@@ -325,7 +325,7 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
             time.sleep(1e-4)
         return real_spin(run, loop, lane)
 
-    monkeypatch.setattr(_run, "_spin", spin_once_done)
+    monkeypatch.setattr(_run, "_pending_after_spin", spin_once_done)
     if between != "sleeps":
         share = 1.0 if between == "computes" else 0.1  # (of the time, the thread ran)
         t0 = time.perf_counter()
@@ -464,7 +464,7 @@ async def test_the_completion_statistics_say_how_each_run_was_seen_done() -> Non
     assert seen["pipes_armed"] + seen["watched_by_thread"] == 3, seen
     if sys.platform.startswith("linux"):  # (pipes in an epoll set the loop watches)
         assert seen["pipes_armed"] == 3, seen
-    # a run no loop awaits: the dispatcher thread completes it
+    # a run no loop awaits: the completer thread completes it
     s = gf.new_stream()
     x = await gf.zeros(64, F32)
     before = stats()
@@ -552,7 +552,7 @@ async def test_a_traced_loop_spins_at_most_the_budget_however_long_its_turns(
     assert time.monotonic() - t0 >= 0.5
     # turns of a few hundred microseconds or more (several calls each): the
     # 2 ms budget is a few of them (polled through, a 0.5 s run would be
-    # hundreds; turns short of the dispatcher thread's 20 ms, which would
+    # hundreds; turns short of the completer thread's 20 ms, which would
     # take the run from a loop that stopped turning)
     assert len(pipes) == 1
     assert len([t for t in turns if t > t0]) <= 20, len(turns)
@@ -604,12 +604,12 @@ async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wak
 
 
 @pytest.mark.anyio
-async def test_the_dispatcher_thread_leaves_a_busy_loops_runs_to_the_loop(
+async def test_the_completer_thread_leaves_a_busy_loops_runs_to_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # turns of 3 ms (other tasks' CPU work) and runs of 1 ms: every run is
     # done well before the turn that reads its word.  The loop reads it
-    # there all the same: the dispatcher thread, ticking meanwhile, leaves a
+    # there all the same: the completer thread, ticking meanwhile, leaves a
     # loop that is still turning its runs (its completions would come as
     # posts from another thread, each a wake-up of the loop)
     not_traced()
@@ -627,7 +627,7 @@ async def test_the_dispatcher_thread_leaves_a_busy_loops_runs_to_the_loop(
 
 
 @pytest.mark.anyio
-async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
+async def test_awaits_of_short_runs_do_not_wake_the_completer_thread_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The thread ticks while runs are pending and for a grace after, then
@@ -640,13 +640,13 @@ async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
 
     monkeypatch.setattr(_completion, "_IDLE_GRACE_S", 0.05)
     x = await gf.zeros(64, F32)
-    dispatcher = get_runtime().dispatcher
-    busy = dispatcher._busy
+    completer = ensure_runtime().completer
+    busy = completer._busy
     monkeypatch.setattr(
-        dispatcher, "_busy",
-        lambda: busy() and threading.current_thread() is not dispatcher._thread,
+        completer, "_busy",
+        lambda: busy() and threading.current_thread() is not completer._thread,
     )
-    real_wait = dispatcher._cv.wait
+    real_wait = completer._cv.wait
     rearmed: list[float] = []  # wake-ups of the sleeping thread
 
     def counted(timeout: float | None = None) -> bool:
@@ -655,10 +655,10 @@ async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
             rearmed.append(time.monotonic())
         return woke
 
-    monkeypatch.setattr(dispatcher._cv, "wait", counted)
+    monkeypatch.setattr(completer._cv, "wait", counted)
     deadline = time.monotonic() + 5.0
-    while dispatcher._armed:  # asleep first
-        assert time.monotonic() < deadline, "the dispatcher thread never went to sleep"
+    while completer._armed:  # asleep first
+        assert time.monotonic() < deadline, "the completer thread never went to sleep"
         await anyio.sleep(0.01)
     rearmed.clear()
     t0 = time.monotonic()
@@ -671,14 +671,14 @@ async def test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each(
 
 
 def reads_lagging_in_the_thread(read: Callable[[], int]) -> Callable[[], int]:
-    """A word's reader whose every read by the dispatcher thread gives what
+    """A word's reader whose every read by the completer thread gives what
     its previous read found: as if the GPU reached each mark between two
     reads the thread makes.  The loop's reads are the word's own."""
     last = [read()]
 
     def lagging() -> int:
         now = read()
-        if threading.current_thread().name != "gpuflow-dispatcher":
+        if threading.current_thread().name != "gpuflow-completer":
             return now
         seen, last[0] = last[0], now
         return seen
@@ -690,7 +690,7 @@ def reads_lagging_in_the_thread(read: Callable[[], int]) -> Callable[[], int]:
 async def test_a_mark_reached_while_the_thread_looks_is_left_to_the_pipe_that_wakes_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The dispatcher thread decides whether a stream's runs are its to
+    """The completer thread decides whether a stream's runs are its to
     complete, and how far, from one read of its word: a mark the GPU
     reaches while the thread looks (here at every look) is left, for a
     tick, to the loop that the mark's pipe wakes, busy as that loop is, and
@@ -698,7 +698,7 @@ async def test_a_mark_reached_while_the_thread_looks_is_left_to_the_pipe_that_wa
     reinit(busy_poll_us=0)  # (a pipe for every await)
     one = gf.SingleStream()
     x = await gf.zeros(64, F32).run(one)
-    lane = get_runtime().dispatcher._lanes[one.stream.raw]
+    lane = ensure_runtime().completer._lanes[one.stream.raw]
     lane.read = reads_lagging_in_the_thread(lane.read)
     posts = record_posts(monkeypatch)
     pipes = count_pipes(monkeypatch)
@@ -724,7 +724,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
     one = gf.SingleStream()
     x = await gf.zeros(64, F32)
     y = await gf.zeros(64, F32)
-    backend = get_runtime().backend
+    backend = ensure_runtime().backend
     took: dict[str, float] = {}
     idle_after: dict[str, bool] = {}
 
@@ -760,7 +760,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
                         K.slow_fill(y, 2.0, 1.5).enqueue_on(one.stream)
                 assert lane.unmarked
     assert idle_after == {"short": False}
-    # woken at its own end: the dispatcher thread watched its word, since a
+    # woken at its own end: the completer thread watched its word, since a
     # host function armed once the long run was queued would wait for it
     # (1.65 s; a margin of 0.85 s for a loaded machine)
     assert took["short"] < 0.8, took
@@ -772,7 +772,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
 @pytest.mark.anyio
 async def test_a_run_left_to_the_thread_as_the_loop_sleeps_is_seen_done_at_its_end() -> None:
     # a short run with a long one queued behind it: once the loop's budget
-    # is spent it sleeps, and the dispatcher thread watches the short run's
+    # is spent it sleeps, and the completer thread watches the short run's
     # word every millisecond; the loop no longer reads it, so the thread
     # does not wait for a loop that is not turning before it takes the run
     reinit(busy_poll_us=200)
@@ -834,6 +834,35 @@ async def test_fast_awaits_started_with_slow_ones_finish_at_their_own_end(
     assert fast_took[-1] < slow / 2, fast_took
 
 
+@pytest.mark.parametrize("busy_poll_us", [0, 50_000])
+@pytest.mark.anyio
+async def test_a_run_queued_behind_another_on_its_stream_completes_at_its_own_mark(
+    busy_poll_us: float,
+) -> None:
+    """Two awaited runs on one stream: the GPU reaching the first run's mark
+    completes the first alone, never the second, whose work (a slower fill,
+    then its copy to the host) is still to come."""
+    reinit(busy_poll_us=busy_poll_us)
+    policy = gf.SingleStream()
+    a, b = await gf.zeros(64, F32).run(policy), await gf.zeros(64, F32).run(policy)
+    first_done = anyio.Event()
+    second: list[np.ndarray] = []
+
+    async def first() -> None:
+        await gf.to_host(K.slow_fill(a, 1.0, 0.1)).run(policy)
+        first_done.set()
+
+    async def then_second() -> None:
+        second.append(await gf.to_host(K.slow_fill(b, 2.0, 0.3)).run(policy))
+        assert first_done.is_set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        await anyio.sleep(0.02)  # (the first run is in flight on the stream)
+        tg.start_soon(then_second)
+    np.testing.assert_array_equal(second[0], np.full(64, 2.0, F32))
+
+
 @needs_proc
 @pytest.mark.anyio
 async def test_awaits_leave_no_file_descriptor_open() -> None:
@@ -854,7 +883,7 @@ async def test_awaits_leave_no_file_descriptor_open() -> None:
 
 
 @pytest.mark.anyio
-async def test_past_the_pipe_limit_the_dispatcher_thread_wakes_the_loop(
+async def test_past_the_pipe_limit_the_completer_thread_wakes_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from gpuflow._core import _completion  # the limit itself

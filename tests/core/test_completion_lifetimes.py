@@ -3,7 +3,7 @@ busy-poll budget; the loop adapters.
 
 Whatever ends a loop early (a cancellation, a loop that stops or ends), no
 run is left pending, and no file descriptor is left open.  These tests drive
-the dispatcher and the loop adapters themselves, so they import the private
+the completer and the loop adapters themselves, so they import the private
 modules that hold them (``_completion``, ``_runtime``, ``_loops``).
 """
 
@@ -28,7 +28,7 @@ from helpers.completion import F32, needs_proc, open_fds, reinit, wait_until
 import gpuflow as gf
 from gpuflow._core._loops import current_loop
 from gpuflow._core._run import Run
-from gpuflow._core._runtime import get_runtime
+from gpuflow._core._runtime import ensure_runtime
 
 # -- loops that stop, streams that go, processes that exit --------------------------------------
 
@@ -108,10 +108,10 @@ def keep_until_done(sentinel: _Sentinel) -> gf.DeviceOperation[None]:
 def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     busy_poll_us: float,
 ) -> None:
-    # a loop that stopped (not closed) with a run awaited: the dispatcher
+    # a loop that stopped (not closed) with a run awaited: the completer
     # thread completes what the GPU finished, a tick later than the loop would
     reinit(busy_poll_us=busy_poll_us)
-    dispatcher = get_runtime().dispatcher
+    completer = ensure_runtime().completer
     stream = gf.new_stream()
     x = gf.zeros(16, F32).sync()
     stopped = _StoppedLoop()
@@ -125,11 +125,11 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     # only one on its stream: a sleeping loop's wake-up is a pipe on it)
     other = gf.new_stream()
     K.slow_fill(x, 3.0, 0.05).enqueue_on(other)
-    be = get_runtime().backend
+    be = ensure_runtime().backend
     be.wait_event(stream.raw, be.record_event(other.raw))
-    dispatcher.submit(stream.raw, sub)
+    completer.submit(stream.raw, sub)
     assert sub.lane is not None
-    dispatcher.watch(stopped, sub.lane)  # what an await does before it parks
+    completer.poll_on(stopped, sub.lane)  # what an await does before it parks
     assert len(stopped.watched) == 1  # the loop was given its epoll set
     if busy_poll_us == 0:
         assert sub.lane.wake_for == sub.number  # a pipe was armed, on the run's stream
@@ -137,7 +137,7 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     _wait_done(sub)
     assert sub.error is None and alive() is None
     # what it left open waits for the loop (the fd numbers are the loop's to
-    # reuse); once the loop has ended, the dispatcher thread closes it all
+    # reuse); once the loop has ended, the completer thread closes it all
     stopped.ended = True
     wait_until(lambda: open_fds() <= before, "the ended loop's descriptors stayed open")
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 3.0, F32))
@@ -146,11 +146,11 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
 def test_a_stream_whose_runs_the_gpu_finished_is_idle_before_anyone_looks() -> None:
     # a run no loop ever completes (its loop stopped) still leaves its stream
     # idle to the default policy once the GPU has reached its mark
-    dispatcher = get_runtime().dispatcher
+    completer = ensure_runtime().completer
     pool = gf.lowlevel.pool_streams()
     x = gf.zeros(16, F32).sync()
     sub = Run(0)
-    dispatcher.submit(pool[0].raw, sub)
+    completer.submit(pool[0].raw, sub)
     wait_until(sub.reached, "the GPU never reached the mark")
     for s in pool[1:]:
         K.slow_fill(x, 1.0, 0.5).enqueue_on(s)
@@ -169,7 +169,7 @@ def test_runs_no_loop_awaits_hold_their_stream_for_no_host_function() -> None:
         for i in range(30):
             sub = Run(0)
             K.slow_fill(x, float(i), 0.002).enqueue_on(stream)
-            get_runtime().dispatcher.submit(stream.raw, sub)
+            ensure_runtime().completer.submit(stream.raw, sub)
             subs.append(sub)
         for sub in subs:
             _wait_done(sub)
@@ -244,8 +244,8 @@ def _submit_owing(raw: Any, sub: Run) -> None:
     failure that is no device's fault): raised, and the run, pending, owes
     the stream's next mark.  (Given the raw stream: the frames the error
     keeps do not keep a :class:`gpuflow.Stream` alive.)"""
-    dispatcher = get_runtime().dispatcher
-    lane: Any = dispatcher.lane(raw, 0)
+    completer = ensure_runtime().completer
+    lane: Any = completer.lane(raw, 0)
     mark = lane.mark  # (the stream's marks, made once)
 
     def refuse(polled: bool = True) -> int:
@@ -253,7 +253,7 @@ def _submit_owing(raw: Any, sub: Run) -> None:
 
     lane.mark = refuse
     try:
-        dispatcher.submit(raw, sub)
+        completer.submit(raw, sub)
     except RuntimeError as exc:
         assert "the mark was refused" in str(exc)
     else:
@@ -283,7 +283,7 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
         await K.slow_fill(y, 3.0, 0.3)  # (on a pool stream)
 
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)  # marked at once: the stream was idle
-    lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
+    lane.polled_until = time.monotonic() + 60  # (keeps the completer thread from the lane)
     try:
         sub = Run(0)
         K.slow_fill(x, 2.0, 0.001).enqueue_on(stream)
@@ -302,7 +302,7 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
     np.testing.assert_array_equal(await gf.to_host(x), np.full(16, 2.0, F32))
 
 
-def test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_dispatcher_thread() -> None:
+def test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_completer_thread() -> None:
     stream = gf.new_stream()
     lane = stream.lane
     assert lane is not None
@@ -324,7 +324,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
     assert lane is not None
     x = gf.zeros(16, F32).sync()
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
-    lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
+    lane.polled_until = time.monotonic() + 60  # (keeps the completer thread from the lane)
     try:
         K.slow_fill(x, 2.0, 0.001).enqueue_on(stream)
         _submit_owing(stream.raw, Run(0))
@@ -333,7 +333,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
         assert not lane.unmarked and lane.read() >= owed
     finally:
         lane.polled_until = 0.0
-    wait_until(lambda: not get_runtime().dispatcher.pending, "the runs never completed")
+    wait_until(lambda: not ensure_runtime().completer.pending, "the runs never completed")
 
 
 def test_a_stream_dropped_with_a_mark_owed_enqueues_it_first() -> None:
@@ -342,7 +342,7 @@ def test_a_stream_dropped_with_a_mark_owed_enqueues_it_first() -> None:
     lane = stream.lane
     assert lane is not None
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
-    lane.polled_until = time.monotonic() + 60  # (keeps the dispatcher thread from the lane)
+    lane.polled_until = time.monotonic() + 60  # (keeps the completer thread from the lane)
     try:
         sub = Run(0)
         _submit_owing(stream.raw, sub)
@@ -369,10 +369,10 @@ def test_a_stream_dropped_with_work_in_flight_keeps_what_the_work_uses() -> None
             gf.new_stream()
         )
         del sentinel
-        time.sleep(0.03)  # a dispatcher tick or more; the work has 70 ms to go
+        time.sleep(0.03)  # a completer tick or more; the work has 70 ms to go
         assert alive() is not None, f"round {i}: released while its work was running"
     deadline = time.monotonic() + 5
-    while get_runtime().dispatcher.pending:
+    while ensure_runtime().completer.pending:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(64, rounds - 1, F32))
@@ -384,7 +384,7 @@ def test_a_stream_dropped_right_after_its_runs_still_completes_them() -> None:
     subs = [Run(0) for _ in range(3)]
     for i, sub in enumerate(subs):
         K.slow_fill(x, float(i), 0.05).enqueue_on(stream)
-        get_runtime().dispatcher.submit(stream.raw, sub)
+        ensure_runtime().completer.submit(stream.raw, sub)
     # the last references (the array's hazard state keeps its writer stream,
     # and so does the free of its memory, until it is enqueued at the next
     # safe point, here memory_stats): the stream is destroyed then; its marks
@@ -399,7 +399,7 @@ def test_a_stream_dropped_right_after_its_runs_still_completes_them() -> None:
 
 
 def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    rt = get_runtime()
+    rt = ensure_runtime()
     stream = gf.new_stream()
     x = gf.zeros(16, F32).sync()
     sentinel = _Sentinel()
@@ -415,11 +415,11 @@ def test_a_query_failure_that_is_no_fault_fails_no_run(monkeypatch: pytest.Monke
     with pytest.warns(UserWarning, match="querying a stream failed"):
         K.slow_fill(x, 5.0, 0.5).then(lambda _x, s=sentinel: keep_until_done(s)).enqueue_on(stream)
         del sentinel  # the run's submission holds the last reference
-        time.sleep(0.1)  # several dispatcher ticks query the stream meanwhile
+        time.sleep(0.1)  # several completer ticks query the stream meanwhile
         assert alive() is not None
         stream.synchronize()
         deadline = time.monotonic() + 5
-        while rt.dispatcher.pending:
+        while rt.completer.pending:
             assert time.monotonic() < deadline
             time.sleep(0.01)
     monkeypatch.undo()
@@ -439,8 +439,8 @@ stream = gf.new_stream()
 K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
 sub = Run(0)
 sub.add_done_callback(lambda err: print("released before exit", flush=True))
-from gpuflow._core._runtime import get_runtime
-get_runtime().dispatcher.submit(stream.raw, sub)
+from gpuflow._core._runtime import ensure_runtime
+ensure_runtime().completer.submit(stream.raw, sub)
 print("exiting", flush=True)
 """
     tests = str(Path(__file__).parents[1])
@@ -463,12 +463,12 @@ def test_the_busy_poll_budget_comes_from_the_argument_or_the_environment(
     backend = gf.current_backend()
     monkeypatch.delenv("GPUFLOW_BUSY_POLL_US", raising=False)
     gf.init_device_contexts(backend=backend)
-    assert get_runtime().dispatcher.busy_poll_s == DEFAULT_BUSY_POLL_US / 1e6
+    assert ensure_runtime().completer.busy_poll_s == DEFAULT_BUSY_POLL_US / 1e6
     monkeypatch.setenv("GPUFLOW_BUSY_POLL_US", "35.5")
     gf.init_device_contexts(backend=backend)
-    assert get_runtime().dispatcher.busy_poll_s == pytest.approx(35.5e-6)
+    assert ensure_runtime().completer.busy_poll_s == pytest.approx(35.5e-6)
     gf.init_device_contexts(backend=backend, busy_poll_us=0)  # the argument wins
-    assert get_runtime().dispatcher.busy_poll_s == 0
+    assert ensure_runtime().completer.busy_poll_s == 0
     monkeypatch.setenv("GPUFLOW_BUSY_POLL_US", "fast")
     with pytest.raises(gf.UsageError, match="GPUFLOW_BUSY_POLL_US='fast'"):
         gf.init_device_contexts(backend=backend)
@@ -477,7 +477,7 @@ def test_the_busy_poll_budget_comes_from_the_argument_or_the_environment(
         with pytest.raises(gf.UsageError, match="busy_poll_us"):
             gf.init_device_contexts(backend=backend, busy_poll_us=bad)  # type: ignore[arg-type]
     # the runtime in use is still the last good one
-    assert get_runtime().dispatcher.busy_poll_s == 0
+    assert ensure_runtime().completer.busy_poll_s == 0
 
 
 # -- the loop adapters -------------------------------------------------------------------------
@@ -538,7 +538,7 @@ async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
     sub = Run(0)
     if ended_by == "the GPU":
         K.slow_fill(x, 1.0, 0.3).enqueue_on(stream)
-        get_runtime().dispatcher.submit(stream.raw, sub)
+        ensure_runtime().completer.submit(stream.raw, sub)
     woken: list[str] = []
 
     def parked() -> int:
@@ -564,7 +564,7 @@ async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
                 await anyio.sleep(0.001)
             assert not sub.done and not woken
             if ended_by != "the GPU":
-                get_runtime().dispatcher.finish(sub)
+                ensure_runtime().completer.finish(sub)
         while other.is_alive():
             await anyio.sleep(0.001)
     assert sorted(woken) == ["first", "other loop", "second"]
@@ -576,14 +576,14 @@ async def test_a_task_does_not_park_on_a_run_finished_as_it_parks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The run may finish between an await's last look and its parking
-    (the dispatcher thread completes it meanwhile): the await then goes on
+    (the completer thread completes it meanwhile): the await then goes on
     at once; it must not park, since nobody would wake it."""
     loop = current_loop()
     sub = Run(0)  # never submitted: finished by hand, as the task parks
     real_park = type(loop).park
 
     def finishing_park(self: Any) -> Any:
-        get_runtime().dispatcher.finish(sub)
+        ensure_runtime().completer.finish(sub)
         return real_park(self)
 
     monkeypatch.setattr(type(loop), "park", finishing_park)
@@ -641,14 +641,14 @@ async def test_a_poller_runs_once_a_turn_while_it_asks_to() -> None:
 def test_a_run_submitted_on_a_destroyed_stream_is_refused_not_left_pending() -> None:
     # no mark will ever come on a destroyed stream: a run left pending there
     # would keep what it holds, and gpuflow busy, for ever
-    rt = get_runtime()
+    rt = ensure_runtime()
     raw = rt.backend.create_stream(0)
     rt.backend.destroy_stream(raw)
-    before = rt.dispatcher.pending
+    before = rt.completer.pending
     sub = Run(0)
     with pytest.raises(gf.UsageError, match="destroyed"):
-        rt.dispatcher.submit(raw, sub)
-    assert rt.dispatcher.pending == before and sub.lane is None
+        rt.completer.submit(raw, sub)
+    assert rt.completer.pending == before and sub.lane is None
     gf.testing.assert_quiescent(timeout=1.0)
 
 

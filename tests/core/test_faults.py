@@ -150,11 +150,11 @@ async def test_a_fault_on_another_librarys_stream_fails_a_wait_stream_on_it() ->
     from gpuflow._core import (
         _stream_protocols,  # a stream of the backend's that no gpuflow stream is
     )
-    from gpuflow._core._runtime import get_runtime
+    from gpuflow._core._runtime import ensure_runtime
 
     be = gf.lowlevel.current_backend_object()
     handle = be.stream_handle(be.create_stream(0))
-    theirs = _stream_protocols.foreign_stream(get_runtime(), handle, 0)
+    theirs = _stream_protocols.foreign_stream(ensure_runtime(), handle, 0)
     x = await gf.zeros(16, F32)
     with resetting(0), anyio.fail_after(2):
         fault = fault_op()

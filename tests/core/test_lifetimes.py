@@ -34,7 +34,7 @@ import pytest
 from helpers import kernels as K
 
 import gpuflow as gf
-from gpuflow._core._runtime import get_runtime
+from gpuflow._core._runtime import ensure_runtime
 
 F32 = np.float32
 N = 256
@@ -115,7 +115,7 @@ class Probe(gf.DeviceOperation[None]):
         ctx.keep(obj)
         self.stream = ctx.stream
         self.kept = weakref.ref(obj)
-        # called on whichever thread releases it (the dispatcher's, usually)
+        # called on whichever thread releases it (the completer's, usually)
         weakref.finalize(obj, lambda: self.released.append(time.monotonic()))
 
     @property
@@ -412,11 +412,11 @@ def test_an_array_dropped_inside_the_backends_lock_is_freed_afterwards() -> None
     buffer: Any = x.allocation.buffer
     holder = [x]
     del x
-    _drop_holding(get_runtime().backend.cond, holder)  # type: ignore[attr-defined]
+    _drop_holding(ensure_runtime().backend.cond, holder)  # type: ignore[attr-defined]
     _eventually(lambda: buffer.freed, "the dropped array's memory is freed")
 
 
-def test_an_import_and_a_stream_dropped_inside_the_dispatchers_lock_go_afterwards() -> None:
+def test_an_import_and_a_stream_dropped_inside_the_completers_lock_go_afterwards() -> None:
     a = gf.arange(N, dtype=F32).sync()
     producer = _Producer(a)
     released = weakref.ref(producer)
@@ -426,7 +426,7 @@ def test_an_import_and_a_stream_dropped_inside_the_dispatchers_lock_go_afterward
     gf.to_host(b).sync_on(s)
     holder: list[Any] = [b, s, producer]
     del b, s, producer
-    _drop_holding(get_runtime().dispatcher._lock, holder)
+    _drop_holding(ensure_runtime().completer._lock, holder)
     _eventually(lambda: released() is None, "the import's owner is released")
 
 

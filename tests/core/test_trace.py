@@ -104,7 +104,7 @@ def broken(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
 
 
 async def quiet() -> None:
-    """Until every run handed to the dispatcher has finished."""
+    """Until every run handed to the completer has finished."""
     with anyio.fail_after(5):
         while testing.pending_runs():
             await anyio.sleep(0.005)

@@ -312,10 +312,10 @@ def test_one_foreign_stream_is_one_stream_until_its_device_is_reset() -> None:
     """Another library's stream, named again, is the same gpuflow stream (its
     hazards are one stream's), and a new one once its device was reset."""
     from gpuflow._core import _stream_protocols  # the resolution itself
-    from gpuflow._core._runtime import get_runtime
+    from gpuflow._core._runtime import ensure_runtime
 
     fake = FakeLib()
-    rt = get_runtime()
+    rt = ensure_runtime()
     handle = fake.own  # (a handle of the backend's, no gpuflow stream)
     first, own = _stream_protocols.stream_for(rt, handle, 0)
     assert not own
@@ -393,9 +393,9 @@ def test_a_dropped_stream_of_gpuflow_is_no_longer_known_by_its_handle() -> None:
     wait_stream of one joins hazard tracking); a dropped one is forgotten,
     and what is kept of streams made and dropped stays bounded."""
     from gpuflow._core import _stream_protocols
-    from gpuflow._core._runtime import get_runtime
+    from gpuflow._core._runtime import ensure_runtime
 
-    rt = get_runtime()
+    rt = ensure_runtime()
     s = gf.new_stream()
     h = handle(s)
     assert _stream_protocols.own_stream(rt, h) is s

@@ -369,7 +369,7 @@ async def test_kernels_of_one_module_on_two_devices() -> None:
 def test_dropping_a_module_while_a_kernel_runs_stalls_no_collection() -> None:
     """Unloading a CUDA module waits until the device is idle, so gpuflow never
     unloads one from a finalizer: a garbage collection (in an event loop, in
-    the dispatcher) must not wait for the GPU work in flight."""
+    the completer) must not wait for the GPU work in flight."""
     import gc
     import time
     import uuid

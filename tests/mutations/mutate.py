@@ -89,9 +89,9 @@ MUTATIONS = [
         '        try:\n'
         '            stream.synchronize()\n'
         '        finally:\n'
-        '            dispatcher.finish(run)\n',
+        '            completer.finish(run)\n',
         '    except BaseException:\n'
-        '        dispatcher.finish(run)\n',
+        '        completer.finish(run)\n',
         ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
@@ -190,15 +190,15 @@ MUTATIONS = [
         '_core/_completion.py',
         '                while runs and runs[0].number <= reached:\n',
         '                while runs:\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B2",
-        'the dispatcher thread never completes what a loop that stopped left behind',
+        'the completer thread never completes what a loop that stopped left behind',
         '_core/_completion.py',
         '            return reached if now - lane.reached_at >= WATCHDOG_S else None\n',
         '            return None\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B3",
@@ -207,7 +207,7 @@ MUTATIONS = [
         '            for fd in fired:\n'
         '                os.close(fd)  # (also leaves the epoll set)\n',
         '            pass\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B4",
@@ -215,7 +215,8 @@ MUTATIONS = [
         '_backends/_sim/_marks.py',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "word")\n',
         '        reader: Callable[[], int] = functools.partial(getattr, stream, "issued")\n',
-        ('tests/core/test_completion.py', 'tests/core/test_lifetimes.py',
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',
+         'tests/core/test_lifetimes.py',
          'tests/core/test_hazards.py'),
     ),
     Mutation(
@@ -231,7 +232,7 @@ MUTATIONS = [
         '            if now < busy.deadline:\n'
         '                self.polling = False\n'
         '                return False\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B6",
@@ -240,7 +241,7 @@ MUTATIONS = [
         '            self.polling = False\n'
         '            self.arm()\n',
         '            self.polling = False\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "C1",
@@ -266,7 +267,7 @@ MUTATIONS = [
         "C7",
         "a communicator is never handed to the watchdog (nobody asks it for its errors)",
         '_comm/_comm.py',
-        '        self._rt.dispatcher.watch_communicator(self)\n',
+        '        self._rt.completer.watch_communicator(self)\n',
         '        pass\n',
         ('tests/comm/test_comm.py',),
     ),
@@ -332,7 +333,7 @@ MUTATIONS = [
         '            wait_for_uses(alloc, consumer)\n',
         '        else:\n'
         '            pass\n',
-        ('tests/interop/test_interop_arrays.py',),
+        ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
     Mutation(
         "I2",
@@ -340,7 +341,7 @@ MUTATIONS = [
         "_memory/_export.py",
         "            alloc.before_write(consumer)\n",
         "            pass\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I3",
@@ -348,7 +349,7 @@ MUTATIONS = [
         "_memory/_export.py",
         "    alloc.after_foreign(key, event)\n",
         "    pass\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I4",
@@ -356,9 +357,9 @@ MUTATIONS = [
         '_interop/_libraries.py',
         '        release = Run(stream.device)\n'
         '        release.hold((owner,))\n'
-        '        rt.dispatcher.submit(stream.raw, release, polled=False)  # (no task awaits it)\n',
+        '        rt.completer.submit(stream.raw, release, polled=False)  # (no task awaits it)\n',
         '        pass\n',
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I5",
@@ -370,7 +371,7 @@ MUTATIONS = [
         "        pass\n"
         "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
         "shape, dtype)\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I6",
@@ -382,7 +383,7 @@ MUTATIONS = [
         "        if False:\n"
         "            ctx.wait_for(s)\n"
         "        elif False:\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I7",
@@ -393,7 +394,7 @@ MUTATIONS = [
         "                    if cm is not None:\n"
         "                        on_stream.enter_context(cm)\n",
         "                pass\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I8",
@@ -402,7 +403,7 @@ MUTATIONS = [
         "            for a in arrays:  # the code may write any array it gets\n"
         "                a.allocation.before_write(stream, ctx.run)\n",
         "            pass\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I9",
@@ -410,7 +411,7 @@ MUTATIONS = [
         "_memory/_export.py",
         "        alloc.before_write(alloc.writer)\n",
         "        pass\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I10",
@@ -420,7 +421,7 @@ MUTATIONS = [
         '                    be.wait_event(stream.raw, ev)\n'
         '                order_after(be, stream, self.writer, self.wrote)\n',
         '                order_after(be, stream, self.writer, self.wrote)\n',
-        ('tests/interop/test_interop_arrays.py',),
+        ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
     Mutation(
         "I11",
@@ -430,7 +431,7 @@ MUTATIONS = [
         '            backend.wait_event(stream.raw, ev)\n'
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
         '        order_after(backend, stream, uses.writer, uses.wrote)\n',
-        ('tests/interop/test_interop_arrays.py',),
+        ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
     Mutation(
         "I12",
@@ -438,7 +439,7 @@ MUTATIONS = [
         "_interop/_libraries.py",
         "            stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]\n",
         "            pass\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I13",
@@ -446,7 +447,7 @@ MUTATIONS = [
         "_memory/_dlpack.py",
         "    t.device = DLDevice(KDL_CUDA, device)\n",
         "    t.device = DLDevice(KDL_CUDA, 0)\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
     Mutation(
         "I14",
@@ -454,7 +455,7 @@ MUTATIONS = [
         "_interop/_libraries.py",
         "(rt.backend, buffer, s, owner, t.readonly)",
         "(rt.backend, buffer, s, owner, False)",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
 
     Mutation(
@@ -463,7 +464,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '            if first != lane.issued or lane.unmarked or not self._pipe(lane, first):\n',
         '            if not self._pipe(lane, first):\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B8",
@@ -489,7 +490,7 @@ MUTATIONS = [
         '_interop/_libraries.py',
         '        if stream.runtime.is_interop(stream):\n',
         '        if False:\n',
-        ('tests/interop/test_interop_arrays.py',),
+        ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
     Mutation(
         "I16",
@@ -547,7 +548,7 @@ MUTATIONS = [
         '_core/_run.py',
         '    alone = not loop.awaiting  # (the one place that decides: a lone await)\n',
         '    alone = True\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B11",
@@ -555,7 +556,7 @@ MUTATIONS = [
         '_core/_completion.py',
         '        if ran_other or self.ran_other:\n',
         '        if False:\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B28",
@@ -564,23 +565,23 @@ MUTATIONS = [
         '_core/_completion.py',
         '        ran_other = gap > BUSY_TURN_S and not _turns_slowed()\n',
         '        ran_other = gap > BUSY_TURN_S\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B14",
-        "the dispatcher thread takes the runs of a busy loop that still reads their words",
+        "the completer thread takes the runs of a busy loop that still reads their words",
         '_core/_completion.py',
         '        return max(self.deadline, now + LOOP_STALL_S)\n',
         '        return self.deadline\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B15",
-        "a loop going to sleep keeps its streams' runs from the dispatcher thread a while longer",
+        "a loop going to sleep keeps its streams' runs from the completer thread a while longer",
         '_core/_completion.py',
         '            lane.polled_until = 0.0  # (no more reads: the thread may take its runs)\n',
         '            pass\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B12",
@@ -588,7 +589,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
         '        if loop.awaiting > 1 or d.others_polled(loop):\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B13",
@@ -596,7 +597,7 @@ MUTATIONS = [
         '_core/_run.py',
         '        if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):\n',
         '        if now >= busy.deadline:\n',
-        ('tests/core/test_completion.py',),
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
     Mutation(
         "B16",
@@ -630,21 +631,21 @@ MUTATIONS = [
         '                number = self.issued + 1  # covered by the next mark\n',
         '                number = self.issued\n',
         ('tests/core/test_completion_lifetimes.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
-         'dispatcher_thread',),
+         'completer_thread',),
     ),
     Mutation(
         "B20",
-        "the dispatcher thread never enqueues the marks that runs whose mark failed owe",
+        "the completer thread never enqueues the marks that runs whose mark failed owe",
         '_core/_completion.py',
         '        owed = [x for x in active if x.unmarked and self._mine(x, now) '
         'is not None]\n',
         '        owed: list[_Lane] = []\n',
         ('tests/core/test_completion_lifetimes.py::test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_'
-         'dispatcher_thread',),
+         'completer_thread',),
     ),
     Mutation(
         "B26",
-        "the dispatcher thread decides from one read of a word and completes from another",
+        "the completer thread decides from one read of a word and completes from another",
         '_core/_completion.py',
         '                return reached  # (an earlier run of the lane may be reached)\n',
         '                return lane.read()\n',
@@ -833,13 +834,13 @@ MUTATIONS = [
     ),
     Mutation(
         "D1",
-        "the dispatcher thread, woken from its sleep by new work, keeps its old idle grace",
+        "the completer thread, woken from its sleep by new work, keeps its old idle grace",
         '_core/_completion.py',
         '                    idle_since = None\n'
         '                active = list(self._active)\n',
         '                    pass\n'
         '                active = list(self._active)\n',
-        ('tests/core/test_completion.py::test_awaits_of_short_runs_do_not_wake_the_dispatcher_thread_each',),
+        ('tests/core/test_completion.py::test_awaits_of_short_runs_do_not_wake_the_completer_thread_each',),
     ),
     Mutation(
         "C5",
@@ -936,8 +937,8 @@ MUTATIONS = [
         "E4",
         "a run no task awaits takes a mark the loops read (a word written between kernels)",
         '_core/_run.py',
-        'rt.dispatcher.submit(stream.raw, run, polled=False)',
-        'rt.dispatcher.submit(stream.raw, run)',
+        'rt.completer.submit(stream.raw, run, polled=False)',
+        'rt.completer.submit(stream.raw, run)',
         ('tests/core/test_completion_lifetimes.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
     ),
     Mutation(
@@ -1154,12 +1155,12 @@ MUTATIONS = [
     ),
     Mutation(
         "R3",
-        "the common await's straight line is taken by an operation that waits for another "
-        "library's stream alone",
+        "the common await's straight line is taken by a collective (not ordinary: it "
+        "asks for its rank's previous stream first)",
         "_core/_run.py",
         "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
-        ("tests/interop/test_interop_arrays.py",),
+        ("tests/comm/test_comm.py",),
     ),
     Mutation(
         "R4",
@@ -1167,7 +1168,8 @@ MUTATIONS = [
         "_core/_completion.py",
         "                while runs and runs[0].number <= reached:\n",
         "                while runs:\n",
-        ("tests/core/test_lifetimes.py", "tests/core/test_hazards.py"),
+        ("tests/core/test_completion.py::test_a_run_queued_behind_another_on_its_stream_"
+         "completes_at_its_own_mark", "tests/core/test_lifetimes.py", "tests/core/test_hazards.py"),
     ),
     Mutation(
         "R5",

@@ -213,6 +213,18 @@ def test_every_planted_bug_of_the_mutation_check_still_finds_its_code() -> None:
     found = {m.name: (src / m.path).read_text().count(m.old) for m in mutations.MUTATIONS}
     assert len(found) > 60 and len(found) == len(mutations.MUTATIONS)  # (names are unique)
     assert {name: n for name, n in found.items() if n != 1} == {}
+    # and the tests each runs are there: a path that moved would make pytest
+    # fail to collect, which the script counts as the mutation caught
+    root = Path(__file__).parents[2]
+    missing = []
+    for m in mutations.MUTATIONS:
+        for test in m.tests:
+            path, _, name = test.partition("::")
+            if not (root / path).is_file():
+                missing.append(f"{m.name}: {path}")
+            elif name and f"def {name}(" not in (root / path).read_text():
+                missing.append(f"{m.name}: {test}")
+    assert missing == []
 
 
 def test_import_gpuflow_runs_each_module_once_top_to_bottom() -> None:

@@ -21,7 +21,7 @@ become a hang of the program:
 * leaving the communicator's scope with an error or a cancellation while
   collectives are pending aborts it too; leaving it normally waits for them,
   and a cancellation of that wait aborts;
-* the dispatcher's watchdog asks NCCL for the communicator's asynchronous
+* the completer's watchdog asks NCCL for the communicator's asynchronous
   error (a peer that left, a network failure) every tick while collectives
   are pending, and aborts it when there is one: every pending await fails
   with that error, whichever task awaits it;
@@ -66,7 +66,7 @@ from .._core import (
     current_device,
     current_loop,
     ended_by,
-    get_runtime,
+    ensure_runtime,
     hazard_lock,
     init_device_contexts,
     order_after,
@@ -103,7 +103,7 @@ def new_unique_id() -> bytes:
     It belongs to the current backend: a ``sim`` id names a meeting place on
     this host, a ``cuda`` id is NCCL's ``ncclUniqueId``.
     """
-    return get_runtime().backend.comm_unique_id()
+    return ensure_runtime().backend.comm_unique_id()
 
 
 def bootstrap_mpi(comm: Any = None, *, root: int = 0) -> RankInfo:
@@ -217,7 +217,7 @@ def spawn_ranks(
         raise UsageError(f"spawn_ranks() needs a positive int of ranks, not {nranks!r}")
     if not callable(fn):
         raise UsageTypeError(f"spawn_ranks() expected a callable, got {type(fn).__name__}")
-    rt = get_runtime()
+    rt = ensure_runtime()
     uid = rt.backend.comm_unique_id()
     mp = multiprocessing.get_context("spawn")
     procs = []
@@ -287,7 +287,7 @@ def open_communicator(
     are pending aborts it instead (its collectives' kernels return): nothing
     is left waiting for a peer, and nothing the GPU uses is freed early.
     """
-    rt = get_runtime()
+    rt = ensure_runtime()
     if isinstance(devices, RankInfo):
         info = devices
         for name, v in (("rank", info.rank), ("nranks", info.nranks)):
@@ -389,7 +389,7 @@ class Communicator:
             abandoned=self._destroy,
         )
         # from now on the watchdog asks it for errors at each tick it is busy
-        self._rt.dispatcher.watch_communicator(self)
+        self._rt.completer.watch_communicator(self)
         return self
 
     async def __aexit__(
@@ -442,7 +442,7 @@ class Communicator:
         for raw in raws:
             self._rt.backend.comm_abort(raw)
 
-    # -- for the bridge: Run.comms and the dispatcher's watchdog ------------------
+    # -- for the bridge: Run.comms and the completer's watchdog ------------------
     @property
     def busy(self) -> bool:
         """Collectives of it are in flight (the watchdog asks while they are)."""
@@ -453,7 +453,7 @@ class Communicator:
         return self._error
 
     def poll(self) -> None:
-        """Ask the backend for an asynchronous error; abort on one.  Dispatcher thread."""
+        """Ask the backend for an asynchronous error; abort on one.  Completer thread."""
         for raw in list(self._raw or ()):
             err = self._rt.backend.comm_async_error(raw)
             if err is not None:

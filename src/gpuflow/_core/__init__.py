@@ -5,7 +5,7 @@ Everything an ``await op`` touches lives here, at the bottom of the package
 :class:`DeviceOperation` and its combinators, a run's life from its start to
 its completion (``_run``), the process-wide runtime and its stream pools,
 the scheduling policies, the completion side (each stream's lane of marks,
-one poller per event loop, the dispatcher thread), the event-loop adapters,
+one poller per event loop, the completer thread), the event-loop adapters,
 the hazard records that order work on one buffer across streams, captures,
 and the hooks the layers above reach in through (the trace, the
 cancellation points' watcher, the count of unusual things switched on).
@@ -58,7 +58,7 @@ from ._runtime import current_device_var as current_device_var
 from ._runtime import current_runtime as current_runtime
 from ._runtime import device_count as device_count
 from ._runtime import device_count_option as device_count_option
-from ._runtime import get_runtime as get_runtime
+from ._runtime import ensure_runtime as ensure_runtime
 from ._runtime import init_device_contexts as init_device_contexts
 from ._runtime import memory_stats as memory_stats
 from ._runtime import new_stream as new_stream
@@ -110,7 +110,7 @@ __all__ = [
     "ended_by",
     "enter_scope",
     "finalize_later",
-    "get_runtime",
+    "ensure_runtime",
     "hazard_lock",
     "init_device_contexts",
     "interrupted",

@@ -28,7 +28,7 @@ from ._execution import ExecutionContext
 from ._hazards import Allocation, capture_log, hazard_lock
 from ._pending import is_pending
 from ._run import Run
-from ._runtime import Runtime, current_device, get_runtime, new_stream
+from ._runtime import Runtime, current_device, ensure_runtime, new_stream
 from ._stream import Stream
 from ._unusual import UNUSUAL
 
@@ -71,7 +71,7 @@ class Recording(Generic[T]):
 
 def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]:
     """Capture ``op`` (see :meth:`DeviceOperation.capture`)."""
-    rt = get_runtime()
+    rt = ensure_runtime()
     device = current_device() if stream is None else stream.device
     rt.check_fault(device)
     if capture_log.get() is not None:
@@ -86,7 +86,7 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     log: dict[int, tuple[Allocation, bool]] = {}
     lane = cap_stream.lane
     if lane is not None and lane.unmarked:  # (a mark cannot be enqueued while it captures)
-        lane.dispatcher.mark_owed(lane)
+        lane.completer.mark_owed(lane)
     token = capture_log.set(log)
     UNUSUAL.begin()  # (runs take the long path, which refuses them in a capture)
     be.begin_capture(cap_stream.raw)

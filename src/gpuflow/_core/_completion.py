@@ -15,7 +15,7 @@ no driver call, no thread, no host function on the way.
   use).  A mark that could not be enqueued is owed: the stream's next mark
   covers the run, and whoever first needs it enqueues it (an await of
   the run, a hazard of another stream, ``Stream.synchronize``, a capture,
-  a stream being destroyed, or the dispatcher thread at its tick).
+  a stream being destroyed, or the completer thread at its tick).
 
 * **Poll while busy.**  While a loop has runs pending, its poller reads the
   words of the streams those runs are on once per loop turn, and completes
@@ -31,10 +31,10 @@ no driver call, no thread, no host function on the way.
   that is libc's ``close``, no GIL), in an epoll set the loop watches; its
   selector returns and the poller runs again.  A host function enqueued
   now would run after everything already queued behind that run, so where
-  the run is not the last on its stream the dispatcher thread watches the
+  the run is not the last on its stream the completer thread watches the
   word instead, every :data:`FAST_WATCH_S`, and posts to the loop.  An
   idle loop burns no CPU.
-* **The dispatcher thread** reads every word with runs pending at each tick
+* **The completer thread** reads every word with runs pending at each tick
   (:data:`WATCHDOG_S` while anything is pending): it completes the runs no
   loop awaits (``enqueue_on``, releases) and those of loops that stopped or
   ended, posting their wake-ups (``call_soon_threadsafe`` /
@@ -69,7 +69,7 @@ from ._handoff import Handoff, Ticket
 from ._loops import Loop, Posts, post
 from ._statistics import CompletionStatistics
 
-#: How often the dispatcher thread reads the words and watches for faults
+#: How often the completer thread reads the words and watches for faults
 #: while anything is pending.
 WATCHDOG_S = 0.02
 #: How often it reads the words of runs a loop left to it (runs that have
@@ -88,7 +88,7 @@ INLINE_SPIN_S = 20e-6
 #: (:func:`_turns_slowed`): every turn is long there, other work or none.
 BUSY_TURN_S = 100e-6
 #: A loop that reads a stream's word at every turn keeps the stream's runs
-#: from the dispatcher thread until this long after its last turn, even past
+#: from the completer thread until this long after its last turn, even past
 #: its budget's deadline: a busy loop's turns are long, and the runs it would
 #: see done at its next turn would otherwise reach its tasks as posts from
 #: the thread (a wake-up of the loop each).  A loop that stopped turning has
@@ -98,7 +98,7 @@ LOOP_STALL_S = WATCHDOG_S
 #: does not pay a wake-up of the thread per run.
 _IDLE_GRACE_S = 1.0
 #: Pipes in flight at most (each holds two file descriptors until the GPU
-#: closes one): past it, a loop's wake-ups come from the dispatcher thread,
+#: closes one): past it, a loop's wake-ups come from the completer thread,
 #: so a program never runs out of file descriptors because of gpuflow.
 MAX_FD_SIGNALS = 256
 _EPOLL = getattr(select, "epoll", None)  # Linux; elsewhere the thread wakes loops
@@ -144,15 +144,15 @@ class Lane:
     holds the others, in mark order.  Where ``unmarked``, a run submitted
     since the last mark owes its stream a mark (its own could not be
     enqueued): its number is ``issued + 1``, and the next mark, whoever
-    enqueues it, covers it (:meth:`Dispatcher.mark_owed`).  Mutated under
-    the dispatcher's lock; read without it for heuristics (the default
+    enqueues it, covers it (:meth:`Completer.mark_owed`).  Mutated under
+    the completer's lock; read without it for heuristics (the default
     scheduling policy).
     """
 
     __slots__ = (
         "completed",
+        "completer",
         "device",
-        "dispatcher",
         "fast_for",
         "issued",
         "mark",
@@ -169,13 +169,13 @@ class Lane:
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        completer: Completer,
         raw: Any,
         device: int,
         read: Callable[[], int],
         mark: Callable[[bool], int],
     ) -> None:
-        self.dispatcher = dispatcher
+        self.completer = completer
         self.raw = raw
         self.device = device
         #: the number the GPU wrote last into the stream's word (a read, no lock)
@@ -188,11 +188,11 @@ class Lane:
         #: when a completion of the stream was last seen (or the lane made)
         self.since = time.monotonic()
         self.wake_for = 0  # the mark a pipe's wake-up was armed for
-        self.fast_for = 0  # the mark the dispatcher thread watches for a loop
+        self.fast_for = 0  # the mark the completer thread watches for a loop
         #: a loop reads the word at every turn: the thread leaves the lane's
         #: runs to it until then (LOOP_STALL_S)
         self.polled_until = 0.0
-        #: when the dispatcher thread first saw reached a mark a loop's pipe
+        #: when the completer thread first saw reached a mark a loop's pipe
         #: will report (it leaves that to the loop for a tick)
         self.reached_at = 0.0
         self.retired = False  # its stream is being destroyed
@@ -214,7 +214,7 @@ class Lane:
         """Complete ``run`` when the work enqueued so far on the stream is
         done: mark it, right after that work, and hand it to whoever reads
         the word first.  A run no task awaits (``polled`` False) gets a
-        silent mark (:meth:`Backend.mark`): the dispatcher thread, or a
+        silent mark (:meth:`Backend.mark`): the completer thread, or a
         scope that waits for it, reads it.  A failure to mark fails the
         device where it is a device error, and is raised (the run then owes
         its mark: the next one enqueued on the stream covers it).  On a
@@ -222,7 +222,7 @@ class Lane:
         refused (raised, and not pending); so it is where ``foreign``,
         another library's stream, is not marked (nothing of the run is
         there)."""
-        d = self.dispatcher
+        d = self.completer
         error: BaseException | None = None
         with d._lock:
             try:
@@ -265,7 +265,7 @@ class _FdSignal:
     def __init__(self, fd: int, lane: Lane) -> None:
         self.fd = fd  # the read end: open until the signal is handled
         self.lane = lane
-        self.seen = False  # the dispatcher saw it fired and unhandled once
+        self.seen = False  # the completer saw it fired and unhandled once
 
 
 def _turns_slowed() -> bool:
@@ -308,7 +308,7 @@ class BusyPoll:
         self.deadline = now + budget
 
     def held_until(self, now: float) -> float:
-        """Until when the dispatcher thread leaves the polled streams' runs
+        """Until when the completer thread leaves the polled streams' runs
         to the loop, as of a turn at ``now`` (a lane's ``polled_until``)."""
         return max(self.deadline, now + LOOP_STALL_S)
 
@@ -328,11 +328,11 @@ class Poller:
     flight).  Used in the loop's thread only."""
 
     __slots__ = (
-        "busy", "dispatcher", "epoll", "kick", "lanes", "loop", "polling", "signals", "spares",
+        "busy", "completer", "epoll", "kick", "lanes", "loop", "polling", "signals", "spares",
     )  # fmt: skip
 
-    def __init__(self, dispatcher: Dispatcher, loop: Loop) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, completer: Completer, loop: Loop) -> None:
+        self.completer = completer
         self.loop = loop
         self.lanes: dict[Lane, None] = {}  # the streams this loop waits on (ordered)
         self.busy = BusyPoll()
@@ -374,7 +374,7 @@ class Poller:
         """Once per loop turn: complete what the words cover; whether to poll
         again next turn (else the wake-ups are armed)."""
         try:
-            d = self.dispatcher
+            d = self.completer
             now = time.monotonic()
             busy = self.busy
             busy.turn(now)
@@ -410,7 +410,7 @@ class Poller:
 
     def arm(self) -> None:
         """Going to sleep: a wake-up for the oldest pending run of each lane."""
-        d = self.dispatcher
+        d = self.completer
         for lane in self.lanes:
             lane.polled_until = 0.0  # (no more reads: the thread may take its runs)
             runs = lane.runs
@@ -432,7 +432,7 @@ class Poller:
         descriptors, a loop that cannot watch one, a stream being captured)."""
         if self.epoll is None:
             return False
-        d = self.dispatcher
+        d = self.completer
         pipe = self.spares.pop() if self.spares else self._new_pipe()
         if pipe is None:
             return False
@@ -465,7 +465,7 @@ class Poller:
         return False
 
     def _new_pipe(self) -> tuple[int, int] | None:
-        if self.dispatcher._fd_signals >= MAX_FD_SIGNALS:
+        if self.completer._fd_signals >= MAX_FD_SIGNALS:
             return None
         try:
             r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -481,7 +481,7 @@ class Poller:
                 events = self.epoll.poll(0)
             except (OSError, ValueError):  # closed after its loop ended
                 return
-            d = self.dispatcher
+            d = self.completer
             fired: list[int] = []
             with d._lock:
                 for fd, _ in events:
@@ -496,7 +496,7 @@ class Poller:
             warnings.warn(f"gpuflow: completing runs in the loop failed: {exc!r}", stacklevel=1)
 
 
-class Dispatcher:
+class Completer:
     """Turns reached marks into completed runs (module docstring)."""
 
     def __init__(self, backend: Backend, busy_poll_s: float) -> None:
@@ -560,7 +560,7 @@ class Dispatcher:
         """Enqueue the mark ``lane``'s latest runs owe (nothing where none
         does); whether one was enqueued.  Any thread.  Never raises: a
         device error fails the device's runs; any other failure is warned
-        about, and the mark stays owed (the dispatcher thread tries again at
+        about, and the mark stays owed (the completer thread tries again at
         its next tick)."""
         error: Exception | None = None
         with self._lock:
@@ -586,9 +586,9 @@ class Dispatcher:
     def others_polled(self, loop: Loop) -> bool:
         """Other runs of ``loop`` are pending: its poller reads them all, once a turn."""
         poller = loop.poller
-        return poller is not None and poller.dispatcher is self and bool(poller.lanes)
+        return poller is not None and poller.completer is self and bool(poller.lanes)
 
-    def watch(self, loop: Loop, lane: Lane, budget: float | None = None) -> None:
+    def poll_on(self, loop: Loop, lane: Lane, budget: float | None = None) -> None:
         """A task of ``loop`` (running this) waits for a run of ``lane``;
         the loop polls for it for ``budget`` more (the busy-poll budget
         when None)."""
@@ -597,7 +597,7 @@ class Dispatcher:
             poller is not None
             and poller.polling
             and lane in poller.lanes
-            and poller.dispatcher is self
+            and poller.completer is self
         ):
             # (read at every turn already: the poll goes on for the budget
             # past its last turn, which is as good as now and costs no clock)
@@ -606,7 +606,7 @@ class Dispatcher:
             if limit > busy.deadline:
                 busy.deadline = limit
             return
-        if poller is None or poller.dispatcher is not self:
+        if poller is None or poller.completer is not self:
             poller = loop.poller = Poller(self, loop)
             with self._lock:
                 self._pollers[loop.target] = poller
@@ -627,7 +627,7 @@ class Dispatcher:
             self._cv.notify()
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._run, name="gpuflow-dispatcher", daemon=True
+                target=self._run, name="gpuflow-completer", daemon=True
             )
             self._thread.start()
 
@@ -805,7 +805,7 @@ class Dispatcher:
             return not thread.is_alive()
         return not self._pending
 
-    # -- the dispatcher thread ----------------------------------------------------
+    # -- the completer thread ----------------------------------------------------
     def _run(self) -> None:
         last_check = time.monotonic()
         idle_since: float | None = None
@@ -835,14 +835,14 @@ class Dispatcher:
             try:
                 marked, last_check = self._tick(active, last_check)
             except BaseException as exc:  # pragma: no cover - never kills the thread
-                warnings.warn(f"gpuflow: the dispatcher thread failed: {exc!r}", stacklevel=1)
+                warnings.warn(f"gpuflow: the completer thread failed: {exc!r}", stacklevel=1)
                 time.sleep(WATCHDOG_S)
             # (the thread may sleep long now: it must not hold what it saw,
             # such as a retired stream's lane or a finished run, meanwhile)
             del active
 
     def _tick(self, active: list[Lane], last_check: float) -> tuple[bool, float]:
-        """One tick of the dispatcher thread over the lanes with runs
+        """One tick of the completer thread over the lanes with runs
         pending; whether it enqueued marks that runs owed, and when the
         watchdog's checks last ran."""
         now = time.monotonic()
@@ -870,7 +870,7 @@ class Dispatcher:
 
     @staticmethod
     def _mine(lane: Lane, now: float) -> int | None:
-        """How far the dispatcher thread completes ``lane``'s runs now (the
+        """How far the completer thread completes ``lane``'s runs now (the
         mark its word was read to have reached), or None: not while a loop
         polls it every turn, nor, for a tick, those a loop's pipe will wake
         it for (a loop that stopped gets them later).  One read decides and
@@ -896,7 +896,7 @@ class Dispatcher:
         for comm in comms:
             try:
                 comm.poll()
-            except Exception as exc:  # never kills the dispatcher
+            except Exception as exc:  # never kills the completer
                 warnings.warn(f"gpuflow: watching {comm!r} failed: {exc!r}", stacklevel=1)
 
     def _watch(self, lanes: list[Lane]) -> None:

@@ -2,7 +2,7 @@
 
 A finalizer (``__del__``, :func:`weakref.finalize`) runs wherever the last
 reference goes or the garbage collector happens to run: on any thread, also
-one that is inside a lock of gpuflow's, its backend's or the dispatcher's,
+one that is inside a lock of gpuflow's, its backend's or the completer's,
 in the middle of changing what that lock guards.  The work of gpuflow's
 finalizers (freeing memory in stream order, releasing another library's
 memory after gpuflow's uses, retiring a dropped stream) takes those locks:

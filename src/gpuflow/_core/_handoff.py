@@ -3,7 +3,7 @@
 A stream lease waits for a pool stream another scope gives back; an await
 whose device has every stream busy waits for one to go idle.  Both wait in
 the order they came, across loops and threads: the one that hands out (a
-scope leaving in another task, the dispatcher thread seeing a stream idle)
+scope leaving in another task, the completer thread seeing a stream idle)
 takes the first waiter under its own lock and wakes it with a post, which
 never blocks and is dropped where the waiter's loop has finished.
 """

@@ -13,7 +13,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from .._errors import UsageError
-from ._runtime import CURRENT, MAX_POOL_STREAMS, get_runtime, new_stream
+from ._runtime import CURRENT, MAX_POOL_STREAMS, ensure_runtime, new_stream
 from ._stream import Stream
 
 
@@ -113,7 +113,7 @@ class StreamPoolLeastLoaded:
         is looked at first, where it is one of the device's streams
         (gpuflow's runs of a collective pass their rank's previous
         stream)."""
-        rt = CURRENT.runtime or get_runtime()
+        rt = CURRENT.runtime or ensure_runtime()
         try:
             streams = rt.device_streams[device]
         except KeyError:
@@ -146,7 +146,7 @@ class StreamPoolLeastLoaded:
         run that cannot wait)."""
         s = self.idle_stream(device, prefer)
         if s is None:
-            s = least_loaded(get_runtime().streams(device), time.monotonic() - self._stall)
+            s = least_loaded(ensure_runtime().streams(device), time.monotonic() - self._stall)
         return s
 
     def __repr__(self) -> str:
@@ -172,7 +172,7 @@ class StreamPoolRoundRobin:
         self._counter = itertools.count()
 
     def next_stream(self, device: int) -> Stream:
-        pool = get_runtime().pool(device)
+        pool = ensure_runtime().pool(device)
         return pool[next(self._counter) % len(pool)]
 
     def __repr__(self) -> str:

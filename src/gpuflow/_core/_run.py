@@ -15,7 +15,7 @@ Every way of running an operation (``await op``, ``op.run(policy)``,
    word when it gets there;
 4. **wait**: a blocking run synchronizes the stream; an await alone in its
    loop reads the word itself, else parks, and its loop's poller (or the
-   dispatcher thread, or the GPU's wake-up of a sleeping loop) sees the
+   completer thread, or the GPU's wake-up of a sleeping loop) sees the
    mark reached;
 5. **complete**: whoever sees the mark reached (or the device fault)
    finishes the run (:meth:`Run.finish`): it releases what the run kept,
@@ -51,7 +51,7 @@ from ._hazards import capture_log, refuse_in_capture
 from ._loops import Loop, Posts, current_loop, refuse_blocking
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, SchedulingPolicy, StreamPoolLeastLoaded
-from ._runtime import CURRENT, Runtime, current_device, current_device_var, get_runtime
+from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._stream import Stream
 from ._unusual import UNUSUAL
 
@@ -140,7 +140,7 @@ class Run:
         if lane.raw is on:
             if lane.read() < self.number:
                 if lane.unmarked and self.number > lane.issued:
-                    lane.dispatcher.mark_owed(lane)  # (else nothing may write it soon)
+                    lane.completer.mark_owed(lane)  # (else nothing may write it soon)
                 backend.wait_mark(stream, on, self.number)
             return True
         arms = self.arms
@@ -153,7 +153,7 @@ class Run:
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
         """Call ``fn(error)`` once, on the thread that sees the work done (the
-        awaiting loop's, or the dispatcher's; at once, here, if it already
+        awaiting loop's, or the completer's; at once, here, if it already
         is).  Safe from any thread, also while the work completes.  ``fn``
         must not block or raise."""
         with _callbacks_lock:
@@ -201,7 +201,7 @@ class Run:
             for fn in callbacks:
                 try:
                     fn(error)
-                except BaseException as exc:  # never into the dispatcher thread
+                except BaseException as exc:  # never into the completer thread
                     warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
         # (no task parks once done is set: who parked is fixed now)
         park = self.parked
@@ -313,7 +313,7 @@ def _slept(loop: Loop, since: float) -> bool:
     return slept
 
 
-def _spin(run: Run, loop: Loop, lane: Lane) -> bool:
+def _pending_after_spin(run: Run, loop: Loop, lane: Lane) -> bool:
     """A lone await: read the word for up to :data:`INLINE_SPIN_S` (within
     the busy-poll budget), and complete the run here if it is reached.
     Whether to go on reading the word at the loop's turns: the await is
@@ -324,7 +324,7 @@ def _spin(run: Run, loop: Loop, lane: Lane) -> bool:
     their next work only after it (awaits of short kernels from many tasks
     would reach the GPU one at a time).  The caller asks that first, from
     ``loop.awaiting``."""
-    d = lane.dispatcher
+    d = lane.completer
     limit = min(INLINE_SPIN_S, d.busy_poll_s)
     if limit <= 0 or d.others_polled(loop):
         return False
@@ -354,9 +354,9 @@ def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]
     Returns when the run is done, or with the budget left (the task then
     parks, and the loop's poller polls for the rest of it: the await spins
     at most the budget in all).  Cancellation is the loop's own, at a turn;
-    the run stays pending, and the dispatcher thread takes it over
+    the run stays pending, and the completer thread takes it over
     ``LOOP_STALL_S`` after the last turn that read its word."""
-    d = lane.dispatcher
+    d = lane.completer
     clock = time.monotonic
     busy = BusyPoll()
     now = clock()
@@ -397,7 +397,7 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
             park = run.parked = loop.park()
             run.parked_loop = loop
             mark_on.submit(run)
-            mark_on.dispatcher.watch(loop, mark_on)
+            mark_on.completer.poll_on(loop, mark_on)
             loop.yielded = _PARKED
             yield from park.__await__()
         else:
@@ -416,7 +416,7 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
     budget: float | None = None  # the busy poll left to the loop's poller: all of it
     if alone and not run.done and lane is not None:
         # (before a waiter is registered: finished here, nobody is woken)
-        if _spin(run, loop, lane) and not run.done:
+        if _pending_after_spin(run, loop, lane) and not run.done:
             budget = yield from _poll_alone(run, loop, lane)
     if run.done:
         now = time.perf_counter()
@@ -451,7 +451,7 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
         yield from anyio.lowlevel.checkpoint().__await__()
         return
     if lane is not None:
-        lane.dispatcher.watch(loop, lane, budget)
+        lane.completer.poll_on(loop, lane, budget)
     loop.yielded = _PARKED
     yield from park.__await__()
 
@@ -514,7 +514,7 @@ class _Pinned:
         return self._stream
 
 
-class _Running:
+class _RunName:
     """Names a run in an error message; formatted only when one is raised."""
 
     __slots__ = ("op",)
@@ -564,7 +564,7 @@ def _choose(
         home = op.stream_home(device) if op.has_home else None
         if not can_wait:
             return policy.next_stream(device, home), policy
-        if get_runtime().dispatcher.stream_waiters(device):
+        if ensure_runtime().completer.stream_waiters(device):
             return None, policy  # (behind the awaits that came first)
         return policy.idle_stream(device, home), policy
     return _chosen(policy, device), policy
@@ -577,7 +577,7 @@ async def _idle_stream(
     stream busy, for one of its streams to go idle (cancellable: nothing is
     enqueued yet).  The first in turn looks again at least every
     ``stall_s`` seconds, whoever was to say that a stream went idle."""
-    d = get_runtime().dispatcher
+    d = ensure_runtime().completer
     home = op.stream_home(device) if op.has_home else None
     ticket = d.wait_for_stream(device)
     used = False
@@ -617,7 +617,7 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
     """The checks of a run of ``op`` on ``stream`` and the run, which the
     scopes the task runs in track from now on."""
     if capture_log.get() is not None:
-        refuse_in_capture(_Running(op))
+        refuse_in_capture(_RunName(op))
     rt = stream.runtime
     rt.check_startable(stream)
     if _finalizers.queue:  # frees of arrays dropped since the last run
@@ -656,7 +656,7 @@ def _sync(
     _rt, run, ctx = _start(op, stream, policy)
     stream = ctx.stream
     traced = _traced(op, "sync", stream, run) if _trace.active else None
-    # a blocking run is never handed to the dispatcher: count it on its
+    # a blocking run is never handed to the completer: count it on its
     # stream, so that the default policy sees that stream as busy meanwhile
     stream.begin_blocking()
     try:
@@ -667,7 +667,7 @@ def _sync(
         raise
     finally:
         stream.end_blocking()
-        stream.runtime.dispatcher.stream_freed(stream.device)
+        stream.runtime.completer.stream_freed(stream.device)
     if traced is not None:
         traced.ended(None)
     return out
@@ -680,7 +680,7 @@ def _sync_run(
     ctx: ExecutionContext,
     traced: _trace.TracedRun | None,
 ) -> Any:
-    dispatcher = stream.runtime.dispatcher
+    completer = stream.runtime.completer
     try:
         out = op.execute(ctx)
     except BaseException:
@@ -688,14 +688,14 @@ def _sync_run(
         try:
             stream.synchronize()
         finally:
-            dispatcher.finish(run)
+            completer.finish(run)
         raise
     if traced is not None:
         traced.enqueued()
     try:
         stream.synchronize()
     finally:
-        dispatcher.finish(run)
+        completer.finish(run)
     if run.error is not None:  # a communicator aborted under the run
         raise run.error
     return out if out is None else resolve(out)
@@ -711,7 +711,7 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
             traced.ended(exc)
         raise
     finally:
-        rt.dispatcher.submit(stream.raw, run, polled=False)  # (no task awaits it)
+        rt.completer.submit(stream.raw, run, polled=False)  # (no task awaits it)
     if traced is not None:
         traced.ended(None)
     if is_pending(out):
@@ -725,14 +725,14 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
 
 
 def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
-    """Hand ``run``, a run on another library's stream, to the dispatcher.
+    """Hand ``run``, a run on another library's stream, to the completer.
     Where that stream takes no mark, the run (which enqueued nothing) is
     finished with the error."""
     try:
-        rt.dispatcher.submit(stream.raw, run, True)
+        rt.completer.submit(stream.raw, run, True)
     except BaseException as exc:
         if not run.done:  # refused (a fault fails it instead)
-            rt.dispatcher.finish(run, exc)
+            rt.completer.finish(run, exc)
         raise
 
 
@@ -758,7 +758,7 @@ def await_run(
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         yield from loop.checkpoint_if_cancelled().__await__()
-    rt = CURRENT.runtime or get_runtime()
+    rt = CURRENT.runtime or ensure_runtime()
     home = op.stream_alone() if op.awaited_alone else None
     if home is not None:
         # another library's stream: nothing is enqueued but the run's mark there
@@ -772,7 +772,7 @@ def await_run(
     device = current_device_var.get()
     if device is None:
         device = rt.default_device
-    stream = None if rt.dispatcher.waiting else DEFAULT_POLICY.idle_stream(device)
+    stream = None if rt.completer.waiting else DEFAULT_POLICY.idle_stream(device)
     if stream is None or not rt.startable(stream):
         return (yield from _await_long(op, policy, loop))
     run = Run(device)
@@ -841,14 +841,14 @@ def _await_long(
             if traced is not None:
                 traced.ended(exc)
             try:
-                rt.dispatcher.submit(stream.raw, run)
+                rt.completer.submit(stream.raw, run)
             except Exception:  # the original failure is the one to report
                 pass
             raise
         del ctx  # (what the enqueue used: freed now, not when the GPU is done)
         if traced is not None:
             traced.enqueued()
-        rt.dispatcher.submit(stream.raw, run)
+        rt.completer.submit(stream.raw, run)
     try:
         if watcher is not None:
             yield from watcher(_cancel_points.IN_FLIGHT, op).__await__()

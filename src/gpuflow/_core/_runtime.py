@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from .._backends import Backend, load_backend
 from .._errors import DeviceFaultError, UsageError
-from ._completion import Dispatcher
+from ._completion import Completer
 from ._finalizers import finalize_later, run_finalized, start_reaper
 from ._hazards import MemoryLedger
 from ._stream import Stream
@@ -115,7 +115,7 @@ class Runtime:
         self._spares: dict[int, list[Any]] = {}
         #: the bytes and number of the allocations made through this runtime
         self.memory = MemoryLedger()
-        self.dispatcher = Dispatcher(backend, busy_poll_s)
+        self.completer = Completer(backend, busy_poll_s)
         for d in devices:
             self._make_pool(d)
 
@@ -148,7 +148,7 @@ class Runtime:
     def adopt(self, device: int, raw: Any) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
         s = Stream(self, device, raw, self.generation(device), self._lives[device])
-        s.lane = self.dispatcher.lane(raw, device)
+        s.lane = self.completer.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
         except Exception:  # a backend without handles: no other library can name it
@@ -170,12 +170,12 @@ class Runtime:
         with self._handles_lock:
             if len(self._foreign) >= MAX_FOREIGN_STREAMS:
                 for old in self._foreign:  # (made again on their next use)
-                    self.dispatcher.retire_stream(old)
+                    self.completer.retire_stream(old)
                 self._foreign.clear()
             s = self._foreign[raw] = Stream(
                 self, device, raw, self.generation(device), self._lives[device]
             )
-            s.lane = self.dispatcher.lane(raw, device)
+            s.lane = self.completer.lane(raw, device)
         return s
 
     def own_streams(self) -> list[Stream]:
@@ -307,7 +307,7 @@ class Runtime:
     def reset_device(self, device: int) -> None:
         self.check_device(device)
         with self._lock:
-            self.dispatcher.fail_device(
+            self.completer.fail_device(
                 device,
                 DeviceFaultError(f"device {device} was reset with work pending", device=device),
             )
@@ -321,7 +321,7 @@ class Runtime:
             self._make_pool(device)
         with self._handles_lock:  # other libraries' streams there: named anew from now
             for raw in [raw for raw, s in self._foreign.items() if s.device == device]:
-                self.dispatcher.retire_stream(raw)
+                self.completer.retire_stream(raw)
                 del self._foreign[raw]
         for s in old:
             self.backend.destroy_stream(s.raw)
@@ -331,7 +331,7 @@ class Runtime:
         its backend too unless the runtime replacing it goes on with it."""
         run_finalized()  # (frees of its arrays, in stream order, while it is live)
         self.live = False
-        self.dispatcher.close()
+        self.completer.close()
         # the streams it made go with it (work still on them completes first;
         # a stream given out by new_stream goes with its last reference)
         be = self.backend
@@ -341,7 +341,7 @@ class Runtime:
             made += [s.raw for s in self._interop.values()]
             self._spares.clear()
         for raw in made:
-            self.dispatcher.retire_stream(raw)
+            self.completer.retire_stream(raw)
             be.destroy_stream(raw)
         if backend:
             be.close()
@@ -349,7 +349,7 @@ class Runtime:
 
 class _Current:
     """The runtime in use: an attribute every run reads where it starts (no
-    call); :func:`get_runtime` makes one where there is none yet."""
+    call); :func:`ensure_runtime` makes one where there is none yet."""
 
     __slots__ = ("runtime",)
 
@@ -438,7 +438,7 @@ EXIT_QUIET_S = 0.1
 @atexit.register
 def _drain_at_exit() -> None:
     # What pending runs keep (another library's memory, whose DLPack deleter
-    # may need a live interpreter) is released by the dispatcher thread when
+    # may need a live interpreter) is released by the completer thread when
     # the GPU is done: let it finish before the interpreter goes away, rather
     # than from a daemon thread during finalization (on the H200, PyTorch's
     # deleter called then aborted the process at exit).  A wait that is not
@@ -450,22 +450,24 @@ def _drain_at_exit() -> None:
         return
     try:
         run_finalized()
-        dispatcher = rt.dispatcher
-        if dispatcher.drain(EXIT_QUIET_S):
+        completer = rt.completer
+        if completer.drain(EXIT_QUIET_S):
             return
         print(
-            f"gpuflow: waiting up to {EXIT_DRAIN_S:g} s for {dispatcher.pending} run(s) still "
+            f"gpuflow: waiting up to {EXIT_DRAIN_S:g} s for {completer.pending} run(s) still "
             "on the GPU, so that what they use is released in order; press Ctrl-C again "
             "to exit now (the driver then reclaims that memory with the process)",
             file=sys.stderr,
             flush=True,
         )
-        dispatcher.drain(EXIT_DRAIN_S)
+        completer.drain(EXIT_DRAIN_S)
     except KeyboardInterrupt:
         pass
 
 
-def get_runtime() -> Runtime:
+def ensure_runtime() -> Runtime:
+    """The runtime in use, made with :func:`init_device_contexts`'s defaults
+    at the first use (:func:`current_runtime` reads it and never makes one)."""
     rt = CURRENT.runtime
     if rt is None:
         with _runtime_lock:
@@ -485,7 +487,7 @@ def current_runtime() -> Runtime | None:
 def current_device() -> int:
     """The device that operations started from this task or thread run on."""
     d = current_device_var.get()
-    return get_runtime().default_device if d is None else d
+    return ensure_runtime().default_device if d is None else d
 
 
 def device_count_option(text: str) -> int:
@@ -503,7 +505,7 @@ def device_count_option(text: str) -> int:
 
 def device_count() -> int:
     """How many devices gpuflow runs on (those :func:`init_device_contexts` took)."""
-    return len(get_runtime().devices)
+    return len(ensure_runtime().devices)
 
 
 @contextmanager
@@ -514,7 +516,7 @@ def use_device(device: int) -> Iterator[int]:
     thread (and to tasks started from it), never to others, and is restored
     on exit however the block is left.
     """
-    get_runtime().check_device(device)
+    ensure_runtime().check_device(device)
     token = current_device_var.set(device)
     try:
         yield device
@@ -528,7 +530,7 @@ def new_stream(device: int | None = None) -> Stream:
     The stream is destroyed when the last reference to it goes; work already
     enqueued on it still completes.
     """
-    rt = get_runtime()
+    rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
     raw = rt.new_raw_stream(dev)
     s = rt.adopt(dev, raw)
@@ -543,7 +545,7 @@ def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
     an array it used retires the stream first, and the array's free, still
     ordered after that use, waits for this event."""
     try:
-        rt.dispatcher.retire_stream(raw)
+        rt.completer.retire_stream(raw)
     except Exception as exc:  # never from a finalizer
         warnings.warn(f"gpuflow: signalling a stream being destroyed failed: {exc!r}",
                       stacklevel=1)
@@ -556,7 +558,7 @@ def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
 
 def current_backend() -> str:
     """The name of the backend in use (``"cuda"`` or ``"sim"``)."""
-    return get_runtime().backend.name
+    return ensure_runtime().backend.name
 
 
 class MemoryStats(NamedTuple):
@@ -589,7 +591,7 @@ def memory_stats(device: int | None = None) -> MemoryStats:
     current runtime (:func:`init_device_contexts` starts new ones).  Any
     thread; cheap enough to poll.
     """
-    rt = get_runtime()
+    rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
     run_finalized()  # (so that reserved_bytes sees the frees of arrays dropped so far)
     nbytes, count = rt.memory.totals(dev)
@@ -603,5 +605,5 @@ def reset_device(device: int | None = None) -> None:
     streams are replaced; arrays and kernels made on it before are invalid
     (as after CUDA's primary context reset).
     """
-    rt = get_runtime()
+    rt = ensure_runtime()
     rt.reset_device(current_device() if device is None else device)

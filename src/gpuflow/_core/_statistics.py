@@ -1,6 +1,6 @@
 """How the runs' completions were seen: the record
 :func:`gpuflow.lowlevel.current_completion_statistics` returns, of counts the
-dispatcher keeps (``_bridge``) as the awaiting tasks, the loops' pollers and
+completer keeps (``_bridge``) as the awaiting tasks, the loops' pollers and
 its thread see runs done, and as loops arm their sleeping wake-ups."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ class CompletionStatistics:
     #: seen done by a read once per loop turn: a loop's poller's (busy poll,
     #: or after a wake-up), or a lone await's own past its inline spin
     polled: int
-    #: seen done by the dispatcher thread (runs no loop awaits, loops that
+    #: seen done by the completer thread (runs no loop awaits, loops that
     #: slept on a wake-up the thread watches, loops that stopped)
     by_thread: int
     #: sleeping wake-ups armed as a pipe the GPU closes (no thread involved)
     pipes_armed: int
-    #: sleeping wake-ups left to the dispatcher thread (the run had work
+    #: sleeping wake-ups left to the completer thread (the run had work
     #: queued behind it on its stream, or no pipe could be had)
     watched_by_thread: int

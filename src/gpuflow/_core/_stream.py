@@ -55,7 +55,7 @@ class Stream:
         #: stream was made in: what a prepared launch checks it still runs in
         self.life = life
         #: blocking runs (``sync``, ``sync_on``) on this stream now: the
-        #: dispatcher never sees them, a scheduling policy should
+        #: completer never sees them, a scheduling policy should
         self._syncs = 0
         #: the completion side's record of the stream's marks (set by the runtime)
         self.lane: Lane | None = None
@@ -101,7 +101,7 @@ class Stream:
 
     def begin_blocking(self) -> None:
         """A blocking run (``sync``) starts on the stream: it counts as busy
-        until :meth:`end_blocking` (the dispatcher never sees such a run)."""
+        until :meth:`end_blocking` (the completer never sees such a run)."""
         with _blocking_lock:
             self._syncs += 1
 
@@ -126,7 +126,7 @@ class Stream:
         _finalizers.run_finalized()  # (at once where nothing is left)
         lane = self.lane
         if lane is not None and lane.unmarked:  # (its runs are done on return)
-            lane.dispatcher.mark_owed(lane)
+            lane.completer.mark_owed(lane)
         self.runtime.backend.synchronize(self.raw)
 
     def __cuda_stream__(self) -> tuple[int, int]:

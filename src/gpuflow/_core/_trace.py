@@ -47,7 +47,7 @@ What a trace holds:
   where the task stopped waiting first.
 
 Recording is thread-safe: runs start on any thread, completions arrive on
-the awaiting loop's thread or the dispatcher's.  A run tags the items it
+the awaiting loop's thread or the completer's.  A run tags the items it
 enqueues (:data:`._backends._base.activity_tag`, set from its start to its
 end in the context that runs it), which is how the device's record of an
 item names the run it belongs to.

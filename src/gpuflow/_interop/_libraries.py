@@ -25,7 +25,7 @@ or the ``__cuda_array_interface__`` producer object); when the last gpuflow
 array of it goes, the owner is released in stream order, after every use
 gpuflow enqueued: a run of its own keeps it, after the waits a free would
 have (on a stream that used it, never on the interop stream), and the
-dispatcher thread drops it (a DLPack producer's deleter runs there) once the
+completer thread drops it (a DLPack producer's deleter runs there) once the
 GPU is past them.  The producer may drop its own
 references at any time meanwhile.
 """
@@ -56,8 +56,8 @@ from .._core import (
     callable_name,
     current_device,
     describe_stream,
+    ensure_runtime,
     finalize_later,
-    get_runtime,
     hazard_lock,
     order_after,
     stream_for,
@@ -116,7 +116,7 @@ def _release(owner: object, uses: Uses) -> None:
         wait_for_uses(uses, stream)
         release = Run(stream.device)
         release.hold((owner,))
-        rt.dispatcher.submit(stream.raw, release, polled=False)  # (no task awaits it)
+        rt.completer.submit(stream.raw, release, polled=False)  # (no task awaits it)
     except Exception as exc:
         _leaked.append(owner)
         warnings.warn(
@@ -309,7 +309,7 @@ def from_dlpack(x: Any) -> DeviceArray:
     host memory, memory of a device gpuflow does not use, a dtype it cannot
     pass, or a non-contiguous array, before anything is enqueued.
     """
-    return import_array(get_runtime(), x)
+    return import_array(ensure_runtime(), x)
 
 
 # -- foreign streams --------------------------------------------------------------------------
@@ -339,7 +339,7 @@ class _WaitStream(DeviceOperation[None]):
         return stream_for(rt, self._handle, current_device() if here is None else here)
 
     def stream_alone(self) -> Stream | None:
-        s, own = self._resolve(get_runtime(), None)
+        s, own = self._resolve(ensure_runtime(), None)
         return None if own else s
 
     def execute(self, ctx: ExecutionContext) -> None:

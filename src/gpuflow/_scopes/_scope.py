@@ -30,8 +30,8 @@ from .._core import (
     current_device_var,
     current_runtime,
     ended_by,
+    ensure_runtime,
     enter_scope,
-    get_runtime,
     interrupted,
     leave_scope,
 )
@@ -151,7 +151,7 @@ def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
     with _lease_pools_lock:
         pool: _LeasePool | None = rt.lease_pools.get(key)
         if pool is None:
-            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device), rt.dispatcher.stream_freed)
+            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device), rt.completer.stream_freed)
         return pool
 
 
@@ -188,7 +188,7 @@ class StreamLease:
         watcher = cancel_points.watcher
         if watcher is not None:
             await watcher(cancel_points.ENTER_LEASE)
-        rt = get_runtime()
+        rt = ensure_runtime()
         rt.check_device(self.device)
         self._pool = _lease_pool(rt, self.device)
         self._stream = await self._pool.acquire()
@@ -317,7 +317,7 @@ def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
     not after Ctrl-C, which reaches the program at once while what the GPU
     still uses stays alive until it is done).
     """
-    rt = get_runtime()
+    rt = ensure_runtime()
     devs = list(rt.devices) if devices is None else [rt.check_device(d) for d in devices]
     if not devs:
         raise UsageError("open_device_group() needs at least one device")

@@ -21,7 +21,7 @@ It works with AnyIO's plugin (``@pytest.mark.anyio``, the ``anyio_backend``
 fixture: asyncio, uvloop, Trio) and with plain synchronous tests.  The
 check runs once the test function has returned, while no event loop runs
 in the thread: runs that a loop would complete are then completed by
-gpuflow's dispatcher thread.
+gpuflow's completer thread.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 import anyio
 import anyio.lowlevel
 
-from .._core import current_runtime, get_runtime, refuse_blocking, run_finalized
+from .._core import current_runtime, ensure_runtime, refuse_blocking, run_finalized
 from .._scopes import leases_held
 
 #: How often the waits look again whether every run has finished.
@@ -20,11 +20,11 @@ _POLL_S = 0.001
 
 
 def pending_runs() -> int:
-    """Runs handed to the completion dispatcher that the GPU has not finished
+    """Runs handed to the completion completer that the GPU has not finished
     (what finalizers left, such as the release of another library's memory
     after gpuflow's uses, is handed over first)."""
     run_finalized()
-    return get_runtime().dispatcher.pending
+    return ensure_runtime().completer.pending
 
 
 def look() -> int | None:
@@ -41,7 +41,7 @@ def look() -> int | None:
     pending = pending_runs()
     if pending:
         return pending
-    rt = get_runtime()
+    rt = ensure_runtime()
     backend = rt.backend
     for stream in rt.own_streams():
         try:
@@ -73,7 +73,7 @@ async def settle_async(timeout: float) -> int:
 def use_after_free_count() -> int:
     """How many device accesses to freed memory the ``sim`` backend has caught
     (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
-    return get_runtime().backend.use_after_free_count()
+    return ensure_runtime().backend.use_after_free_count()
 
 
 class Baseline:

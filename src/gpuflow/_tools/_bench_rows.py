@@ -198,7 +198,7 @@ class Completions:
         print(
             f"    seen done: {a.spun - b.spun} by the awaiting task's inline read, "
             f"{a.polled - b.polled} at a loop turn (the poller, or a lone await), "
-            f"{a.by_thread - b.by_thread} by the dispatcher thread; sleeping wake-ups: "
+            f"{a.by_thread - b.by_thread} by the completer thread; sleeping wake-ups: "
             f"{a.pipes_armed - b.pipes_armed} "
             f"pipes, {a.watched_by_thread - b.watched_by_thread} left to the thread"
         )

@@ -91,7 +91,7 @@ class CudaBackend(CudaContexts):
         # Loaded modules stay loaded while the backend lives: cuModuleUnload
         # waits until the device is idle, and a finalizer calling it would
         # stall whatever thread collects the garbage (an event loop's, the
-        # dispatcher's) until every kernel in flight is done.  They are
+        # completer's) until every kernel in flight is done.  They are
         # unloaded by close(), a point the program chose.
         self._modules: dict[tuple[int, bytes], CudaModule] = {}
         self._module_lock = threading.Lock()
@@ -114,7 +114,7 @@ class CudaBackend(CudaContexts):
         try:
             dev = stream.dev
             # a stream is dropped (its finalizer, on any thread) while the
-            # dispatcher may be querying it: a query must never use a handle
+            # completer may be querying it: a query must never use a handle
             # destroyed under it
             with self._stream_lock:
                 if stream.destroyed:
@@ -893,7 +893,7 @@ class CudaBackend(CudaContexts):
 
     # -- graphs -------------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:
-        # Relaxed mode: other threads (the dispatcher's queries, finalizers' frees on
+        # Relaxed mode: other threads (the completer's queries, finalizers' frees on
         # other streams, other tasks' work) stay legal during a capture; fork/join
         # through record_event/wait_event works in every mode.
         dev = self.live_device(stream)

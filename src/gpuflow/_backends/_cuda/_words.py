@@ -29,7 +29,7 @@ for it), and the host 1.4 µs, where an event costs the GPU nothing and the
 host 0.5 µs (measured on an H200: 64 MiB copies back to back took 34.6 µs
 each, 37.2 µs with a word written between them, 34.7 µs with an event
 recorded).  Reading a silent mark asks the driver (``cuEventQuery``), which
-only the dispatcher thread's ticks and the awaits of scopes do; a later
+only the completer thread's ticks and the awaits of scopes do; a later
 word mark reached covers the silent ones before it.  One numbering serves
 both kinds, so the word may lag the stream's last mark: before a stream is
 destroyed its word is written up to that mark (:meth:`WordMarks.seal`), so
@@ -304,7 +304,7 @@ class EventMarks:
                 if stream.token is not dev.token or dev.fault is not None:
                     break  # gone with the context, or never to complete
                 # the newest first: where it is reached, so are all (a
-                # backlog the dispatcher thread finds at its tick costs one query)
+                # backlog the completer thread finds at its tick costs one query)
                 number, event = q[-1] if first and len(q) > 1 else q[0]
                 first = False
                 rc = self._query(event)
