@@ -54,11 +54,12 @@ Posts = dict[int, tuple[Any, Poster, list[Call]]]
 #: spin): a yield to Trio's scheduler costs more than a short await spends
 #: in gpuflow.
 READY_CHECK_S = 50e-6
-#: How often such a task yields on a loop that cannot tell whether others
-#: are ready (uvloop): a yield there costs 3-5 us, about a fifth of a short
-#: await (measured on the H200's host), so it yields at most this often
-#: rather than at every await; others wait that long at most.  (asyncio's
-#: own loop lets an await of a finished future run on without yielding.)
+#: How often such a task yields on a loop that cannot tell whether others are
+#: ready (uvloop): a yield there costs about a fifth of a short await
+#: (docs/performance.md, "Measurements behind the code"), so it yields at most
+#: this often rather than at every await; others wait that long at most.
+#: (asyncio's own loop lets an await of a finished future run on without
+#: yielding.)
 BLIND_YIELD_S = 200e-6
 
 
@@ -450,13 +451,12 @@ class _Trio:
         self.slept_waits = 0
         self.awaiting = 0
         self._statistics = trio.lowlevel.current_statistics
-        # current_statistics, the only public count of runnable tasks,
-        # gathers every statistic of the run (1.7 us measured): read Trio's
-        # run queue itself where Trio keeps it, which costs nothing.  Asked
-        # no more often for that: on one H200 an awaited empty kernel took
-        # 22.1 us asked at every await and 21.8 us asked every 50 us (Trio
-        # alone in the process), so the interval that was measured longest
-        # stays
+        # current_statistics, the only public count of runnable tasks, gathers
+        # every statistic of the run: read Trio's run queue itself where Trio
+        # keeps it, which costs nothing.  Asked no more often for that: asking
+        # at every await made no difference that showed (docs/performance.md,
+        # "Measurements behind the code"), so the interval that was measured
+        # longest stays
         self._runq = _trio_run_queue()
         self._trap = _trio_park_trap()
         self.ready_check_s = READY_CHECK_S

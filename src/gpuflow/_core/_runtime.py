@@ -122,11 +122,11 @@ class Runtime:
     def _make_pool(self, device: int) -> None:
         be = self.backend
         if be.setup_waits_for_idle:
-            # creating a stream can block the calling thread until the device
-            # is idle (CUDA, when the driver grows its own pool of streams:
-            # seen on the H200, 0.19 s behind a kernel of another stream):
-            # every stream the pool may grow into, and the interop stream,
-            # are made now, before any work runs
+            # creating a stream can block the calling thread until the device is
+            # idle (CUDA, when the driver grows its own pool of streams: seen
+            # behind a kernel of another stream, docs/performance.md,
+            # "Measurements behind the code"): every stream the pool may grow
+            # into, and the interop stream, are made now, before any work runs
             count = max(self.streams_per_device, MAX_POOL_STREAMS) + 1
             self._spares[device] = [be.create_stream(device) for _ in range(count)]
         pool = [

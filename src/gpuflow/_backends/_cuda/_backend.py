@@ -619,11 +619,11 @@ class CudaBackend(CudaContexts):
         """Load every kernel of a module now, not at its first launch.
 
         Under CUDA's lazy loading (the default) the first launch of a kernel
-        loads it, and loading may wait until the device is idle: seen on the
-        H200, an empty kernel's first launch on an idle stream waited 0.95 s
-        for a kernel spinning on another stream.  gpuflow promises that
-        independent streams overlap, so the whole module loads when gpuflow
-        loads it (once per module and device).
+        loads it, and loading may wait until the device is idle: an empty
+        kernel's first launch on an idle stream was seen to wait for a kernel
+        spinning on another stream (docs/performance.md, "Measurements behind
+        the code").  gpuflow promises that independent streams overlap, so the
+        whole module loads when gpuflow loads it (once per module and device).
         """
         cu = self._cu
         (count,) = self._call(dev, "cuModuleGetFunctionCount", cu.cuModuleGetFunctionCount, module)

@@ -122,9 +122,9 @@ class CudaContexts(Backend):
         events = self._foreign_marks
         if marks == "event":
             return events
-        # the bindings' call is the shorter path (measured on the H200: 2.7 us
-        # a mark against 3.5 through ctypes); its first use also tells whether
-        # the driver takes stream memory operations at all
+        # the bindings' call is the shorter path (docs/performance.md,
+        # "Measurements behind the code"); its first use also tells whether the
+        # driver takes stream memory operations at all
         bind = self._cu.cuStreamWriteValue64
 
         def write(stream: CudaStream, addr: int, value: int, flags: int) -> int:

@@ -8,11 +8,10 @@ device's fault, which every later call on the device raises until a reset.
 A cuda.bindings result tuple is unpacked by :func:`check`; libcuda's ctypes
 entry points (:mod:`._native`) return the bare code, which their callers
 test in place (``if rc: raise error_for(...)``): they sit on the
-per-operation path, where one more function call a result (some 40 ns)
-would show.  Callers that must not raise (finalizers, completion checks)
-still pass a failure through :func:`error_for`, for the fault it records,
-and drop the error it returns or, in a finalizer, warn about it
-(:func:`warn_unless_fault`).
+per-operation path, where one more function call a result would show.
+Callers that must not raise (finalizers, completion checks) still pass a
+failure through :func:`error_for`, for the fault it records, and drop the
+error it returns or, in a finalizer, warn about it (:func:`warn_unless_fault`).
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ def driver() -> Any:
     """``cuda.bindings.driver``, imported on first use (no libcuda needed to import it)."""
     global _cu_module
     if _cu_module is None:
-        # Independent streams must not queue behind each other's work: CUDA
-        # maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues, 8
-        # unless set, and the default policy grows the pool past 8 when
-        # streams stall.  Measured on the H200 (the mixed-deadline bench):
-        # 20 % of fast requests missed their deadline with 8 queues, 0.3 %
-        # with 32.  The driver reads it once per process, so it applies
-        # unless CUDA was initialised before gpuflow first touched it; a
-        # value the user set wins.
+        # Independent streams must not queue behind each other's work: CUDA maps
+        # streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues, 8 unless
+        # set, and the default policy grows the pool past 8 when streams stall:
+        # with 8 queues fast requests missed their deadlines behind slow ones
+        # (docs/performance.md, "Measurements behind the code").  The driver
+        # reads it once per process, so it applies unless CUDA was initialised
+        # before gpuflow first touched it; a value the user set wins.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
         from cuda.bindings import driver as cu
 

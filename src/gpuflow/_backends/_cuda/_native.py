@@ -9,13 +9,10 @@ host function is libc's own ``close`` of a pipe an event loop watches,
 called by the driver's thread with no Python involved.
 
 Calls that answer through an out-parameter (``cuCtxGetCurrent``,
-``cuStreamIsCapturing``, ``cuStreamGetCtx``) go through cuda-bindings
-instead, whose calls return the answer without a ctypes object to fill: on
-an H200 host, ``cuCtxGetCurrent`` cost 0.19 µs through the bindings against
-0.5-0.7 µs here, ``cuStreamIsCapturing`` 0.37-0.39 against 0.66-0.95 µs,
-``cuStreamGetCtx`` 0.25-0.47 against 0.86-1.22 µs.  Those
-with no out-parameter cost the same either way (``cuEventRecord`` 0.66-0.73
-µs both).
+``cuStreamIsCapturing``, ``cuStreamGetCtx``) go through cuda-bindings instead,
+whose calls return the answer without a ctypes object to fill, in half the
+time or less; those with no out-parameter cost the same either way
+(docs/performance.md, "Measurements behind the code").
 """
 
 from __future__ import annotations

@@ -23,17 +23,16 @@ satisfied).
 
 A mark no event loop will read (a run no task awaits: ``enqueue_on``, a
 release) is *silent*: an event recorded on the stream rather than a write of
-the word.  A stream memory operation between two kernels costs the GPU
-about 2 µs (it waits for the work before it to drain, and the next kernel
-for it), and the host 1.4 µs, where an event costs the GPU nothing and the
-host 0.5 µs (measured on an H200: 64 MiB copies back to back took 34.6 µs
-each, 37.2 µs with a word written between them, 34.7 µs with an event
-recorded).  Reading a silent mark asks the driver (``cuEventQuery``), which
-only the completer thread's ticks and the awaits of scopes do; a later
-word mark reached covers the silent ones before it.  One numbering serves
-both kinds, so the word may lag the stream's last mark: before a stream is
-destroyed its word is written up to that mark (:meth:`WordMarks.seal`), so
-that the word can serve another stream once it is reached.
+the word.  A stream memory operation between two kernels costs the GPU time
+(it waits for the work before it to drain, and the next kernel for it) and the
+host more than an event, which costs the GPU nothing (docs/performance.md,
+"Measurements behind the code").  Reading a silent mark asks the driver
+(``cuEventQuery``), which only the completer thread's ticks and the awaits of
+scopes do; a later word mark reached covers the silent ones before it.  One
+numbering serves both kinds, so the word may lag the stream's last mark:
+before a stream is destroyed its word is written up to that mark
+(:meth:`WordMarks.seal`), so that the word can serve another stream once it is
+reached.
 
 Where the driver refuses stream memory operations, :class:`EventMarks`
 keeps an event per mark instead; so it does on another library's stream
