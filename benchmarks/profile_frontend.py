@@ -723,9 +723,9 @@ PIECES = (
     "gpuflow._interop._libraries:_WaitStream.stream_alone",
     "gpuflow._backends._cuda._backend:CudaBackend.foreign_stream",
     "gpuflow._backends._cuda._words:EventMarks.reached",
-    "gpuflow._comm._comm:_Collective._prepare",
-    "gpuflow._comm._comm:_issue",
-    "gpuflow._comm._comm:Communicator._started",
+    "gpuflow._comm._communicator:_Collective._prepare",
+    "gpuflow._comm._communicator:_issue",
+    "gpuflow._comm._communicator:Communicator._started",
     "gpuflow._backends._cuda._backend:CudaBackend.comm_group",
     "gpuflow._backends._cuda._nccl:NcclComms.group",
 )

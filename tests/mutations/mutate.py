@@ -266,7 +266,7 @@ MUTATIONS = [
     Mutation(
         "C7",
         "a communicator is never handed to the watchdog (nobody asks it for its errors)",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '        self._rt.completer.watch_communicator(self)\n',
         '        pass\n',
         ('tests/comm/test_comm.py',),
@@ -725,7 +725,7 @@ MUTATIONS = [
     Mutation(
         "C11",
         "a collective is not ordered after the rank's previous collective on another stream",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '                order_after(be, s, tail[0], tail[1])\n',
         '                pass\n',
         ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
@@ -733,7 +733,7 @@ MUTATIONS = [
     Mutation(
         "C12",
         "a collective reads before a write on another stream ends",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '            for arr, s in p.reads:\n'
         '                arr.allocation.before_read(s, run)\n',
         '',
@@ -742,7 +742,7 @@ MUTATIONS = [
     Mutation(
         "C13",
         "a collective writes before a write on another stream ends",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '            for arr, s in p.writes:\n'
         '                arr.allocation.before_write(s, run)\n',
         '',
@@ -845,7 +845,7 @@ MUTATIONS = [
     Mutation(
         "C5",
         "a collective run again keeps the arrays of its first run, though its lists changed",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '    return len(v) == len(kept) and all(map(operator.is_, v, kept))\n',
         '    return True\n',
         ('tests/comm/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
@@ -853,7 +853,7 @@ MUTATIONS = [
     Mutation(
         "C8",
         "a collective run from its plan makes the calls an earlier plan's run made",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '        if memo is not None and memo[0] is plan:\n',
         '        if memo is not None:\n',
         ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
@@ -861,7 +861,7 @@ MUTATIONS = [
     Mutation(
         "C9",
         "a collective run from its plan enqueues on the stream of its earlier run",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         'known = memo[1].get(ctx.stream)',
         'known = next(iter(memo[1].values()), None)',
         ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
@@ -869,7 +869,7 @@ MUTATIONS = [
     Mutation(
         "C6",
         "a collective run from its plan takes arrays of a device reset since",
-        '_comm/_comm.py',
+        '_comm/_communicator.py',
         '            if x is not None:\n'
         '                x.check_usable(ctx, what)\n'
         '                if read:\n'
