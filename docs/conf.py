@@ -24,7 +24,10 @@ project = "gpuflow"
 release = gpuflow.__version__
 version = release
 
-extensions = ["sphinx.ext.autodoc", "myst_parser"]
+extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "myst_parser"]
+# docstrings' Parameters / Returns / Raises sections, NumPy style
+napoleon_google_docstring = False
+napoleon_numpy_docstring = True
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build"]
 root_doc = "index"

@@ -375,32 +375,58 @@ def init_device_contexts(
 ) -> str:
     """Initialise gpuflow: choose the backend, the devices and their stream pools.
 
-    ``backend`` is ``"auto"``, ``"cuda"``, ``"sim"``, the name of a backend
-    registered with :func:`gpuflow.lowlevel.register_backend`, or a
-    :class:`gpuflow.lowlevel.Backend` instance (tests and benchmarks give
-    one of their own).  ``"auto"`` (also what the first use of gpuflow
-    without this call picks) is the backend the ``GPUFLOW_BACKEND``
-    environment variable names where it is set (``GPUFLOW_BACKEND=sim``
-    runs a program written for a GPU on the simulation; a name that is no
-    backend is a :class:`UsageError`), else ``cuda`` when the CUDA driver
-    reports a device, else ``sim``.  Falling back to ``sim`` on a machine
-    whose CUDA driver is installed but unusable (``cuInit`` fails, or GPU
-    device files exist but the driver sees no device) raises a
-    :class:`RuntimeWarning` that says why, with the driver's error code and
-    name: the program would otherwise run every kernel as its NumPy
-    reference without a word.  With no driver at all the choice is only
-    logged.  ``num_devices=None`` takes every device.  Calling it again
-    replaces the runtime; arrays and streams made before belong to the old
-    one.  Returns the name of the backend chosen (also logged on the
-    ``gpuflow`` logger).
+    The first use of gpuflow without this call makes the runtime with the
+    defaults.  Calling it again replaces the runtime: arrays and streams
+    made before belong to the old one.
 
-    ``busy_poll_us`` is how long an event loop that awaits GPU work keeps
-    reading the GPU's completion words, once per loop turn, before it arms a
-    wake-up and sleeps in its selector (``None``: the ``GPUFLOW_BUSY_POLL_US``
-    environment variable, else 200).  Polling completes a short run within a
-    few microseconds of the GPU finishing it; the wake-up costs tens of
-    microseconds more but no CPU.  ``0`` turns polling off.  A loop busy with
-    other tasks reads the words once per turn either way.
+    Parameters
+    ----------
+    default_device
+        The device runs go to where no ``gf.use_device`` says otherwise.
+    num_devices
+        How many devices to use, from device 0 (None: every device).
+    streams_per_device
+        The streams each device's pool starts with (the default policy grows
+        a pool under load, up to ``CUDA_DEVICE_MAX_CONNECTIONS`` streams).
+    backend
+        ``"auto"``, ``"cuda"``, ``"sim"``, a name given to
+        :func:`gpuflow.lowlevel.register_backend`, or a
+        :class:`gpuflow.lowlevel.Backend` instance.  ``"auto"`` is the backend
+        the ``GPUFLOW_BACKEND`` environment variable names where it is set
+        (``GPUFLOW_BACKEND=sim`` runs a program written for a GPU on the
+        simulation), else ``cuda`` where the CUDA driver reports a device,
+        else ``sim``.
+    busy_poll_us
+        How long an event loop that awaits GPU work keeps reading the GPU's
+        completion words, once per loop turn, before it arms a wake-up and
+        sleeps in its selector (None: the ``GPUFLOW_BUSY_POLL_US``
+        environment variable, else 200; 0 turns polling off).  Polling
+        completes a short run within a few microseconds of the GPU finishing
+        it; the wake-up costs tens of microseconds more but no CPU.  A loop
+        busy with other tasks reads the words once per turn either way.
+
+    Returns
+    -------
+    str
+        The name of the backend chosen (also logged on the ``gpuflow`` logger).
+
+    Raises
+    ------
+    gpuflow.UsageError
+        An argument out of range (each names the one), or a backend name
+        (given, or in ``GPUFLOW_BACKEND``) that is no backend's.
+    gpuflow.DeviceError
+        The backend could not be started.
+
+    Warns
+    -----
+    RuntimeWarning
+        ``"auto"`` fell back to ``sim`` on a machine whose CUDA driver is
+        installed but unusable (``cuInit`` fails, or GPU device files exist
+        but the driver sees no device), with the driver's error code and
+        name: the program would otherwise run every kernel as its NumPy
+        reference without a word.  With no driver at all the choice is only
+        logged.
     """
     poll_s = _busy_poll_s(busy_poll_us)
     if not isinstance(streams_per_device, int) or streams_per_device < 1:
