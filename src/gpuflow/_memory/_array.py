@@ -277,18 +277,77 @@ class _Fill(DeviceOperation[DeviceArray]):
 
 
 def full(shape: ShapeLike, fill_value: Any, dtype: Any = None) -> DeviceOperation[DeviceArray]:
-    """An array of ``shape`` filled with ``fill_value`` (dtype inferred as NumPy does)."""
+    """An array of ``shape`` filled with ``fill_value``.
+
+    Parameters
+    ----------
+    shape
+        An int or a sequence of ints, each zero or more.
+    fill_value
+        A number (or bool), cast to ``dtype``.
+    dtype
+        The elements' NumPy dtype (None: inferred from ``fill_value`` as NumPy does).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        An operation that allocates and fills a new array each time it runs.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A shape that is not one, or a dtype that cannot live on the device
+        (numbers and bool only), when the operation is built.
+    """
     dt = np.array(fill_value).dtype if dtype is None else dtype
     return _Fill(as_shape(shape), as_dtype(dt), fill_value)
 
 
 def zeros(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
-    """An array of zeros (``float64`` by default, as NumPy and CuPy)."""
+    """An array of zeros.
+
+    Parameters
+    ----------
+    shape
+        An int or a sequence of ints, each zero or more.
+    dtype
+        The elements' NumPy dtype (``float64`` by default, as NumPy and CuPy).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        An operation that allocates and zeroes a new array each time it runs.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A shape that is not one, or a dtype that cannot live on the device
+        (numbers and bool only), when the operation is built.
+    """
     return _Fill(as_shape(shape), as_dtype(dtype), 0)
 
 
 def ones(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
-    """An array of ones (``float64`` by default, as NumPy and CuPy)."""
+    """An array of ones.
+
+    Parameters
+    ----------
+    shape
+        An int or a sequence of ints, each zero or more.
+    dtype
+        The elements' NumPy dtype (``float64`` by default, as NumPy and CuPy).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        An operation that allocates and fills a new array each time it runs.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A shape that is not one, or a dtype that cannot live on the device
+        (numbers and bool only), when the operation is built.
+    """
     return _Fill(as_shape(shape), as_dtype(dtype), 1)
 
 
@@ -321,7 +380,28 @@ class _Arange(DeviceOperation[DeviceArray]):
 def arange(
     start: float, stop: float | None = None, step: float = 1, *, dtype: Any = None
 ) -> DeviceOperation[DeviceArray]:
-    """``[start, stop)`` by ``step``, as :func:`numpy.arange` (one argument: ``[0, start)``)."""
+    """The numbers of ``[start, stop)`` by ``step``, as :func:`numpy.arange`.
+
+    Parameters
+    ----------
+    start, stop
+        The interval (one argument: ``[0, start)``).
+    step
+        The distance between two numbers (not zero).
+    dtype
+        The elements' NumPy dtype (None: as NumPy infers it from the arguments).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        An operation that allocates and fills a new array each time it runs.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A zero ``step``, or a dtype that cannot live on the device, when the
+        operation is built.
+    """
     if stop is None:
         start, stop = 0, start
     if step == 0:
@@ -363,9 +443,24 @@ class _FromHost(DeviceOperation[DeviceArray]):
 
 
 def from_host(array: Any) -> DeviceOperation[DeviceArray]:
-    """Copy a host array (anything :func:`numpy.asarray` takes) to the device.
+    """Copy a host array to the device.
 
-    The host data is read when the operation runs, not when it is built.
+    Parameters
+    ----------
+    array
+        Anything :func:`numpy.asarray` takes; it is read when the operation
+        runs, not when it is built.
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        An operation that allocates a new array and copies into it each time
+        it runs.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A dtype that cannot live on the device, when the operation is built.
     """
     host = np.asarray(array)
     as_dtype(host.dtype)
@@ -414,9 +509,25 @@ def _stream_on(device: int) -> Stream:
 
 
 def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np.ndarray[Any, Any]]:
-    """An operation producing a NumPy copy of a device array (or of an operation's output).
+    """A NumPy copy of a device array.
 
-    The copy runs on the array's device, whichever device the run is on.
+    Parameters
+    ----------
+    x
+        The array, or an operation whose output is one.  The copy runs on
+        the array's device, whichever device the run is on.
+
+    Returns
+    -------
+    DeviceOperation[numpy.ndarray]
+        An operation producing a new host array each time it runs.
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``x`` is neither an array nor an operation, when the operation is built.
+    gpuflow.UsageError
+        Run inside a graph capture (a copy to the host cannot be captured).
     """
     _check_device_input(x, "to_host()")
     return _ToHost(x)
@@ -511,9 +622,32 @@ def copy(
     out: DeviceArray | DeviceOperation[DeviceArray] | None = None,
     device: int | None = None,
 ) -> DeviceOperation[DeviceArray]:
-    """Copy a device array on the device: into ``out``, or into a new array on
-    ``device`` (default: the device of the run).  Across devices the copy goes
-    peer to peer where the hardware allows."""
+    """Copy a device array on the device.
+
+    Parameters
+    ----------
+    src
+        The array, or an operation whose output is one.
+    out
+        The array to copy into (of ``src``'s shape and dtype), or an
+        operation whose output is one; None: a new array.
+    device
+        The device of the new array (None: the device of the run).  Across
+        devices the copy goes peer to peer where the hardware allows.
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        ``out``, or the new array.
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``src`` or ``out`` is neither an array nor an operation, when the
+        operation is built.
+    gpuflow.UsageError
+        ``device`` is no device ordinal, when the operation is built.
+    """
     _check_device_input(src, "copy() source")
     if out is not None:
         _check_device_input(out, "copy() out")
