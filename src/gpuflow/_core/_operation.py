@@ -244,7 +244,18 @@ class _Value(DeviceOperation[T]):
 
 
 def value(x: T) -> DeviceOperation[T]:
-    """An operation that produces ``x`` and does no work."""
+    """An operation that produces ``x`` and does no work.
+
+    Parameters
+    ----------
+    x
+        Any value: a host value, an array, a tuple of them.
+
+    Returns
+    -------
+    DeviceOperation
+        An operation whose output is ``x`` itself, each time it runs.
+    """
     return _Value(x)
 
 
@@ -409,6 +420,23 @@ def zip(*ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]:
 
     Independent arms may run on different streams of the pool; the join waits
     on their events, so what follows sees all of them done.
+
+    Parameters
+    ----------
+    *ops
+        The operations, one or more.
+
+    Returns
+    -------
+    DeviceOperation[tuple]
+        The outputs, in the order of ``ops``.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        No operation was given.
+    gpuflow.UsageTypeError
+        An argument is not an operation (naming which).
     """
     if not ops:
         raise UsageError("zip() needs at least one operation")

@@ -511,7 +511,15 @@ def current_runtime() -> Runtime | None:
 
 
 def current_device() -> int:
-    """The device that operations started from this task or thread run on."""
+    """The device that operations started from this task or thread run on.
+
+    Returns
+    -------
+    int
+        The device :func:`use_device` set in this task or thread, else the
+        runtime's ``default_device``.  Makes the runtime with the defaults
+        where there is none yet.
+    """
     d = current_device_var.get()
     return ensure_runtime().default_device if d is None else d
 
@@ -530,7 +538,14 @@ def device_count_option(text: str) -> int:
 
 
 def device_count() -> int:
-    """How many devices gpuflow runs on (those :func:`init_device_contexts` took)."""
+    """How many devices gpuflow runs on.
+
+    Returns
+    -------
+    int
+        The devices :func:`init_device_contexts` took (ordinals from 0).
+        Makes the runtime with the defaults where there is none yet.
+    """
     return len(ensure_runtime().devices)
 
 
@@ -583,7 +598,15 @@ def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
 
 
 def current_backend() -> str:
-    """The name of the backend in use (``"cuda"`` or ``"sim"``)."""
+    """The name of the backend in use.
+
+    Returns
+    -------
+    str
+        ``"cuda"``, ``"sim"``, or the name of a backend of
+        :func:`gpuflow.lowlevel.register_backend`.  Makes the runtime with
+        the defaults where there is none yet.
+    """
     return ensure_runtime().backend.name
 
 
@@ -616,6 +639,20 @@ def memory_stats(device: int | None = None) -> MemoryStats:
     libraries allocating from that pool share.  The counts are of the
     current runtime (:func:`init_device_contexts` starts new ones).  Any
     thread; cheap enough to poll.
+
+    Parameters
+    ----------
+    device
+        The device's ordinal (None: the current device).
+
+    Returns
+    -------
+    MemoryStats
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices.
     """
     rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
