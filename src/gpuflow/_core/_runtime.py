@@ -556,6 +556,21 @@ def use_device(device: int) -> Iterator[int]:
     The current device is a context variable: it applies to this task or
     thread (and to tasks started from it), never to others, and is restored
     on exit however the block is left.
+
+    Parameters
+    ----------
+    device
+        The device's ordinal.
+
+    Yields
+    ------
+    int
+        ``device``.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices (on entry).
     """
     ensure_runtime().check_device(device)
     token = current_device_var.set(device)
@@ -570,6 +585,20 @@ def new_stream(device: int | None = None) -> Stream:
 
     The stream is destroyed when the last reference to it goes; work already
     enqueued on it still completes.
+
+    Parameters
+    ----------
+    device
+        The device's ordinal (None: the current device).
+
+    Returns
+    -------
+    Stream
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices.
     """
     rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
@@ -667,6 +696,19 @@ def reset_device(device: int | None = None) -> None:
     Pending operations on it fail with :class:`DeviceFaultError`; its pool
     streams are replaced; arrays and kernels made on it before are invalid
     (as after CUDA's primary context reset).
+
+    Parameters
+    ----------
+    device
+        The device's ordinal (None: the current device).
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices.
+    gpuflow.DeviceFaultError
+        The driver refused the reset (on ``cuda``, after an illegal address
+        the process must end): the device stays faulted.
     """
     rt = ensure_runtime()
     rt.reset_device(current_device() if device is None else device)

@@ -515,6 +515,16 @@ def trace(path: str | os.PathLike[str]) -> Iterator[None]:
     while it records).  ``GPUFLOW_TRACE=path.json`` records a whole program.
     While a trace records, gpuflow's operations are also NVTX ranges (domain
     ``gpuflow``) when the ``nvtx`` package is installed.
+
+    Parameters
+    ----------
+    path
+        Where the timeline is written (a ``str`` or path-like).
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``path`` is not a file path.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise UsageTypeError(f"gf.trace(path) needs a file path, not {type(path).__name__}")

@@ -393,6 +393,24 @@ def wait_stream(stream: Any) -> DeviceOperation[None]:
     graph (its work runs when that graph is launched).  A stream given as a
     bare handle must live until the run completes (a stream object is kept
     alive until then).
+
+    Parameters
+    ----------
+    stream
+        The other library's stream: an object with ``__cuda_stream__``, a
+        ``torch.cuda.Stream``, a ``cupy.cuda.Stream``, or a ``CUstream``
+        handle.
+
+    Returns
+    -------
+    DeviceOperation[None]
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``stream`` is no stream (a bool, an object with no handle).
+    gpuflow.UsageError
+        A negative handle, or an object whose protocol gives an invalid one.
     """
     handle, device = stream_handle(stream, "wait_stream()")
     return _WaitStream(stream if not isinstance(stream, int) else None, handle, device)
@@ -553,6 +571,24 @@ def foreign(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> DeviceOpera
     :class:`DeviceArray` (zero-copy, see :func:`from_dlpack`), ready for
     the next gpuflow step; ``torch.from_dlpack(arr)`` turns one back into
     a tensor without a copy.  Refused inside a graph capture.
+
+    Parameters
+    ----------
+    fn
+        The other library's code: called on the host when the operation runs.
+    *args, **kwargs
+        Its arguments; operations among them run first, and their outputs
+        are passed.
+
+    Returns
+    -------
+    DeviceOperation
+        ``fn``'s result, its device arrays imported as :class:`DeviceArray`.
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``fn`` is not callable, when the operation is built.
     """
     if not callable(fn):
         raise UsageTypeError(f"foreign() needs a callable, got {type(fn).__name__}")

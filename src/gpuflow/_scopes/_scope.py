@@ -227,6 +227,21 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
     interrupt through at once instead (what the GPU still uses stays alive
     until it is done).  Two leases never hold the same stream; when every
     stream is leased, a new lease waits for one (fairly, FIFO).
+
+    Parameters
+    ----------
+    device
+        The device's ordinal (None: the current device).
+
+    Returns
+    -------
+    StreamLease
+        An async context manager; ``lease.stream`` is the stream inside it.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices (on entry).
     """
     return StreamLease(current_device() if device is None else device)
 
@@ -316,6 +331,22 @@ def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
     device is done (a shielded wait, also after a failure or cancellation;
     not after Ctrl-C, which reaches the program at once while what the GPU
     still uses stays alive until it is done).
+
+    Parameters
+    ----------
+    devices
+        The devices' ordinals (None: every device of the runtime).
+
+    Returns
+    -------
+    DeviceGroup
+        An async context manager; ``group.start_soon(fn, *args, device=d)``
+        starts a child with ``d`` current.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A device that is not one of the runtime's, or an empty list.
     """
     rt = ensure_runtime()
     devs = list(rt.devices) if devices is None else [rt.check_device(d) for d in devices]
