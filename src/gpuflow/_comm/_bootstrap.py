@@ -40,6 +40,10 @@ def new_unique_id() -> bytes:
     One rank makes it and hands it to the others (any channel: it is bytes).
     It belongs to the current backend: a ``sim`` id names a meeting place on
     this host, a ``cuda`` id is NCCL's ``ncclUniqueId``.
+
+    Returns
+    -------
+    bytes
     """
     return ensure_runtime().backend.comm_unique_id()
 
@@ -50,6 +54,22 @@ def bootstrap_mpi(comm: Any = None, *, root: int = 0) -> RankInfo:
     ``comm`` is an mpi4py communicator (default ``MPI.COMM_WORLD``); every
     process of it must call this (it is an MPI broadcast).  Needs mpi4py and
     an MPI library (the ``mpich`` wheel has one, with ``mpiexec``).
+
+    Parameters
+    ----------
+    comm
+        An mpi4py communicator (None: ``MPI.COMM_WORLD``).
+    root
+        The rank that makes the id.
+
+    Returns
+    -------
+    RankInfo
+
+    Raises
+    ------
+    gpuflow.UsageError
+        mpi4py cannot be imported.
     """
     try:
         from mpi4py import MPI
@@ -145,6 +165,34 @@ def spawn_ranks(
     running after ``timeout`` seconds (they are killed); the error's
     ``results`` has the results of the ranks that ended well.  Not from inside an
     event loop (it blocks).
+
+    Parameters
+    ----------
+    fn
+        Called as ``fn(info, *args)`` in each rank's process.
+    nranks
+        How many processes, one a rank (a positive int).
+    *args
+        More arguments of ``fn``.
+    timeout
+        Seconds to wait for every rank (None: no limit).
+
+    Returns
+    -------
+    list
+        ``fn``'s results, in rank order.
+
+    Raises
+    ------
+    ChildProcessError
+        Ranks raised or died (``RanksFailedError``, which names them).
+    TimeoutError
+        Ranks were still running after ``timeout`` (they are killed).
+    gpuflow.UsageError
+        ``nranks`` is not a positive int, or it is called in a thread that
+        runs an event loop.
+    gpuflow.UsageTypeError
+        ``fn`` is not callable.
     """
     refuse_blocking(
         "spawn_ranks()",

@@ -94,6 +94,29 @@ def open_communicator(
     communicator.  Leaving with an error or a cancellation while collectives
     are pending aborts it instead (its collectives' kernels return): nothing
     is left waiting for a peer, and nothing the GPU uses is freed early.
+
+    Parameters
+    ----------
+    devices
+        The devices of this process's ranks (None: every device), or the
+        :class:`RankInfo` of a rank of several processes.
+    device
+        With a :class:`RankInfo`: the rank's device (None: the current one).
+
+    Returns
+    -------
+    Communicator
+        An async context manager.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A device that is not one of the runtime's, none, or one named twice;
+        ``device=`` without a :class:`RankInfo`; a rank out of range.
+    gpuflow.UsageTypeError
+        A :class:`RankInfo` whose fields are not ints and bytes.
+    gpuflow.CommunicatorError
+        The ranks could not join (on entry).
     """
     rt = ensure_runtime()
     if isinstance(devices, RankInfo):

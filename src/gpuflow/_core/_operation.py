@@ -287,6 +287,23 @@ def with_context(fn: Callable[[ExecutionContext], DeviceOperation[T]]) -> Device
     returns an operation, ``gf.value(...)`` for work it did itself.
     :func:`gpuflow.foreign` does this in one line for PyTorch and CuPy, and
     orders the arrays the foreign code uses.
+
+    Parameters
+    ----------
+    fn
+        Called with the run's :class:`ExecutionContext` each time the
+        operation runs; returns the operation to run there.
+
+    Returns
+    -------
+    DeviceOperation
+        The output of the operation ``fn`` returns.
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``fn`` is not callable (when the operation is built), or returns no
+        operation (when it runs).
     """
     if not callable(fn):
         raise UsageTypeError(f"with_context() expected a callable, got {type(fn).__name__}")

@@ -327,6 +327,31 @@ def compile(
     of its array (``n`` larger than ``y``) is then reported as the
     out-of-bounds access it is on a GPU, a sticky fault naming the slice,
     where NumPy alone would clip the slice and hide the bad launch.
+
+    Parameters
+    ----------
+    source
+        The CUDA C++ text.
+    references
+        Per kernel name, the Python function ``sim`` runs in its place
+        (above); a kernel with none cannot run on ``sim``.
+    options
+        More NVRTC options.
+
+    Returns
+    -------
+    Module
+        Its kernels as attributes.
+
+    Raises
+    ------
+    gpuflow.CompileError
+        NVRTC rejected the source (its log in ``.log``).
+    gpuflow.UsageTypeError
+        ``source`` is not text.
+    gpuflow.UsageError
+        A reference names no kernel of the source, is not callable, or
+        cannot take the kernel's parameters.
     """
     if not isinstance(source, str):
         raise UsageTypeError(
