@@ -31,20 +31,56 @@ __all__ = [
 
 
 def current_backend_object() -> Backend:
-    """The backend instance serving this process (raw handles, for interop and benchmarks)."""
+    """The backend instance serving this process (raw handles, for interop and benchmarks).
+
+    Returns
+    -------
+    Backend
+        The current runtime's (made with the defaults where there is none yet).
+    """
     return ensure_runtime().backend
 
 
 def pool_streams(device: int | None = None) -> list[Stream]:
     """The pool streams of ``device`` (default: the current one) now: the
     ``streams_per_device`` made at initialisation, then those the default
-    policy (:class:`gpuflow.StreamPoolLeastLoaded`) added under load."""
+    policy (:class:`gpuflow.StreamPoolLeastLoaded`) added under load.
+
+    Parameters
+    ----------
+    device
+        The device's ordinal (None: the current device).
+
+    Returns
+    -------
+    list[Stream]
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices.
+    """
     rt = ensure_runtime()
     return list(rt.streams(rt.check_device(current_device() if device is None else device)))
 
 
 def graph_exec_handle(graph: Graph[object]) -> int:
-    """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend."""
+    """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend.
+
+    Parameters
+    ----------
+    graph
+        A graph made by :meth:`gpuflow.DeviceOperation.capture`.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    gpuflow.UsageError
+        The graph is not the ``cuda`` backend's.
+    """
     return ensure_runtime().backend.graph_handle(graph.recording.raw)
 
 
@@ -53,5 +89,11 @@ def current_completion_statistics() -> CompletionStatistics:
     awaiting task's inline read, by a loop's poller, or by the completer
     thread, and how many sleeping wake-ups were armed.  Take it before and
     after a piece of work to see what its busy-poll budget bought
-    (``busy_poll_us``, :func:`gpuflow.init_device_contexts`).  Any thread."""
+    (``busy_poll_us``, :func:`gpuflow.init_device_contexts`).  Any thread.
+
+    Returns
+    -------
+    CompletionStatistics
+        The counts so far (a snapshot).
+    """
     return ensure_runtime().completer.statistics()

@@ -57,6 +57,16 @@ def record_activity() -> Iterator[list[Activity]]:
     replays gpuflow enqueued on its own streams, timed by CUDA events, and
     it fills when the block exits, with the items done by then.  A backend
     that keeps no record raises :class:`gpuflow.UsageError`.
+
+    Yields
+    ------
+    list[Activity]
+        Filled as the streams run (on ``cuda``: when the block exits).
+
+    Raises
+    ------
+    gpuflow.UsageError
+        The backend keeps no record.
     """
     backend = ensure_runtime().backend
     record = backend.start_activity_record()
@@ -70,5 +80,15 @@ def record_activity() -> Iterator[list[Activity]]:
 
 
 def overlapped(a: Activity, b: Activity) -> bool:
-    """True when ``a`` and ``b`` were running at the same moment."""
+    """True when ``a`` and ``b`` were running at the same moment.
+
+    Parameters
+    ----------
+    a, b
+        Two items of :func:`record_activity`.
+
+    Returns
+    -------
+    bool
+    """
     return a.start < b.end and b.start < a.end

@@ -60,6 +60,22 @@ def test_the_reference_documents_every_public_name(ns: types.ModuleType) -> None
     )
 
 
+#: The sections of a NumPy-style docstring (rendered by Sphinx's napoleon).
+SECTIONS = re.compile(r"^ *(Parameters|Returns|Yields|Raises)\n *-{5,}$", re.M)
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_every_public_function_says_its_parameters_returns_or_raises(
+    ns: types.ModuleType,
+) -> None:
+    # a reader scans the sections, not the prose, for what a call takes,
+    # gives back and raises
+    functions = [n for n in ns.__all__ if isinstance(getattr(ns, n), types.FunctionType)]
+    assert len(functions) > 3
+    bare = [n for n in functions if not SECTIONS.search(getattr(ns, n).__doc__ or "")]
+    assert bare == []
+
+
 def test_the_reference_documents_only_public_names() -> None:
     public = {f"{ns.__name__}.{n}" for ns in NAMESPACES for n in ns.__all__}
     stale = [n for n in _documented() if n not in public and not n.endswith("__version__")]

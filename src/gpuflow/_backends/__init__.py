@@ -110,6 +110,18 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
     ``name`` must be new (``"auto"``, ``"cuda"`` and ``"sim"`` are taken).
     Safe from any thread.
+
+    Parameters
+    ----------
+    name
+        The backend's name, new.
+    factory
+        Makes the backend for a number of devices (None: all it has).
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``name`` is taken or not a name, or ``factory`` is not callable.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise UsageError(f"a backend name must be a non-empty string other than 'auto': {name!r}")

@@ -308,6 +308,23 @@ def from_dlpack(x: Any) -> DeviceArray:
     gpuflow's run after a foreign stream.  Raises :class:`UsageError` for
     host memory, memory of a device gpuflow does not use, a dtype it cannot
     pass, or a non-contiguous array, before anything is enqueued.
+
+    Parameters
+    ----------
+    x
+        The other library's array (``__dlpack__``,
+        ``__cuda_array_interface__``), or a DLPack capsule.
+
+    Returns
+    -------
+    DeviceArray
+        An array of ``x``'s memory, shape and dtype.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        Host memory, memory of a device gpuflow does not use, a dtype it
+        cannot pass, or a non-contiguous array.
     """
     return import_array(ensure_runtime(), x)
 
@@ -462,6 +479,22 @@ def register_stream_adapter(adapter: StreamAdapter) -> Callable[[], None]:
     (or None to do nothing, e.g. on a backend it cannot use).  PyTorch's and
     CuPy's are built in (on the ``cuda`` backend, once imported).  Returns a
     function that unregisters the adapter.  Thread-safe.
+
+    Parameters
+    ----------
+    adapter
+        Called with the run's :class:`gpuflow.Stream`; returns a context
+        manager, or None.
+
+    Returns
+    -------
+    Callable[[], None]
+        Unregisters the adapter.
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``adapter`` is not callable.
     """
     if not callable(adapter):
         raise UsageTypeError(f"register_stream_adapter() needs a callable, got {adapter!r:.60}")

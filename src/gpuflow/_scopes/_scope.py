@@ -156,7 +156,12 @@ def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
 
 
 def leases_held() -> int:
-    """How many stream leases of the current runtime are held now, over every device."""
+    """How many stream leases of the current runtime are held now, over every device.
+
+    Returns
+    -------
+    int
+    """
     rt = current_runtime()
     if rt is None:
         return 0

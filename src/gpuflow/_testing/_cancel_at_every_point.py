@@ -204,6 +204,31 @@ async def cancel_at_every_point(
     differently from run to run.  Other GPU work of the program in flight
     meanwhile counts as pending.  Deterministic on ``sim``; on ``cuda`` too
     for a pipeline whose points do not depend on timing.
+
+    Parameters
+    ----------
+    pipeline
+        An async function of no arguments: the code under test.
+    check
+        The pipeline's own invariants, checked after each run (a function or
+        an async function that raises where one does not hold).
+    timeout
+        Seconds to wait, after each run, for the GPU to finish.
+
+    Returns
+    -------
+    CancellationReport
+        The points, each with where it is and what the run did there.
+
+    Raises
+    ------
+    AssertionError
+        A run failed: naming the point, the operation and the line.
+    gpuflow.UsageTypeError
+        ``pipeline`` or ``check`` is not callable, or the pipeline returns no
+        awaitable.
+    gpuflow.UsageError
+        ``timeout`` is not a positive number.
     """
     if not callable(pipeline):
         raise UsageTypeError(

@@ -20,9 +20,14 @@ _POLL_S = 0.001
 
 
 def pending_runs() -> int:
-    """Runs handed to the completion completer that the GPU has not finished
+    """Runs handed to the completer that the GPU has not finished
     (what finalizers left, such as the release of another library's memory
-    after gpuflow's uses, is handed over first)."""
+    after gpuflow's uses, is handed over first).
+
+    Returns
+    -------
+    int
+    """
     run_finalized()
     return ensure_runtime().completer.pending
 
@@ -72,7 +77,12 @@ async def settle_async(timeout: float) -> int:
 
 def use_after_free_count() -> int:
     """How many device accesses to freed memory the ``sim`` backend has caught
-    (always 0 on ``cuda``, where compute-sanitizer is the detector)."""
+    (always 0 on ``cuda``, where compute-sanitizer is the detector).
+
+    Returns
+    -------
+    int
+    """
     return ensure_runtime().backend.use_after_free_count()
 
 
@@ -126,6 +136,19 @@ def assert_quiescent(timeout: float = 5.0) -> None:
     The wait blocks the calling thread (it sleeps a millisecond at a time),
     so it is refused (:class:`gpuflow.UsageError`) in a thread that runs an
     event loop: in async code, await :func:`assert_quiescent_async` instead.
+
+    Parameters
+    ----------
+    timeout
+        Seconds to wait for the GPU.
+
+    Raises
+    ------
+    AssertionError
+        A run pending after ``timeout``, a stream lease held, or a use after
+        free seen, each named.
+    gpuflow.UsageError
+        Called in a thread that runs an event loop.
     """
     refuse_blocking(
         "gf.testing.assert_quiescent()",
@@ -137,5 +160,16 @@ def assert_quiescent(timeout: float = 5.0) -> None:
 async def assert_quiescent_async(timeout: float = 5.0) -> None:
     """:func:`assert_quiescent` for async code: the wait sleeps in the event
     loop (``anyio.sleep``), so other tasks, and the loop's own completion of
-    the runs awaited, go on meanwhile.  A cancellation point."""
+    the runs awaited, go on meanwhile.  A cancellation point.
+
+    Parameters
+    ----------
+    timeout
+        Seconds to wait for the GPU.
+
+    Raises
+    ------
+    AssertionError
+        As :func:`assert_quiescent`.
+    """
     _raise(problems(timeout, pending=await settle_async(timeout)))

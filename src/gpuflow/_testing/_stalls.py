@@ -83,6 +83,23 @@ def assert_no_stall(limit: float = 0.05) -> Iterator[list[Stall]]:
     :func:`sys.setprofile`), so keep ``limit`` well above a call's usual
     microseconds; it replaces, for the block's duration, any profile hook
     the thread had, and restores it after.
+
+    Parameters
+    ----------
+    limit
+        The most seconds one entry into gpuflow may block its thread.
+
+    Yields
+    ------
+    list[Stall]
+        The stalls seen so far.
+
+    Raises
+    ------
+    AssertionError
+        On leaving the block, where a call took longer, naming each.
+    ValueError
+        ``limit`` is not a positive number.
     """
     if not limit > 0:
         raise ValueError(f"limit must be a positive number of seconds, not {limit!r}")
