@@ -77,6 +77,16 @@ class DeviceOperation(Generic[T]):
         points (:meth:`~DeviceOperation.sync`, :meth:`~DeviceOperation.sync_on`,
         :meth:`~DeviceOperation.enqueue_on`, ``await``)
         should call it, and combinators on behalf of them.
+
+        Parameters
+        ----------
+        ctx
+            Where the work goes: the run's device, stream and backend.
+
+        Returns
+        -------
+        T
+            The output handle (an array the work may still be writing).
         """
         raise NotImplementedError(f"{type(self).__name__}.execute")
 
@@ -86,6 +96,22 @@ class DeviceOperation(Generic[T]):
 
         ``fn`` runs on the host at enqueue time and gets the output handle; it
         must return a DeviceOperation.
+
+        Parameters
+        ----------
+        fn
+            Called with this operation's output, each time the chain runs.
+
+        Returns
+        -------
+        DeviceOperation
+            The output of ``fn``'s operation.
+
+        Raises
+        ------
+        gpuflow.UsageTypeError
+            ``fn`` is not callable (when the chain is built), or returns no
+            operation (when it runs).
         """
         if not callable(fn):
             raise UsageTypeError(f"then() expected a callable, got {type(fn).__name__}")
@@ -96,6 +122,21 @@ class DeviceOperation(Generic[T]):
 
         ``fn`` runs at enqueue time on device handles, or once the run is
         done when the output holds host data from :func:`to_host`.
+
+        Parameters
+        ----------
+        fn
+            Called with this operation's output.
+
+        Returns
+        -------
+        DeviceOperation
+            ``fn``'s result.
+
+        Raises
+        ------
+        gpuflow.UsageTypeError
+            ``fn`` is not callable.
         """
         if not callable(fn):
             raise UsageTypeError(f"map() expected a callable, got {type(fn).__name__}")
@@ -107,6 +148,10 @@ class DeviceOperation(Generic[T]):
         Every run of it (or of its clones), from any task or thread, gets the
         output of the single run, or the same error.  A run on another stream
         waits for the producer's work before it reads.
+
+        Returns
+        -------
+        SharedOperation
         """
         return SharedOperation(_SharedState(self))
 
@@ -114,6 +159,21 @@ class DeviceOperation(Generic[T]):
         """Split an operation producing an ``n``-tuple into ``n`` operations.
 
         The source runs once, however many parts are run and from where.
+
+        Parameters
+        ----------
+        n
+            How many elements the output tuple has (a positive int).
+
+        Returns
+        -------
+        tuple[DeviceOperation, ...]
+            One operation an element.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            ``n`` is not a positive int.
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise UsageError(f"unzip(n) needs a positive int, not {n!r}")
@@ -132,13 +192,52 @@ class DeviceOperation(Generic[T]):
     def sync(self, policy: SchedulingPolicy | None = None) -> T:
         """Run on a stream chosen by ``policy`` and block until done; return the output.
 
-        Raises :class:`UsageError` when called from a thread running an event
-        loop (that would block the loop): ``await`` the operation there.
+        Parameters
+        ----------
+        policy
+            Picks the stream (None: the default policy, or the lease's stream).
+
+        Returns
+        -------
+        T
+            The output, its work done.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Called from a thread running an event loop (that would block the
+            loop): ``await`` the operation there.
+        gpuflow.DeviceFaultError
+            The device has a sticky fault, or the work faulted.
+        gpuflow.UsageError
+            A check of the operation failed (each names what), before
+            anything is enqueued.
         """
         return _run.run_sync(self, policy)  # type: ignore[no-any-return]
 
     def sync_on(self, stream: Stream) -> T:
-        """Run on ``stream`` and block until the stream is idle; return the output."""
+        """Run on ``stream`` and block until the stream is idle; return the output.
+
+        Parameters
+        ----------
+        stream
+            Where the work goes.
+
+        Returns
+        -------
+        T
+            The output, its work done.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Called from a thread running an event loop.
+        gpuflow.DeviceFaultError
+            The device has a sticky fault, or the work faulted.
+        gpuflow.UsageError
+            A check of the operation failed (each names what), before
+            anything is enqueued.
+        """
         return _run.run_sync_on(self, stream)  # type: ignore[no-any-return]
 
     def enqueue_on(self, stream: Stream) -> T:
@@ -146,6 +245,24 @@ class DeviceOperation(Generic[T]):
 
         The caller synchronizes the stream before reading results; gpuflow
         keeps what the work uses alive until the GPU is done with it.
+
+        Parameters
+        ----------
+        stream
+            Where the work goes.
+
+        Returns
+        -------
+        T
+            The output handle (its work may still be running).
+
+        Raises
+        ------
+        gpuflow.DeviceFaultError
+            The device has a sticky fault, or the work faulted.
+        gpuflow.UsageError
+            A check of the operation failed (each names what), before
+            anything is enqueued.
         """
         return _run.run_enqueue_on(self, stream)  # type: ignore[no-any-return]
 
@@ -160,7 +277,30 @@ class DeviceOperation(Generic[T]):
         return _run.await_run(self)
 
     async def run(self, policy: SchedulingPolicy | None = None) -> T:
-        """``await op`` with an explicit scheduling policy."""
+        """``await op`` with an explicit scheduling policy.
+
+        Parameters
+        ----------
+        policy
+            Picks the stream (None: as ``await op``).
+
+        Returns
+        -------
+        T
+            The output, its work done.
+
+        Raises
+        ------
+        gpuflow.DeviceFaultError
+            The device has a sticky fault, or the work faulted.
+        gpuflow.UsageError
+            A check of the operation failed (each names what), before
+            anything is enqueued.
+
+        Cancelling the awaiting task raises the loop's cancellation at once;
+        work already enqueued finishes on the GPU, and what it uses is kept
+        alive until then.
+        """
         return await _run.RunAwaitable(self, policy)  # type: ignore[no-any-return]
 
     # -- for the run path ----------------------------------------------------------------
@@ -201,21 +341,50 @@ class DeviceOperation(Generic[T]):
 
     # -- graphs and pictures ---------------------------------------------------------
     def capture(self, stream: Stream | None = None) -> Graph[T]:
-        """Capture this operation's work into a replayable :class:`gpuflow.Graph`."""
+        """Capture this operation's work into a replayable :class:`gpuflow.Graph`.
+
+        Parameters
+        ----------
+        stream
+            The stream to capture on (None: a new one of the current device).
+
+        Returns
+        -------
+        Graph
+            Replayed by :meth:`Graph.launch`.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Work that cannot be captured (an allocation, a copy to the host,
+            a wait for another library's stream), naming it; or a capture
+            inside a capture.
+        """
         return Graph(_capture.record(self, stream))
 
     def to_dot(self) -> str:
-        """This operation's DAG as Graphviz DOT (kernels, copies, joins, shared points)."""
+        """This operation's DAG as Graphviz DOT (kernels, copies, joins, shared points).
+
+        Returns
+        -------
+        str
+            DOT text (``dot -Tsvg``).
+        """
         return _dot.to_dot(self)
 
     # -- for to_dot ----------------------------------------------------------------------
     def label(self) -> str:
+        """A short description of the operation: its node in :meth:`to_dot`,
+        its name in a trace and in its repr."""
         return type(self).__name__.lstrip("_")
 
     def children(self) -> Sequence[DeviceOperation[Any]]:
+        """The operations this one runs (a combinator's parts): the edges of
+        :meth:`to_dot`."""
         return ()
 
     def kind(self) -> str:
+        """What kind of node it is in :meth:`to_dot` (its shape)."""
         return "op"
 
     def dot_key(self) -> int:
