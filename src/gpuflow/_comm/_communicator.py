@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-import anyio
 import numpy as np
 
 from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall
@@ -58,17 +57,16 @@ from .._core import (
     Run,
     Runtime,
     current_device,
-    current_loop,
     ended_by,
     ensure_runtime,
     hazard_lock,
     order_after,
-    post,
 )
 from .._errors import CommunicatorError, UsageError, UsageTypeError
 from .._memory import DeviceArray, allocate, as_dtype, as_shape, resolve_array
 from .._scopes import Tracked
 from ._bootstrap import RankInfo
+from ._threads import off_loop
 
 if TYPE_CHECKING:
     from .._core import ExecutionContext, Stream
@@ -215,7 +213,7 @@ class Communicator:
         # joining waits for every rank: off the loop, and abandoned (never
         # waited for at exit) if the wait is cancelled; what it makes then
         # is released when it is made
-        self._raw = await _off_loop(
+        self._raw = await off_loop(
             lambda: be.comm_init(self.devices, self.ranks, self.nranks, self._uid),
             abandoned=self._destroy,
         )
@@ -242,7 +240,7 @@ class Communicator:
             if raws is not None:  # its runs are done: nothing of it is in use
                 # NCCL's destroy waits for the other ranks of this host: a
                 # cancellation leaves it to finish in its thread
-                await _off_loop(lambda: self._destroy(raws))
+                await off_loop(lambda: self._destroy(raws))
         if exc is None and self._error is not None:
             raise self._error
 
@@ -254,7 +252,13 @@ class Communicator:
     def abort(self, reason: str = "aborted by the program") -> None:
         """Abort: the collectives in flight return (their runs fail with
         :class:`CommunicatorError`), later ones are refused.  Idempotent; any
-        thread."""
+        thread.
+
+        Parameters
+        ----------
+        reason
+            What the error of the failed runs says.
+        """
         self._fail(
             CommunicatorError(
                 f"communicator of ranks {list(self.ranks)} (of {self.nranks}) aborted: {reason}",
@@ -280,11 +284,21 @@ class Communicator:
         return any(not s.done for s in list(self._last.values()))
 
     def failure(self) -> CommunicatorError | None:
-        """The error a run that used it fails with, once it was aborted."""
+        """The error a run that used it fails with, once it was aborted.
+
+        Returns
+        -------
+        CommunicatorError or None
+        """
         return self._error
 
     def poll(self) -> None:
-        """Ask the backend for an asynchronous error; abort on one.  Completer thread."""
+        """Ask the backend for an asynchronous error; abort on one.  Completer thread.
+
+        Returns
+        -------
+        None
+        """
         for raw in list(self._raw or ()):
             err = self._rt.backend.comm_async_error(raw)
             if err is not None:
@@ -322,29 +336,163 @@ class Communicator:
     def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:
         """Reduce ``x`` over the ranks (``"sum"``, ``"prod"``, ``"max"``,
         ``"min"``, ``"avg"``); every rank gets the result, in a new array or
-        in ``out`` (``out=x``: in place)."""
+        in ``out`` (``out=x``: in place).
+
+        Parameters
+        ----------
+        x
+            The rank's array (or an operation producing it); in a
+            communicator of several devices of this process, a sequence of
+            them, one a device in the order of :attr:`devices`.
+        op
+            ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``.
+        out
+            Where the result goes (an array, or one a device; None: new arrays).
+
+        Returns
+        -------
+        DeviceOperation
+            The result array (a list of them, one a device, where ``x`` was a
+            sequence).
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Arguments the collective cannot take (a dtype NCCL cannot pass,
+            shapes that do not fit, a rank out of range, a communicator not
+            open), when the operation is built.
+        gpuflow.CommunicatorError
+            When it runs: the communicator was aborted (a peer left, a
+            deadline, :meth:`abort`).
+        """
         return _Collective(self, "all_reduce", x, out, op=_reduction(op))
 
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None) -> DeviceOperation[Any]:
         """Every rank gets rank ``root``'s ``x`` (the other ranks' ``x`` is not
-        read: it gives the shape and type), in a new array or ``out``."""
+        read: it gives the shape and type), in a new array or ``out``.
+
+        Parameters
+        ----------
+        x
+            The rank's array (or an operation producing it); in a
+            communicator of several devices of this process, a sequence of
+            them, one a device in the order of :attr:`devices`.
+        root
+            The rank whose ``x`` every rank gets.
+        out
+            Where the result goes (an array, or one a device; None: new arrays).
+
+        Returns
+        -------
+        DeviceOperation
+            The result array (a list of them, one a device, where ``x`` was a
+            sequence).
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Arguments the collective cannot take (a dtype NCCL cannot pass,
+            shapes that do not fit, a rank out of range, a communicator not
+            open), when the operation is built.
+        gpuflow.CommunicatorError
+            When it runs: the communicator was aborted (a peer left, a
+            deadline, :meth:`abort`).
+        """
         return _Collective(self, "broadcast", x, out, peer=self._rank_arg(root, "root"))
 
     def all_gather(self, x: Any, *, out: Any = None) -> DeviceOperation[Any]:
         """Every rank gets every rank's ``x``, stacked in rank order: shape
-        ``(nranks, *x.shape)``."""
+        ``(nranks, *x.shape)``.
+
+        Parameters
+        ----------
+        x
+            The rank's array (or an operation producing it); in a
+            communicator of several devices of this process, a sequence of
+            them, one a device in the order of :attr:`devices`.
+        out
+            Where the result goes (an array, or one a device; None: new arrays).
+
+        Returns
+        -------
+        DeviceOperation
+            The result array (a list of them, one a device, where ``x`` was a
+            sequence).
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Arguments the collective cannot take (a dtype NCCL cannot pass,
+            shapes that do not fit, a rank out of range, a communicator not
+            open), when the operation is built.
+        gpuflow.CommunicatorError
+            When it runs: the communicator was aborted (a peer left, a
+            deadline, :meth:`abort`).
+        """
         return _Collective(self, "all_gather", x, out)
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:
         """Reduce ``x`` (shape ``(nranks, *s)``) over the ranks; rank ``r``
-        gets row ``r`` of the result (shape ``s``)."""
+        gets row ``r`` of the result (shape ``s``).
+
+        Parameters
+        ----------
+        x
+            The rank's array (or an operation producing it); in a
+            communicator of several devices of this process, a sequence of
+            them, one a device in the order of :attr:`devices`.
+        op
+            ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``.
+        out
+            Where the result goes (an array, or one a device; None: new arrays).
+
+        Returns
+        -------
+        DeviceOperation
+            The result array (a list of them, one a device, where ``x`` was a
+            sequence).
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Arguments the collective cannot take (a dtype NCCL cannot pass,
+            shapes that do not fit, a rank out of range, a communicator not
+            open), when the operation is built.
+        gpuflow.CommunicatorError
+            When it runs: the communicator was aborted (a peer left, a
+            deadline, :meth:`abort`).
+        """
         return _Collective(self, "reduce_scatter", x, out, op=_reduction(op))
 
     def send(self, x: Any, peer: int) -> DeviceOperation[None]:
         """Send ``x`` to rank ``peer``, which receives it with :meth:`recv`.
 
         It completes when the peer has taken it.  Between devices of this
-        process, issue both in one :meth:`group`."""
+        process, issue both in one :meth:`group`.
+
+        Parameters
+        ----------
+        x
+            The rank's array (or an operation producing it); in a
+            communicator of several devices of this process, a sequence of
+            them, one a device in the order of :attr:`devices`.
+        peer
+            The receiving rank.
+
+        Returns
+        -------
+        DeviceOperation[None]
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Arguments the collective cannot take (a dtype NCCL cannot pass,
+            shapes that do not fit, a rank out of range, a communicator not
+            open), when the operation is built.
+        gpuflow.CommunicatorError
+            When it runs: the communicator was aborted (a peer left, a
+            deadline, :meth:`abort`).
+        """
         return _Collective(self, "send", x, None, peer=self._rank_arg(peer, "peer"))
 
     def recv(
@@ -358,7 +506,33 @@ class Communicator:
     ) -> DeviceOperation[DeviceArray]:
         """Receive what rank ``peer`` sends, into ``out`` or a new array of
         ``shape`` and ``dtype`` (on ``device``, in a communicator of this
-        process's devices: which rank receives)."""
+        process's devices: which rank receives).
+
+        Parameters
+        ----------
+        peer
+            The sending rank.
+        out
+            The array to receive into (None: a new one of ``shape`` and ``dtype``).
+        shape, dtype
+            The new array's (with no ``out``).
+        device
+            The receiving device, in a communicator of this process's devices.
+
+        Returns
+        -------
+        DeviceOperation[DeviceArray]
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Arguments the collective cannot take (a dtype NCCL cannot pass,
+            shapes that do not fit, a rank out of range, a communicator not
+            open), when the operation is built.
+        gpuflow.CommunicatorError
+            When it runs: the communicator was aborted (a peer left, a
+            deadline, :meth:`abort`).
+        """
         if (out is None) == (shape is None):
             raise UsageError("recv() takes out=, or shape= and dtype= for a new array")
         like = None
@@ -371,7 +545,25 @@ class Communicator:
     def group(self, *ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]:
         """Issue several collectives and transfers as one NCCL group (a send
         and its recv between this process's devices, several collectives in
-        one launch); produces the tuple of their outputs."""
+        one launch); produces the tuple of their outputs.
+
+        Parameters
+        ----------
+        *ops
+            Collectives and transfers of this communicator.
+
+        Returns
+        -------
+        DeviceOperation[tuple]
+            Their outputs, in order.
+
+        Raises
+        ------
+        gpuflow.UsageTypeError
+            An argument that is not a collective of this communicator.
+        gpuflow.UsageError
+            No operation.
+        """
         for i, op in enumerate(ops):
             if not isinstance(op, _Collective):
                 raise UsageTypeError(
@@ -388,50 +580,6 @@ class Communicator:
         if not 0 <= r < self.nranks:
             raise UsageError(f"{what} {r} is not one of the {self.nranks} ranks")
         return r
-
-
-async def _off_loop(fn: Callable[[], T], abandoned: Callable[[T], object] | None = None) -> T:
-    """``fn()`` in a daemon thread of its own, awaited cancellably.
-
-    A blocking call that may never return (NCCL's initialisation waiting for
-    a rank that never comes) must neither block the loop nor keep the
-    process from exiting, as a worker thread of AnyIO's would.  If the wait
-    is cancelled, the thread goes on; ``abandoned(result)`` then runs in it
-    when ``fn`` returns.
-    """
-    loop = current_loop()
-    done = anyio.Event()
-    box: list[tuple[bool, Any]] = []
-    gave_up: list[bool] = []
-    lock = threading.Lock()  # the result is released exactly once, here or there
-
-    def work() -> None:
-        try:
-            result: tuple[bool, Any] = (True, fn())
-        except BaseException as exc:
-            result = (False, exc)
-        with lock:
-            box.append(result)
-            nobody = bool(gave_up)
-        if not nobody:
-            post(loop.target, loop.post, [done.set])
-        elif result[0] and abandoned is not None:
-            abandoned(result[1])
-
-    threading.Thread(target=work, name="gpuflow-communicator", daemon=True).start()
-    try:
-        await done.wait()
-    except BaseException:
-        with lock:
-            gave_up.append(True)
-            ended = box[0] if box else None
-        if ended is not None and ended[0] and abandoned is not None:  # it ended meanwhile
-            abandoned(ended[1])
-        raise
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
 
 
 def _reduction(op: Any) -> str:

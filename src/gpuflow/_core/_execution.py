@@ -63,17 +63,39 @@ class ExecutionContext:
         return self._capturing
 
     def keep(self, *objs: Any) -> None:
-        """Keep ``objs`` alive until the GPU has finished the work enqueued so far."""
+        """Keep ``objs`` alive until the GPU has finished the work enqueued so far.
+
+        Parameters
+        ----------
+        *objs
+            Whatever the enqueued work still uses (buffers, modules, host memory).
+        """
         self.run.hold(objs)
 
     def with_stream(self, stream: Stream) -> ExecutionContext:
-        """The same run, enqueueing on ``stream``."""
+        """The same run, enqueueing on ``stream``.
+
+        Parameters
+        ----------
+        stream
+            A stream of the run's device.
+
+        Returns
+        -------
+        ExecutionContext
+        """
         return ExecutionContext(
             self.runtime, stream, self._policy, self.run, self._capturing
         )
 
     def fork(self) -> Stream:
-        """Another stream of this device for independent work (may be ``self.stream``)."""
+        """Another stream of this device for independent work (may be ``self.stream``).
+
+        Returns
+        -------
+        Stream
+            Join it back with :meth:`wait_for` before the run ends.
+        """
         if self._policy is None:
             return self.stream
         return self._policy.next_stream(self.device)
@@ -81,7 +103,13 @@ class ExecutionContext:
     def wait_for(self, other: Stream) -> None:
         """Make later work on ``self.stream`` wait for what ``other`` has enqueued
         (the join of work this run forked onto ``other``): the event also
-        marks, for hazard tracking, where the run's work on ``other`` ends."""
+        marks, for hazard tracking, where the run's work on ``other`` ends.
+
+        Parameters
+        ----------
+        other
+            A stream this run forked work onto (:meth:`fork`).
+        """
         if other != self.stream:
             be = self.runtime.backend
             event = be.record_event(other.raw)

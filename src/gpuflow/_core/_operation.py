@@ -657,7 +657,12 @@ class SharedOperation(DeviceOperation[T]):
         self._state = state
 
     def clone(self) -> SharedOperation[T]:
-        """Another handle on the same single run."""
+        """Another handle on the same single run.
+
+        Returns
+        -------
+        SharedOperation
+        """
         return SharedOperation(self._state)
 
     def execute(self, ctx: ExecutionContext) -> T:
@@ -764,12 +769,23 @@ class Graph(Generic[T]):
 
         It produces the captured operation's output handles: the same arrays
         each time, holding the new results.
+
+        Returns
+        -------
+        DeviceOperation
+            The captured operation's output handles.
         """
         return _GraphLaunch(self)
 
     def update(self, op: DeviceOperation[Any]) -> None:
         """Run ``op`` (an input refresh such as ``gf.copy(new, out=graph_input)``)
-        in order before the next launch, on the launch's stream."""
+        in order before the next launch, on the launch's stream.
+
+        Parameters
+        ----------
+        op
+            The refresh; it runs once, before the next launch only.
+        """
         _as_op(op, "Graph.update()")
         with self._lock:
             self._updates.append(op)

@@ -27,7 +27,17 @@ class SchedulingPolicy(Protocol):
     """
 
     def next_stream(self, device: int) -> Stream:
-        """The stream of ``device`` that the next run (or ``zip`` arm) goes to."""
+        """The stream of ``device`` that the next run (or ``zip`` arm) goes to.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        Stream
+        """
         ...
 
 
@@ -112,7 +122,19 @@ class StreamPoolLeastLoaded:
         new one; None where every stream is busy at the bound.  ``prefer``
         is looked at first, where it is one of the device's streams
         (gpuflow's runs of a collective pass their rank's previous
-        stream)."""
+        stream).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        prefer
+            A stream to look at first.
+
+        Returns
+        -------
+        Stream or None
+        """
         rt = CURRENT.runtime or ensure_runtime()
         try:
             streams = rt.device_streams[device]
@@ -143,7 +165,19 @@ class StreamPoolLeastLoaded:
     def next_stream(self, device: int, prefer: Stream | None = None) -> Stream:
         """The stream of ``device`` for the next run: steps 1 and 2
         (:meth:`idle_stream`), else the least-loaded stream (step 3 for a
-        run that cannot wait)."""
+        run that cannot wait).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        prefer
+            A stream to look at first.
+
+        Returns
+        -------
+        Stream
+        """
         s = self.idle_stream(device, prefer)
         if s is None:
             s = least_loaded(ensure_runtime().streams(device), time.monotonic() - self._stall)

@@ -68,7 +68,12 @@ class Stream:
     def current(self) -> bool:
         """The stream belongs to the runtime in use and to its device's
         context as it is now (not one that a reset or a new
-        :func:`gpuflow.init_device_contexts` replaced)."""
+        :func:`gpuflow.init_device_contexts` replaced).
+
+        Returns
+        -------
+        bool
+        """
         return self.runtime.current(self)
 
     # -- what a scheduling policy asks (reads without a lock: a race with the
@@ -76,7 +81,12 @@ class Stream:
     def idle(self) -> bool:
         """Nothing is pending on the stream: the GPU has reached the end of
         every run enqueued on it, and no blocking run (``sync``) is in
-        flight there.  At most a read of its completion word, no driver call."""
+        flight there.  At most a read of its completion word, no driver call.
+
+        Returns
+        -------
+        bool
+        """
         lane = self.lane
         # (what lane.idle() says, without the call: every run asks this)
         return not self._syncs and (
@@ -89,24 +99,49 @@ class Stream:
 
     def load(self) -> int:
         """How many runs on the stream the GPU has not finished (blocking
-        runs in flight included)."""
+        runs in flight included).
+
+        Returns
+        -------
+        int
+        """
         lane = self.lane
         return self._syncs + (0 if lane is None else lane.backlog())
 
     def stalled(self, since: float) -> bool:
         """The stream has runs pending and finished none since ``since``
-        (``time.monotonic``): it is running long work."""
+        (``time.monotonic``): it is running long work.
+
+        Parameters
+        ----------
+        since
+            A ``time.monotonic()`` reading.
+
+        Returns
+        -------
+        bool
+        """
         lane = self.lane
         return lane is not None and lane.since < since and lane.read() <= lane.completed
 
     def begin_blocking(self) -> None:
         """A blocking run (``sync``) starts on the stream: it counts as busy
-        until :meth:`end_blocking` (the completer never sees such a run)."""
+        until :meth:`end_blocking` (the completer never sees such a run).
+
+        Returns
+        -------
+        None
+        """
         with _blocking_lock:
             self._syncs += 1
 
     def end_blocking(self) -> None:
-        """The blocking run that :meth:`begin_blocking` counted has ended."""
+        """The blocking run that :meth:`begin_blocking` counted has ended.
+
+        Returns
+        -------
+        None
+        """
         with _blocking_lock:
             self._syncs -= 1
 
@@ -119,6 +154,13 @@ class Stream:
         same work without blocking.  The frees of arrays dropped before the
         call are enqueued first (on their own streams), so the memory of one
         dropped on this stream is freed when it returns.
+
+        Raises
+        ------
+        gpuflow.DeviceFaultError
+            The device faulted.
+        gpuflow.UsageError
+            Called in a thread that runs an event loop.
         """
         refuse_blocking(
             "stream.synchronize()", "in async code, `await gf.wait_stream(stream)`"

@@ -193,7 +193,24 @@ class LaunchConfig:
 
     @classmethod
     def for_num_elems(cls, n: int, block: int = 256) -> LaunchConfig:
-        """One thread an element: ``ceil(n / block)`` blocks of ``block`` threads."""
+        """One thread an element: ``ceil(n / block)`` blocks of ``block`` threads.
+
+        Parameters
+        ----------
+        n
+            How many elements (zero or more: at least one block).
+        block
+            Threads a block.
+
+        Returns
+        -------
+        LaunchConfig
+
+        Raises
+        ------
+        gpuflow.UsageError
+            ``n`` is not a non-negative int.
+        """
         if not isinstance(n, int) or n < 0:
             raise UsageError(f"for_num_elems: n must be a non-negative int, not {n!r}")
         return cls(max(1, math.ceil(n / block)), block)
@@ -236,7 +253,22 @@ class Module:
         return dict(self._kernels)
 
     def binary_for(self, arch: str) -> bytes:
-        """Device code for ``arch`` (``sm_90``: CUBIN; ``compute_90``: PTX), compiled once."""
+        """Device code for ``arch`` (``sm_90``: CUBIN; ``compute_90``: PTX), compiled once.
+
+        Parameters
+        ----------
+        arch
+            An NVRTC architecture (``"sm_90"``, ``"compute_90"``).
+
+        Returns
+        -------
+        bytes
+
+        Raises
+        ------
+        gpuflow.CompileError
+            NVRTC rejected the source for ``arch``.
+        """
         return compile_source(self.source, arch, self.options)
 
     def __getattr__(self, name: str) -> Kernel:

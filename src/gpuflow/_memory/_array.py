@@ -106,7 +106,23 @@ class DeviceArray:
         return self.allocation.buffer.ptr
 
     def reshape(self, *shape: SupportsIndex | Sequence[SupportsIndex]) -> DeviceArray:
-        """The same memory with another shape (same number of elements)."""
+        """The same memory with another shape (same number of elements).
+
+        Parameters
+        ----------
+        *shape
+            The new shape: ints, or one sequence of them (no ``-1``: every dimension given).
+
+        Returns
+        -------
+        DeviceArray
+            Sharing this array's memory (no copy, no GPU work).
+
+        Raises
+        ------
+        gpuflow.UsageError
+            A shape of another number of elements.
+        """
         new = as_shape(shape[0] if len(shape) == 1 else shape)  # type: ignore[arg-type]
         if math.prod(new) != self.size:
             raise UsageError(f"cannot reshape an array of size {self.size} into {new}")

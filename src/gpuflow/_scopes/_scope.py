@@ -187,6 +187,13 @@ class StreamLease:
         return self._stream
 
     def track(self, run: Run) -> None:
+        """Wait for ``run`` at the scope's exit (a run started in the scope).
+
+        Parameters
+        ----------
+        run
+            The run.
+        """
         self._tracked.track(run)
 
     async def __aenter__(self) -> StreamLease:
@@ -266,6 +273,13 @@ class DeviceGroup:
         return None
 
     def track(self, run: Run) -> None:
+        """Wait for ``run`` at the scope's exit (a run started in the scope).
+
+        Parameters
+        ----------
+        run
+            The run.
+        """
         self._tracked.track(run)
 
     def start_soon(
@@ -279,6 +293,22 @@ class DeviceGroup:
 
         ``device=None`` takes the group's devices in turn.  A failure in one
         child cancels the others, as in any AnyIO task group.
+
+        Parameters
+        ----------
+        fn
+            An async function.
+        *args
+            Its arguments.
+        device
+            The device current in the child (None: the group's devices in turn).
+        name
+            The task's name, as AnyIO's ``start_soon`` takes it.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Outside the group's ``async with``, or a device not in the group.
         """
         if self._tg is None:
             raise UsageError("start_soon() outside the device group's `async with`")
