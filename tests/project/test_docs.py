@@ -8,6 +8,7 @@ does not render fails too).  The README stays short and points to the site.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -73,6 +74,31 @@ def test_every_public_function_says_its_parameters_returns_or_raises(
     functions = [n for n in ns.__all__ if isinstance(getattr(ns, n), types.FunctionType)]
     assert len(functions) > 3
     bare = [n for n in functions if not SECTIONS.search(getattr(ns, n).__doc__ or "")]
+    assert bare == []
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_every_public_method_says_its_parameters_returns_or_raises(
+    ns: types.ModuleType,
+) -> None:
+    # of the public classes, every method that takes an argument or gives
+    # something back (one with neither has nothing for the sections to say)
+    bare = []
+    for n in ns.__all__:
+        cls = getattr(ns, n)
+        if not isinstance(cls, type) or issubclass(cls, BaseException):
+            continue
+        for name in dir(cls):
+            m = inspect.getattr_static(cls, name)
+            if isinstance(m, staticmethod | classmethod):
+                m = m.__func__
+            if name.startswith("_") or not isinstance(m, types.FunctionType):
+                continue
+            sig = inspect.signature(m)
+            if len(sig.parameters) <= 1 and sig.return_annotation in (None, "None"):
+                continue
+            if not SECTIONS.search(inspect.getdoc(getattr(cls, name)) or ""):
+                bare.append(f"{n}.{name}")
     assert bare == []
 
 

@@ -202,98 +202,318 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def device_state(self, device: int) -> DeviceState:
         """The per-device state of ``device`` (through :meth:`_lookup`): the
-        same object for the life of the backend (the runtime keeps it)."""
+        same object for the life of the backend (the runtime keeps it).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        DeviceState
+        """
 
     def device_fault(self, device: int) -> DeviceFaultError | None:
-        """The sticky fault of ``device``, if one has been seen."""
+        """The sticky fault of ``device``, if one has been seen.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        DeviceFaultError | None
+        """
         return self.device_state(device).fault
 
     @abc.abstractmethod
     def device_arch(self, device: int) -> str:
-        """The ``sm_XY`` device code of ``device`` is compiled for."""
+        """The ``sm_XY`` device code of ``device`` is compiled for.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        str
+        """
 
     def graph_handle(self, graph: Any) -> int:
-        """The address of a captured graph's executable form (``CUgraphExec``)."""
+        """The address of a captured graph's executable form (``CUgraphExec``).
+
+        Parameters
+        ----------
+        graph
+            The backend's captured graph.
+
+        Returns
+        -------
+        int
+        """
         raise UsageError(f"graphs of the {self.name} backend have no CUDA handle")
 
     def use_after_free_count(self) -> int:
         """How many device accesses to freed memory the backend caught (0 where
-        it cannot see them: on CUDA, compute-sanitizer is the detector)."""
+        it cannot see them: on CUDA, compute-sanitizer is the detector).
+
+        Returns
+        -------
+        int
+        """
         return 0
 
     @abc.abstractmethod
-    def device_name(self, device: int) -> str: ...
+    def device_name(self, device: int) -> str:
+        """A name of ``device`` for people (``"NVIDIA H200"``, ``"sim device 0"``).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        str
+        """
 
     # -- streams --------------------------------------------------------------
     @abc.abstractmethod
     def create_stream(self, device: int) -> Any:
-        """A new non-blocking stream on ``device``."""
+        """A new non-blocking stream on ``device``.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        object
+        """
 
     @abc.abstractmethod
     def destroy_stream(self, stream: Any) -> None:
-        """Release a stream; work already enqueued still completes."""
+        """Release a stream; work already enqueued still completes.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def stream_destroyed(self, stream: Any) -> bool:
         """Whether :meth:`destroy_stream` was called on ``stream`` (new work
-        on it is refused; what it had still completes)."""
+        on it is refused; what it had still completes).
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        bool
+        """
 
     @abc.abstractmethod
     def stream_handle(self, stream: Any) -> int:
-        """The ``CUstream`` address, for ``__cuda_stream__``."""
+        """The ``CUstream`` address, for ``__cuda_stream__``.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        int
+        """
 
     @abc.abstractmethod
     def synchronize(self, stream: Any) -> None:
-        """Block until the stream is idle; DeviceFaultError after a fault."""
+        """Block until the stream is idle; DeviceFaultError after a fault.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def query(self, stream: Any) -> bool:
-        """True when all work on the stream is done; DeviceFaultError after a fault."""
+        """True when all work on the stream is done; DeviceFaultError after a fault.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        bool
+        """
 
     # -- events ---------------------------------------------------------------
     @abc.abstractmethod
     def record_event(self, stream: Any) -> Any:
-        """An event that completes when the stream's current work is done."""
+        """An event that completes when the stream's current work is done.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        object
+        """
 
     @abc.abstractmethod
     def wait_event(self, stream: Any, event: Any) -> None:
-        """Later work on ``stream`` waits for ``event`` (any device)."""
+        """Later work on ``stream`` waits for ``event`` (any device).
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        event
+            The backend's event.
+        """
 
     # -- memory ---------------------------------------------------------------
     @abc.abstractmethod
     def alloc(self, device: int, nbytes: int, stream: Any) -> RawBuffer:
-        """Stream-ordered allocation; OutOfMemoryError when it fails."""
+        """Stream-ordered allocation; OutOfMemoryError when it fails.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        nbytes
+            How many bytes.
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        RawBuffer
+        """
 
     @abc.abstractmethod
     def free(self, buffer: RawBuffer, stream: Any) -> None:
-        """Stream-ordered free, after all work enqueued on ``stream``."""
+        """Stream-ordered free, after all work enqueued on ``stream``.
+
+        Parameters
+        ----------
+        buffer
+            The backend's buffer.
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def copy_from_host(self, dst: RawBuffer, src: np.ndarray[Any, Any], stream: Any) -> None:
-        """Copy a C-contiguous host array into ``dst``; ``src`` must stay alive until done."""
+        """Copy a C-contiguous host array into ``dst``; ``src`` must stay alive until done.
+
+        Parameters
+        ----------
+        dst
+            Where the data goes.
+        src
+            Where the data comes from.
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def copy_to_host(self, dst: np.ndarray[Any, Any], src: RawBuffer, stream: Any) -> None:
-        """Copy ``dst.nbytes`` from ``src`` into a C-contiguous host array."""
+        """Copy ``dst.nbytes`` from ``src`` into a C-contiguous host array.
+
+        Parameters
+        ----------
+        dst
+            Where the data goes.
+        src
+            Where the data comes from.
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def copy_device(self, dst: RawBuffer, src: RawBuffer, nbytes: int, stream: Any) -> None:
-        """Device-to-device copy; peer-to-peer when the devices differ."""
+        """Device-to-device copy; peer-to-peer when the devices differ.
+
+        Parameters
+        ----------
+        dst
+            Where the data goes.
+        src
+            Where the data comes from.
+        nbytes
+            How many bytes.
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def fill(self, dst: RawBuffer, value: np.generic, count: int, stream: Any) -> None:
-        """Set ``count`` elements of ``value``'s dtype to ``value``."""
+        """Set ``count`` elements of ``value``'s dtype to ``value``.
+
+        Parameters
+        ----------
+        dst
+            Where the data goes.
+        value
+            The value each element gets.
+        count
+            How many elements.
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def arange(
         self, dst: RawBuffer, start: np.generic, step: np.generic, count: int, stream: Any
     ) -> None:
-        """Write ``start + i * step`` for ``i < count``, in ``start``'s dtype."""
+        """Write ``start + i * step`` for ``i < count``, in ``start``'s dtype.
+
+        Parameters
+        ----------
+        dst
+            Where the data goes.
+        start
+            The first number.
+        step
+            The distance between two numbers.
+        count
+            How many elements.
+        stream
+            The backend's stream.
+        """
 
     # -- kernels --------------------------------------------------------------
     @abc.abstractmethod
     def load_kernel(self, device: int, module: ModuleSource, name: str) -> Any:
-        """A launchable handle of kernel ``name`` on ``device`` (cached by the caller)."""
+        """A launchable handle of kernel ``name`` on ``device`` (cached by the caller).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        module
+            The compiled module (:class:`gpuflow.Module`).
+        name
+            The kernel's name.
+
+        Returns
+        -------
+        object
+        """
 
     @abc.abstractmethod
     def launch(
@@ -305,7 +525,23 @@ class Backend(abc.ABC):
         args: Sequence[KernelArg],
         stream: Any,
     ) -> None:
-        """Enqueue a kernel; LaunchError for a bad configuration."""
+        """Enqueue a kernel; LaunchError for a bad configuration.
+
+        Parameters
+        ----------
+        kernel
+            The backend's kernel (``load_kernel``'s).
+        grid
+            Blocks, per dimension.
+        block
+            Threads a block, per dimension.
+        shmem
+            Dynamic shared memory a block, in bytes.
+        args
+            The kernel's arguments, in its signature's order.
+        stream
+            The backend's stream.
+        """
 
     def launcher(
         self,
@@ -318,7 +554,25 @@ class Backend(abc.ABC):
         """:meth:`launch` of ``kernel`` with everything but the stream fixed
         (scalar arguments only): called with a stream, it enqueues the
         kernel there.  Made once for many launches; a backend may prepare
-        the call (the cuda backend packs the arguments once)."""
+        the call (the cuda backend packs the arguments once).
+
+        Parameters
+        ----------
+        kernel
+            The backend's kernel (``load_kernel``'s).
+        grid
+            Blocks, per dimension.
+        block
+            Threads a block, per dimension.
+        shmem
+            Dynamic shared memory a block, in bytes.
+        args
+            The kernel's arguments, in its signature's order.
+
+        Returns
+        -------
+        Callable[[Any], None]
+        """
         launch = self.launch
 
         def launch_on(stream: Any) -> None:
@@ -340,12 +594,34 @@ class Backend(abc.ABC):
         backend may mark it more cheaply (the cuda backend records an event:
         no memory operation between kernels); the reader and ``wait_mark``
         still see it reached, and a later mark reached covers it.  A
-        faulted device reaches no mark.  Inside a capture: UsageError."""
+        faulted device reaches no mark.  Inside a capture: UsageError.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        polled
+            Whether an event loop reads the mark (a word) or none does (a silent mark).
+
+        Returns
+        -------
+        int
+        """
 
     def marker(self, stream: Any) -> Callable[[bool], int]:
         """:meth:`mark` of ``stream``, made once for its many marks (called
         with ``polled``): a backend may prepare what every mark of the
-        stream repeats."""
+        stream repeats.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        Callable[[bool], int]
+        """
         return functools.partial(self.mark, stream)
 
     @abc.abstractmethod
@@ -354,12 +630,32 @@ class Backend(abc.ABC):
         GPU has reached (0 before any).  Cheap: a read of memory the GPU
         writes, where the device can (a silent mark not yet seen reached is
         asked of the driver); callable from any thread, never blocks, never
-        raises.  A stream keeps its numbering for its whole life."""
+        raises.  A stream keeps its numbering for its whole life.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        Callable[[], int]
+        """
 
     @abc.abstractmethod
     def wait_mark(self, stream: Any, other: Any, number: int) -> None:
         """Later work on ``stream`` waits until ``other`` (a stream of any
-        device of this backend) has reached its mark ``number``."""
+        device of this backend) has reached its mark ``number``.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        other
+            The stream whose mark is waited for.
+        number
+            The mark's number.
+        """
 
     def enqueue_close(self, stream: Any, fd: int) -> bool:
         """When the GPU reaches this point of ``stream``, close ``fd`` (once,
@@ -367,13 +663,31 @@ class Backend(abc.ABC):
         False, with nothing enqueued, where this point cannot be marked that
         way (a stream being captured: a graph would close it at every
         replay).  On a fault the close may never happen: ``fd`` is the
-        caller's to leak, never to close itself."""
+        caller's to leak, never to close itself.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        fd
+            The file descriptor to close.
+
+        Returns
+        -------
+        bool
+        """
         return False
 
     def complete_transfers(self, stream: Any) -> None:
         """Marks of ``stream`` were seen reached: deliver what the work before
         them must have delivered by the time it is reported done (on CUDA,
-        device-to-host copies staged through pinned memory).  Never raises."""
+        device-to-host copies staged through pinned memory).  Never raises.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        """
         return None
 
     # -- communicators (NCCL's model) ------------------------------------------
@@ -382,7 +696,12 @@ class Backend(abc.ABC):
 
     def comm_unique_id(self) -> bytes:
         """A new id for the ranks of one communicator to meet by (made by one
-        rank, handed to the others by the caller)."""
+        rank, handed to the others by the caller).
+
+        Returns
+        -------
+        bytes
+        """
         raise self._no_comms()
 
     def comm_init(
@@ -391,14 +710,36 @@ class Backend(abc.ABC):
         """The raw communicators of this process's ranks: ``ranks[i]`` on
         ``devices[i]``, of ``nranks`` in all.  ``unique_id`` None: the devices
         are every rank (one process).  Blocks until every rank has joined;
-        a :class:`gpuflow.UsageError` for an id the backend did not make."""
+        a :class:`gpuflow.UsageError` for an id the backend did not make.
+
+        Parameters
+        ----------
+        devices
+            The devices, one a rank of this process.
+        ranks
+            The ranks of this process's devices.
+        nranks
+            How many ranks the communicator has.
+        unique_id
+            The ranks' meeting id (``comm_unique_id``'s).
+
+        Returns
+        -------
+        list[Any]
+        """
         raise self._no_comms()
 
     def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
         """Enqueue ``(comm, call, stream)`` calls as one group (NCCL's
         ``ncclGroupStart``/``End``): the parts of one collective on several
         devices of this process, or a send and the recv that matches it.
-        :class:`gpuflow.CommunicatorError` where NCCL refuses them."""
+        :class:`gpuflow.CommunicatorError` where NCCL refuses them.
+
+        Parameters
+        ----------
+        calls
+            The collectives, each with its communicator and stream.
+        """
         raise self._no_comms()
 
     def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
@@ -406,7 +747,19 @@ class Backend(abc.ABC):
         stream fixed: called with a stream, it enqueues the call there, with
         the same checks and errors.  Made once for the many runs of one
         collective (a training loop's all-reduce); a backend may resolve
-        the call's arguments once."""
+        the call's arguments once.
+
+        Parameters
+        ----------
+        comm
+            The backend's communicator.
+        call
+            The collective.
+
+        Returns
+        -------
+        Callable[[Any], None]
+        """
 
         def issue(stream: Any) -> None:
             self.comm_group(((comm, call, stream),))
@@ -415,7 +768,17 @@ class Backend(abc.ABC):
 
     def comm_async_error(self, comm: Any) -> CommunicatorError | None:
         """The error the communicator reported since (a peer left, NCCL failed),
-        if any.  Never blocks, never raises."""
+        if any.  Never blocks, never raises.
+
+        Parameters
+        ----------
+        comm
+            The backend's communicator.
+
+        Returns
+        -------
+        CommunicatorError | None
+        """
         return None
 
     def comm_abort(self, comm: Any) -> None:  # noqa: B027 - no communicators, nothing to do
@@ -423,29 +786,75 @@ class Backend(abc.ABC):
         refuse more; its collectives still queued return at once when
         reached.  Frees nothing the GPU may still use: :meth:`comm_destroy`
         does, once the runs that used it are done.  Any thread; never raises
-        (warns)."""
+        (warns).
+
+        Parameters
+        ----------
+        comm
+            The backend's communicator.
+        """
 
     def comm_destroy(self, comm: Any) -> None:  # noqa: B027
         """Release a communicator whose work is done (aborted or not).  Never
-        raises (warns)."""
+        raises (warns).
+
+        Parameters
+        ----------
+        comm
+            The backend's communicator.
+        """
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod
     def begin_capture(self, stream: Any) -> None:
-        """Start recording the work enqueued on ``stream`` instead of running it."""
+        """Start recording the work enqueued on ``stream`` instead of running it.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def end_capture(self, stream: Any) -> Any:
-        """Stop recording; return an executable graph of what was enqueued."""
+        """Stop recording; return an executable graph of what was enqueued.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        object
+        """
 
     @abc.abstractmethod
     def launch_graph(self, graph: Any, stream: Any) -> None:
-        """Enqueue one replay of a captured graph."""
+        """Enqueue one replay of a captured graph.
+
+        Parameters
+        ----------
+        graph
+            The backend's captured graph.
+        stream
+            The backend's stream.
+        """
 
     @abc.abstractmethod
     def graph_node_count(self, graph: Any) -> int:
         """How many nodes a captured graph has: one per kernel, copy or fill
-        captured; cross-stream event records and waits are its edges, not nodes."""
+        captured; cross-stream event records and waits are its edges, not nodes.
+
+        Parameters
+        ----------
+        graph
+            The backend's captured graph.
+
+        Returns
+        -------
+        int
+        """
 
     # -- interop: other libraries' streams and memory --------------------------
     def foreign_stream(self, handle: int, device: int, named: bool = False) -> tuple[Any, int]:
@@ -465,13 +874,36 @@ class Backend(abc.ABC):
         stream object says it is on ``device`` (PyTorch's and CuPy's do); a
         handle resolved there before may then be taken as that same stream
         without asking the driver again.
+
+        Parameters
+        ----------
+        handle
+            Another library's stream handle.
+        device
+            The device's ordinal.
+        named
+            Whether the handle was given by name (an int) rather than by an object.
+
+        Returns
+        -------
+        tuple[Any, int]
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's streams")
 
     def stream_capturing(self, stream: Any) -> bool:
         """Whether ``stream`` (gpuflow's or another library's) is being
         captured into a graph now: work enqueued on it would become a node
-        of that graph instead of running."""
+        of that graph instead of running.
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        bool
+        """
         return False
 
     def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> RawBuffer:
@@ -483,20 +915,58 @@ class Backend(abc.ABC):
         pointer's own).  Memory that is not device memory of one of the
         backend's devices (host memory, another device's, an address in no
         allocation) is a :class:`gpuflow.UsageError` saying which.
+
+        Parameters
+        ----------
+        ptr
+            The device address.
+        nbytes
+            How many bytes.
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        RawBuffer
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's memory")
 
     def describe_device(self, device: int) -> DeviceDescription:
-        """Name, compute capability and memory of ``device``."""
+        """Name, compute capability and memory of ``device``.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        DeviceDescription
+        """
         return DeviceDescription(self.device_name(device), None, 0)
 
     def memory_reserved(self, device: int) -> int | None:
         """Bytes of ``device``'s memory the backend holds now (allocated to
-        gpuflow, or kept for reuse), or None where it cannot tell."""
+        gpuflow, or kept for reuse), or None where it cannot tell.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        int | None
+        """
         return None
 
     def driver_version(self) -> str | None:
-        """The CUDA driver's version (``"13.0"``), or None without a driver."""
+        """The CUDA driver's version (``"13.0"``), or None without a driver.
+
+        Returns
+        -------
+        str | None
+        """
         return None
 
     # -- a record of what the device ran (tests, the timeline) --------------------
@@ -506,6 +976,10 @@ class Backend(abc.ABC):
         Each item is recorded with :data:`activity_tag` as it was where the
         item was enqueued.  Backends that keep no such record raise
         :class:`gpuflow.UsageError`.
+
+        Returns
+        -------
+        list[Activity]
         """
         raise UsageError(
             f"backend {self.name!r} keeps no record of device activity: "
@@ -513,7 +987,13 @@ class Backend(abc.ABC):
         )
 
     def stop_activity_record(self, record: list[Activity]) -> None:
-        """Stop filling ``record``; nothing is appended to it once this returns."""
+        """Stop filling ``record``; nothing is appended to it once this returns.
+
+        Parameters
+        ----------
+        record
+            The activity record (``start_activity_record``'s).
+        """
         raise UsageError(f"backend {self.name!r} keeps no record of device activity")
 
     def update_activity_records(self) -> None:  # noqa: B027 - optional hook
@@ -524,14 +1004,30 @@ class Backend(abc.ABC):
 
     def activity_stream_id(self, stream: Any) -> int:
         """The id an activity record gives the items of raw ``stream``
-        (:attr:`Activity.stream`)."""
+        (:attr:`Activity.stream`).
+
+        Parameters
+        ----------
+        stream
+            The backend's stream.
+
+        Returns
+        -------
+        int
+        """
         return id(stream)
 
     # -- faults ---------------------------------------------------------------
     @abc.abstractmethod
     def reset_device(self, device: int) -> None:
         """Clear a sticky fault; every stream, buffer and kernel of the device
-        made before is invalid afterwards (CUDA's primary context reset)."""
+        made before is invalid afterwards (CUDA's primary context reset).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release process-wide resources (threads) when the runtime is replaced."""

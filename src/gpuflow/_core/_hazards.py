@@ -202,12 +202,31 @@ class Allocation:
     def after_foreign(self, stream: Hashable, event: Any) -> None:
         """Another library used the memory on ``stream`` (any key naming it), up
         to ``event`` recorded there: every later use and the free wait for it.
-        Any thread."""
+        Any thread.
+
+        Parameters
+        ----------
+        stream
+            The other library's stream (a raw handle or any key naming it).
+        event
+            An event recorded there after its use.
+        """
         with hazard_lock:
             self.foreign = {**self.foreign, stream: event}
             self.synced = set()
 
     def before_read(self, stream: Stream, run: Point | None = None) -> None:
+        """Order a read on ``stream`` after the last write (under the hazard
+        lock, with the enqueue of the read).
+
+        Parameters
+        ----------
+        stream
+            Where the read is enqueued.
+        run
+            The run the read belongs to (what a later write waits for), or
+            None: the stream's work enqueued so far.
+        """
         log = capture_log.get()
         if log is not None:  # captured work runs at replay: the launch orders it
             log.setdefault(id(self), (self, False))
@@ -224,6 +243,17 @@ class Allocation:
             self.readers[stream] = run
 
     def before_write(self, stream: Stream, run: Point | None = None) -> None:
+        """Order a write on ``stream`` after the last write and every read
+        since (under the hazard lock, with the enqueue of the write).
+
+        Parameters
+        ----------
+        stream
+            Where the write is enqueued.
+        run
+            The run the write belongs to (what later uses wait for), or
+            None: the stream's work enqueued so far.
+        """
         log = capture_log.get()
         if log is not None:
             log[id(self)] = (self, True)
@@ -254,7 +284,12 @@ class Allocation:
 
     def uses(self) -> Uses:
         """Every use so far, for a finalizer to hand on (the allocation is
-        gone by the time they are waited for)."""
+        gone by the time they are waited for).
+
+        Returns
+        -------
+        Uses
+        """
         return Uses(self.backend, self.synced, self.foreign, self.writer, self.wrote, self.readers)
 
 

@@ -181,11 +181,21 @@ class DeviceOperation(Generic[T]):
         return tuple(_Pick(src, i, n, "unzip") for i in range(n))
 
     def first(self) -> DeviceOperation[Any]:
-        """The first element of a tuple output."""
+        """The first element of a tuple output.
+
+        Returns
+        -------
+        DeviceOperation
+        """
         return _Pick(self, 0, None, "first")
 
     def last(self) -> DeviceOperation[Any]:
-        """The last element of a tuple output."""
+        """The last element of a tuple output.
+
+        Returns
+        -------
+        DeviceOperation
+        """
         return _Pick(self, -1, None, "last")
 
     # -- running -------------------------------------------------------------------
@@ -321,7 +331,12 @@ class DeviceOperation(Generic[T]):
         lease or the policy (None: it runs where they say, as any run).
         Such a run does not execute: nothing is enqueued but its completion
         mark on that stream (checked as every run's stream first), and the
-        operation is kept until the mark is reached."""
+        operation is kept until the mark is reached.
+
+        Returns
+        -------
+        Stream or None
+        """
         return None
 
     #: a run of it under the default policy asks :meth:`stream_home` first
@@ -331,12 +346,27 @@ class DeviceOperation(Generic[T]):
         """The dtype of the :class:`DeviceArray` every run of this operation
         produces, where that is known before it runs (None: not known, or
         not an array): a launch taking the operation as an argument checks
-        it when the launch is built, not when it runs."""
+        it when the launch is built, not when it runs.
+
+        Returns
+        -------
+        numpy.dtype or None
+        """
         return None
 
     def stream_home(self, device: int) -> Stream | None:
         """The stream of ``device`` the default policy looks at first for a
-        run of this operation, taking it where it is free (None: none)."""
+        run of this operation, taking it where it is free (None: none).
+
+        Parameters
+        ----------
+        device
+            The device the run is on.
+
+        Returns
+        -------
+        Stream or None
+        """
         return None
 
     # -- graphs and pictures ---------------------------------------------------------
@@ -375,20 +405,40 @@ class DeviceOperation(Generic[T]):
     # -- for to_dot ----------------------------------------------------------------------
     def label(self) -> str:
         """A short description of the operation: its node in :meth:`to_dot`,
-        its name in a trace and in its repr."""
+        its name in a trace and in its repr.
+
+        Returns
+        -------
+        str
+        """
         return type(self).__name__.lstrip("_")
 
     def children(self) -> Sequence[DeviceOperation[Any]]:
         """The operations this one runs (a combinator's parts): the edges of
-        :meth:`to_dot`."""
+        :meth:`to_dot`.
+
+        Returns
+        -------
+        Sequence[DeviceOperation]
+        """
         return ()
 
     def kind(self) -> str:
-        """What kind of node it is in :meth:`to_dot` (its shape)."""
+        """What kind of node it is in :meth:`to_dot` (its shape).
+
+        Returns
+        -------
+        str
+        """
         return "op"
 
     def dot_key(self) -> int:
-        """Operations with one key are one node of the picture."""
+        """Operations with one key are one node of the picture.
+
+        Returns
+        -------
+        int
+        """
         return id(self)
 
     def __repr__(self) -> str:

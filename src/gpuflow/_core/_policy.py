@@ -206,6 +206,17 @@ class StreamPoolRoundRobin:
         self._counter = itertools.count()
 
     def next_stream(self, device: int) -> Stream:
+        """The pool stream of ``device`` after the one given last, in turn.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        Stream
+        """
         pool = ensure_runtime().pool(device)
         return pool[next(self._counter) % len(pool)]
 
@@ -224,6 +235,18 @@ class SingleStream:
         self._lock = threading.Lock()
 
     def next_stream(self, device: int) -> Stream:
+        """The policy's one stream, whatever ``device`` (made anew where a
+        reset or a new runtime replaced it).
+
+        Parameters
+        ----------
+        device
+            Ignored: the policy is bound to its stream's device.
+
+        Returns
+        -------
+        Stream
+        """
         # the policy is bound to its device, whatever device is current
         s = self._stream
         if s is None or not s.current():

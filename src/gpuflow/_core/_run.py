@@ -118,7 +118,12 @@ class Run:
 
     def reached(self) -> bool:
         """Whether the run's work is known to be done (seen done, or its mark
-        reached: a read of the completion word).  Any thread."""
+        reached: a read of the completion word).  Any thread.
+
+        Returns
+        -------
+        bool
+        """
         if self.done:
             return True
         lane = self.lane
@@ -129,7 +134,20 @@ class Run:
         run's work on raw ``on``: nothing once it is known done, its mark on
         its own stream, the join event of a ``zip`` arm on another; False
         where it cannot say (not marked yet: still being enqueued; then the
-        caller waits for everything enqueued on ``on`` so far)."""
+        caller waits for everything enqueued on ``on`` so far).
+
+        Parameters
+        ----------
+        backend
+            The backend the streams are of.
+        stream, on
+            Raw streams: the one to order, the one this run's work is on.
+
+        Returns
+        -------
+        bool
+            Whether the order was made (or needed none).
+        """
         if self.done:
             return True
         lane = self.lane
@@ -155,7 +173,13 @@ class Run:
         """Call ``fn(error)`` once, on the thread that sees the work done (the
         awaiting loop's, or the completer's; at once, here, if it already
         is).  Safe from any thread, also while the work completes.  ``fn``
-        must not block or raise."""
+        must not block or raise.
+
+        Parameters
+        ----------
+        fn
+            Called with None, or the error the work failed with.
+        """
         with _callbacks_lock:
             if not self.done:
                 if self.on_done is None:
@@ -173,7 +197,13 @@ class Run:
         return keep
 
     def hold(self, objs: Iterable[object]) -> None:
-        """Keep ``objs`` until the work is done (from the thread enqueueing it)."""
+        """Keep ``objs`` until the work is done (from the thread enqueueing it).
+
+        Parameters
+        ----------
+        objs
+            What the work uses.
+        """
         keep = self._keep
         if keep is None:
             self._keep = list(objs)
@@ -186,7 +216,17 @@ class Run:
         kept, run its callbacks (a failure in one is a warning), and wake the
         tasks parked on it: those of loop ``here`` (the loop running this)
         at once, the others added to ``posts`` (a wake-up only schedules its
-        task: none resumes while this runs)."""
+        task: none resumes while this runs).
+
+        Parameters
+        ----------
+        error
+            None, or why the work failed.
+        here
+            The loop running this (its tasks are woken at once).
+        posts
+            Where wake-ups of other loops' tasks are gathered.
+        """
         if error is None and self.comms is not None:
             for comm in self.comms:
                 error = comm.failure()
@@ -231,7 +271,22 @@ class Run:
         the current one), so on cancellation the loop's own exception
         propagates at once; the run still keeps what its work uses until
         the GPU is done.  While it waits, the loop's poller watches the
-        run's stream."""
+        run's stream.
+
+        Parameters
+        ----------
+        loop
+            The running loop's adapter (None: found).
+
+        Returns
+        -------
+        Awaitable[None]
+
+        Raises
+        ------
+        gpuflow.DeviceFaultError
+            The work faulted.
+        """
         return _Waiting(self, current_loop() if loop is None else loop)
 
 

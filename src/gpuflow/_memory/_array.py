@@ -193,7 +193,20 @@ class DeviceArray:
         """Raise :class:`gpuflow.UsageError`, naming ``what``, where the array
         belongs to a device context that was reset or replaced since it was
         made (its memory is gone): what an operation checks of each array
-        it uses before it enqueues anything."""
+        it uses before it enqueues anything.
+
+        Parameters
+        ----------
+        ctx
+            The run's context.
+        what
+            What the array is to the operation, for the message.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            The array's memory is gone.
+        """
         a = self.allocation
         rt = ctx.runtime
         if a.generation != rt.generation(a.buffer.device) or a.writer.runtime is not rt:
