@@ -41,7 +41,7 @@ import anyio
 
 import gpuflow as gf
 from gpuflow._core import _completion, _run
-from gpuflow._tools._bench import EMPTY, _refs
+from gpuflow._tools._bench import EMPTY, bench_references
 from gpuflow._tools._bench_rows import event_loops
 
 RUNS = 60
@@ -91,7 +91,7 @@ def main() -> None:
     from cuda.bindings import driver as cu
 
     gf.init_device_contexts(backend="cuda")  # (raises where there is no GPU)
-    mod = gf.compile(EMPTY, references=_refs())
+    mod = gf.compile(EMPTY, references=bench_references())
     empty = mod.empty(gf.LaunchConfig(1, 1))
     stream = gf.new_stream()
     raw = cu.CUstream(stream.__cuda_stream__()[1])

@@ -38,10 +38,10 @@ def child(cpu: int | None, calls: bool = False) -> None:
     from plain_loop import STREAMS, PlainLoop
 
     import gpuflow as gf
-    from gpuflow._tools._bench import EMPTY, Raw, _refs
+    from gpuflow._tools._bench import EMPTY, Raw, bench_references
 
     gf.init_device_contexts(backend="cuda")
-    mod = gf.compile(EMPTY, references=_refs())
+    mod = gf.compile(EMPTY, references=bench_references())
     op = mod.empty(gf.LaunchConfig(1, 1))
     plain = PlainLoop([Raw(gf.new_stream()) for _ in range(STREAMS)])
 

@@ -22,17 +22,8 @@ import anyio
 
 import gpuflow as gf
 from gpuflow._core import Poller, current_loop, ensure_runtime
+from gpuflow._tools._bench import EMPTY, bench_references
 from gpuflow._tools._bench_rows import row
-
-SPIN = r"""
-extern "C" __global__ void spin(long long ns) {  // busy for ns of wall-clock time
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < (unsigned long long)ns);
-}
-"""
 
 
 def main() -> None:
@@ -41,7 +32,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     gf.init_device_contexts(backend=args.backend)
-    mod = gf.compile(SPIN, references={"spin": lambda ns: time.sleep(ns / 1e9)})
+    mod = gf.compile(EMPTY, references=bench_references())  # (the bench's kernels: spin)
     n = 2000 if args.quick else 20000
     print("a loop turn of the poller that completes nothing (4 streams pending)")
     spin = mod.spin(gf.LaunchConfig(1, 1), int(0.5e9))

@@ -74,7 +74,8 @@ extern "C" __global__ void spin(long long ns) {  // busy for ns of wall-clock ti
 """
 
 
-def _refs() -> dict[str, Callable[..., None]]:
+def bench_references() -> dict[str, Callable[..., None]]:
+    """The NumPy references of :data:`EMPTY`'s kernels, for ``sim``."""
     def crash(p: Any, bad: int) -> None:
         raise IndexError("illegal address (write through a null pointer)")
 
@@ -101,7 +102,7 @@ class Raw:
             cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, cudev)[1]
         minor = cu.cuDeviceGetAttribute(
             cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, cudev)[1]
-        cubin = gf.compile(EMPTY, references=_refs()).binary_for(f"sm_{major}{minor}")
+        cubin = gf.compile(EMPTY, references=bench_references()).binary_for(f"sm_{major}{minor}")
         ctx = cu.cuDevicePrimaryCtxRetain(cudev)[1]
         cu.cuCtxSetCurrent(ctx)
         self.mod = cu.cuModuleLoadData(cubin)[1]
@@ -742,7 +743,7 @@ def main(argv: list[str]) -> int:
     if missing:
         extra = "; pip install 'gpuflow[trio]' adds Trio" if "trio" in missing else ""
         print(f"(not installed, so not measured: {', '.join(missing)}{extra})")
-    mod = gf.compile(EMPTY, references=_refs())
+    mod = gf.compile(EMPTY, references=bench_references())
     only = set(args.only) or set(BENCHES)
     head = f"  {'measured':<46}{'gpuflow':>10} {'':<6} {'baseline (same run)':<44}"
     print(f"{head} {'ratio':>8}  target")
