@@ -8,6 +8,7 @@ does not render fails too).  The README stays short and points to the site.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -99,6 +100,24 @@ def test_every_public_method_says_its_parameters_returns_or_raises(
                 continue
             if not SECTIONS.search(inspect.getdoc(getattr(cls, name)) or ""):
                 bare.append(f"{n}.{name}")
+    assert bare == []
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_every_public_class_says_how_it_is_made(ns: types.ModuleType) -> None:
+    # a class a user constructs says its parameters; one that a factory
+    # makes says which (a record's fields are its attributes)
+    bare = []
+    for n in ns.__all__:
+        cls = getattr(ns, n)
+        if not isinstance(cls, type) or issubclass(cls, BaseException):
+            continue
+        if dataclasses.is_dataclass(cls) or hasattr(cls, "_fields"):
+            continue
+        params = [p for p in inspect.signature(cls).parameters if p not in ("args", "kwargs")]
+        doc = inspect.getdoc(cls) or ""
+        if params and not (SECTIONS.search(doc) or re.search(r"\b[Mm]ade by\b", doc)):
+            bare.append(n)
     assert bare == []
 
 

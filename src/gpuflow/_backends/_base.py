@@ -64,8 +64,16 @@ class ModuleSource(Protocol):
 class PointerArg:
     """A pointer parameter: the buffer, typed as the kernel signature says.
 
-    ``count`` is the number of ``dtype`` elements the array holds; ``writes``
-    is False for a ``const T*`` parameter.
+    Parameters
+    ----------
+    buffer
+        The backend's buffer.
+    dtype
+        The element type the signature names.
+    count
+        How many ``dtype`` elements the array holds.
+    writes
+        False for a ``const T*`` parameter.
     """
 
     buffer: RawBuffer

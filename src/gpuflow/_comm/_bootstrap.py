@@ -27,6 +27,15 @@ class RankInfo(NamedTuple):
 
     ``unique_id`` is the bytes one rank made with :func:`new_unique_id` and
     handed to every other (over MPI, a pipe, a file): the ranks meet by it.
+
+    Parameters
+    ----------
+    rank
+        This process's rank, from 0.
+    nranks
+        How many ranks, one a process.
+    unique_id
+        The id the ranks meet by.
     """
 
     rank: int

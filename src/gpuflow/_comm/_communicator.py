@@ -148,6 +148,8 @@ class Communicator:
     process while the scope is open.  In a communicator of this process's
     devices, every collective takes (and makes) a sequence of arrays, one
     per rank in rank order; with one rank per process, one array.
+
+    Made by :func:`open_communicator`; not constructed directly.
     """
 
     def __init__(

@@ -699,6 +699,9 @@ class SharedOperation(DeviceOperation[T]):
     """An operation that runs its source at most once (see :meth:`DeviceOperation.shared`).
 
     Thread-safe: clones may be run concurrently from several tasks and threads.
+
+    Made by :meth:`DeviceOperation.shared` (and :meth:`clone`); not
+    constructed directly.
     """
 
     __slots__ = ("_state",)

@@ -93,6 +93,19 @@ class StreamPoolLeastLoaded:
     choice slightly stale, never wrong (any stream is correct; only latency
     differs).  A run being enqueued by another thread is not seen until it
     is submitted.
+
+    Parameters
+    ----------
+    max_streams
+        The most streams a device's pool grows to.
+    stall_s
+        How long a stream finishes nothing before it counts as stalled.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``max_streams`` is not a positive int, or ``stall_s`` not a positive
+        number.
     """
 
     __slots__ = ("_max", "_stall", "_turn")
@@ -225,7 +238,13 @@ class StreamPoolRoundRobin:
 
 
 class SingleStream:
-    """Every run on one stream of its own, on ``device``: strict order."""
+    """Every run on one stream of its own, on ``device``: strict order.
+
+    Parameters
+    ----------
+    device
+        The device whose stream it is (made at the first run).
+    """
 
     __slots__ = ("_device", "_lock", "_stream")
 

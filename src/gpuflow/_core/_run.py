@@ -90,6 +90,8 @@ class Run:
     A run in flight holds few objects: with a thousand awaits pending, the
     objects of the runs are most of what the garbage collector goes through
     at each collection.
+
+    Made by gpuflow for each run (``ctx.run``); not constructed directly.
     """
 
     __slots__ = (

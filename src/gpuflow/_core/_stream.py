@@ -31,6 +31,9 @@ class Stream:
     (``torch.cuda.ExternalStream``, ``cupy.cuda.ExternalStream``); on
     ``sim`` its handle maps back to the simulated stream, for
     :func:`gpuflow.wait_stream` and the array protocols.
+
+    Made by :func:`new_stream` and by the runtime's pools; not constructed
+    directly.
     """
 
     __slots__ = (

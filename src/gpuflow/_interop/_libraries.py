@@ -78,6 +78,8 @@ class ImportedAllocation(Allocation):
 
     When it goes, its ``owner`` is released after every use gpuflow
     enqueued, in stream order (a run of its own keeps the owner until then).
+
+    Made by :func:`gpuflow.from_dlpack`; not constructed directly.
     """
 
     __slots__ = ("owner",)

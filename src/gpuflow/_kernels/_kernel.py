@@ -162,6 +162,20 @@ class LaunchConfig:
     """Grid and block dimensions (ints or up to 3-tuples) and dynamic shared memory bytes.
 
     ``grid`` and ``block`` read back as 3-tuples, ``shmem`` as an int.
+
+    Parameters
+    ----------
+    grid
+        Blocks: an int, or 1 to 3 positive ints.
+    block
+        Threads a block: an int, or 1 to 3 positive ints.
+    shmem
+        Dynamic shared memory a block, in bytes.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A dimension that is not 1 to 3 positive ints, or a negative ``shmem``.
     """
 
     __slots__ = ("block", "grid", "shmem")
@@ -228,7 +242,10 @@ class LaunchConfig:
 
 
 class Module:
-    """A compiled CUDA C++ source; its kernels are attributes (``mod.saxpy``)."""
+    """A compiled CUDA C++ source; its kernels are attributes (``mod.saxpy``).
+
+    Made by :func:`compile`; not constructed directly.
+    """
 
     def __init__(
         self,
@@ -494,7 +511,11 @@ def _check_array(kernel: str, p: Param, a: DeviceArray) -> None:
 
 
 class Kernel:
-    """A kernel of a :class:`Module`; call it to get a launch operation."""
+    """A kernel of a :class:`Module`; call it to get a launch operation.
+
+    Made by :func:`compile`: an attribute of its :class:`Module`; not
+    constructed directly.
+    """
 
     def __init__(self, module: Module, name: str, params: tuple[Param, ...]) -> None:
         self.module = module

@@ -69,6 +69,9 @@ class DeviceArray:
 
     ``shape`` (a tuple of ints) and ``dtype`` (a NumPy dtype) are as NumPy's,
     and so are ``size``, ``ndim``, ``nbytes`` and ``len(arr)``.
+
+    Made by the operations that make arrays (:func:`zeros`, :func:`from_host`,
+    :func:`from_dlpack`, ...); not constructed directly.
     """
 
     __slots__ = ("__weakref__", "allocation", "dtype", "shape")

@@ -170,7 +170,10 @@ def leases_held() -> int:
 
 
 class StreamLease:
-    """One pool stream held by one scope (see :func:`open_stream_lease`)."""
+    """One pool stream held by one scope (see :func:`open_stream_lease`).
+
+    Made by :func:`open_stream_lease`; not constructed directly.
+    """
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -259,7 +262,10 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
 
 
 class DeviceGroup:
-    """A task group for multi-device fan-out (see :func:`open_device_group`)."""
+    """A task group for multi-device fan-out (see :func:`open_device_group`).
+
+    Made by :func:`open_device_group`; not constructed directly.
+    """
 
     def __init__(self, devices: list[int]) -> None:
         self.devices = devices
