@@ -10,7 +10,7 @@ Whatever ends a loop early (a cancellation, a loop that stops or ends), no
 run is left pending, and no file descriptor is left open.
 
 These tests drive the completer and the loop adapters themselves, so they
-import the private modules that hold them (``_bridge``, ``_runtime``,
+import the private modules that hold them (``_completion``, ``_runtime``,
 ``_loops``).
 """
 

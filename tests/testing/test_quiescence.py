@@ -145,7 +145,7 @@ def test_the_blocking_check_waits_for_work_on_gpuflows_streams_outside_any_run()
     the backend, as :mod:`gpuflow.lowlevel` allows) has no run pending to
     count: "cannot tell yet" is not at rest, and the blocking check waits
     for that work too (the fixture at every test's end is this check)."""
-    from gpuflow._backends._base import KernelArg
+    from gpuflow._backends._records import KernelArg
     from gpuflow.lowlevel import PointerArg
 
     be = gf.lowlevel.current_backend_object()

@@ -21,16 +21,16 @@ import warnings
 from collections.abc import Callable
 
 from .._errors import DeviceError, GpuflowError, UsageError
-from ._base import COMM_DTYPES as COMM_DTYPES
-from ._base import REDUCTIONS as REDUCTIONS
-from ._base import Activity as Activity
 from ._base import Backend as Backend
-from ._base import CollectiveCall as CollectiveCall
-from ._base import PointerArg as PointerArg
-from ._base import RawBuffer as RawBuffer
-from ._base import activity_tag as activity_tag
 from ._nvrtc import CHECK_ARCH as CHECK_ARCH
 from ._nvrtc import compile_source as compile_source
+from ._records import COMM_DTYPES as COMM_DTYPES
+from ._records import REDUCTIONS as REDUCTIONS
+from ._records import Activity as Activity
+from ._records import CollectiveCall as CollectiveCall
+from ._records import PointerArg as PointerArg
+from ._records import RawBuffer as RawBuffer
+from ._records import activity_tag as activity_tag
 from ._sim import SimBackend
 
 __all__ = [

@@ -78,7 +78,7 @@ class Loop(Protocol):
     #: How many of its tasks are inside a gpuflow await now (parked, or
     #: woken and not yet resumed): only a lone await spins.
     awaiting: int
-    #: The completion side's poller of this loop (``_bridge``), once it has one.
+    #: The completion side's poller of this loop (``_completion``), once it has one.
     poller: Any
 
     #: How long a task may run gpuflow's awaits back to back before it asks

@@ -10,7 +10,7 @@ Every way of running an operation (``await op``, ``op.run(policy)``,
    tracks the run;
 2. **enqueue**: the operation enqueues its work on the stream
    (``execute(ctx)``) and hands the run what that work still uses;
-3. **mark**: the stream's lane (``_bridge``) enqueues the run's mark right
+3. **mark**: the stream's lane (``_completion``) enqueues the run's mark right
    after that work: the number the GPU writes into the stream's completion
    word when it gets there;
 4. **wait**: a blocking run synchronizes the stream; an await alone in its
@@ -212,7 +212,7 @@ class Run:
         else:
             keep.extend(objs)
 
-    # -- completion (called by whoever saw the work done: ``_bridge``) --------------------
+    # -- completion (called by whoever saw the work done: ``_completion``) --------------------
     def complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
         """The run's work is done (or failed with ``error``): release what it
         kept, run its callbacks (a failure in one is a warning), and wake the
@@ -311,7 +311,7 @@ class _Waiting:
 # sees the run done resumes it, with no future and no wake-up.  Otherwise,
 # or once another await of the loop starts or the budget is spent, it parks
 # with its loop's own primitive and its loop's poller watches the lane for
-# what is left of the budget (``_bridge``).
+# what is left of the budget (``_completion``).
 
 #: How long the task of a lone await (nothing else of its loop pending)
 #: reads its word before it parks: a short kernel is then seen done without

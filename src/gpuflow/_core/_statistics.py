@@ -1,6 +1,6 @@
 """How the runs' completions were seen: the record
 :func:`gpuflow.lowlevel.current_completion_statistics` returns, of counts the
-completer keeps (``_bridge``) as the awaiting tasks, the loops' pollers and
+completer keeps (``_completion``) as the awaiting tasks, the loops' pollers and
 its thread see runs done, and as loops arm their sleeping wake-ups."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The pipeline's task, and every task it starts, carries the run's
 :class:`_Attempt` in a context variable; gpuflow's cancellation points
-(:mod:`._points`) report to it.  A first run counts the points and says
+(:mod:`gpuflow._core._cancel_points`) report to it.  A first run counts the points and says
 where each is; each later run cancels the pipeline's own cancel scope when
 it reaches its point and makes the cancellation land right there (a
 checkpoint), as the loop's own exception.  After every run the GPU is
@@ -109,7 +109,7 @@ def _describe(what: str, op: object) -> str:
 
 
 async def _watch(what: str, op: object = None) -> None:
-    """The watcher of :mod:`._points`: counts, records, cancels at its point."""
+    """The watcher of :mod:`gpuflow._core._cancel_points`: counts, records, cancels at its point."""
     attempt = _attempt.get()
     if attempt is None or attempt.cancelled is not None:
         return  # another task's point, or past this run's cancellation

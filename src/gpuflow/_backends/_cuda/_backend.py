@@ -24,7 +24,6 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from ..._errors import UsageError
-from .._base import Activity, CollectiveCall, KernelArg, ModuleSource, PointerArg
 from .._codes import (
     CONTEXT_ERRORS,
     CUDA_ERROR_INVALID_VALUE,
@@ -33,6 +32,7 @@ from .._codes import (
     CUDA_SUCCESS,
 )
 from .._nvrtc import compile_source
+from .._records import Activity, CollectiveCall, KernelArg, ModuleSource, PointerArg
 from ._contexts import STREAM_NON_BLOCKING, CudaContexts
 from ._driver import check, err_name, error_for, warn_unless_fault
 from ._handles import (

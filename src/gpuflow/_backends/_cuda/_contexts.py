@@ -36,8 +36,9 @@ import warnings
 from typing import Any
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
-from .._base import Backend, DeviceDescription
+from .._base import Backend
 from .._codes import CONTEXT_ERRORS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_SUCCESS
+from .._records import DeviceDescription
 from ._driver import check, driver, err_name, error_for
 from ._handles import CudaStream, Dev, Token
 from ._kernels import ThreadState

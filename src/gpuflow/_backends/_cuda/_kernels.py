@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._errors import UsageError
-from .._base import PointerArg
+from .._records import PointerArg
 
 if TYPE_CHECKING:
     from ._handles import Token

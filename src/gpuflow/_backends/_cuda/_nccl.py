@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._errors import CommunicatorError, UsageError
-from .._base import CollectiveCall
 from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES
+from .._records import CollectiveCall
 
 if TYPE_CHECKING:
     from ._backend import CudaBackend

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .._base import Activity, activity_tag
 from .._codes import CUDA_ERROR_NOT_READY
+from .._records import Activity, activity_tag
 from ._handles import CudaStream, Dev, Token
 
 

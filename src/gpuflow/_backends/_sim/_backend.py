@@ -11,7 +11,7 @@ CI, with the real concurrency of the real thing:
   them (in stream order, by the stream itself, as the GPU writes the word),
   and a stream can wait for another's mark; host signals are delivered by a
   separate "driver" thread, never by the thread that enqueued them, so the
-  bridge's thread hand-off always runs (both in :mod:`._simmarks`);
+  bridge's thread hand-off always runs (both in :mod:`._marks`);
 * a stream's worker sleeps on a condition of its own: an item enqueued on one
   stream wakes that stream only, so that many streams scale as many CUDA
   streams do (one condition for all woke every stream at every item);
@@ -34,7 +34,7 @@ CI, with the real concurrency of the real thing:
 * on request, each stream keeps a record of the items it runs, with their
   times (:meth:`SimBackend.start_activity_record`);
 * communicators follow NCCL's model across simulated devices and across
-  processes of one host (:mod:`._simcomm`): a collective holds its stream
+  processes of one host (:mod:`._comm`): a collective holds its stream
   until every rank has arrived, a missing peer is a hang that only an abort
   ends, and a peer that leaves is NCCL's asynchronous remote error;
 * streams have handles and buffers have device addresses that other
@@ -61,22 +61,22 @@ from typing import Any
 import numpy as np
 
 from ..._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
-from .._base import (
-    Activity,
-    Backend,
-    CollectiveCall,
-    DeviceDescription,
-    KernelArg,
-    ModuleSource,
-    PointerArg,
-    activity_tag,
-)
+from .._base import Backend
 from .._codes import (
     CUDA_ERROR_ILLEGAL_ADDRESS,
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_LAUNCH_FAILED,
     CUDA_ERROR_OUT_OF_MEMORY,
     NAMES,
+)
+from .._records import (
+    Activity,
+    CollectiveCall,
+    DeviceDescription,
+    KernelArg,
+    ModuleSource,
+    PointerArg,
+    activity_tag,
 )
 from ._comm import SimComms, new_unique_id
 from ._marks import SimCompletion
@@ -732,7 +732,7 @@ class SimBackend(Backend):
 
         self.enqueue_item(stream, f"kernel {kernel.name!r}", run)
 
-    # -- completion marks and host signals (._simmarks) -------------------------
+    # -- completion marks and host signals (._marks) -------------------------
     def mark(self, stream: Any, polled: bool = True) -> int:
         return self._completion.mark(stream)
 
