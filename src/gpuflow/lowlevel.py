@@ -33,6 +33,8 @@ __all__ = [
 def current_backend_object() -> Backend:
     """The backend instance serving this process (raw handles, for interop and benchmarks).
 
+    Any thread.
+
     Returns
     -------
     Backend
@@ -45,6 +47,8 @@ def pool_streams(device: int | None = None) -> list[Stream]:
     """The pool streams of ``device`` (default: the current one) now: the
     ``streams_per_device`` made at initialisation, then those the default
     policy (:class:`gpuflow.StreamPoolLeastLoaded`) added under load.
+
+    Any thread.
 
     Parameters
     ----------
@@ -66,6 +70,8 @@ def pool_streams(device: int | None = None) -> list[Stream]:
 
 def graph_exec_handle(graph: Graph[object]) -> int:
     """The ``CUgraphExec`` address of a graph captured on the ``cuda`` backend.
+
+    Any thread.
 
     Parameters
     ----------

@@ -82,6 +82,8 @@ def record_activity() -> Iterator[list[Activity]]:
 def overlapped(a: Activity, b: Activity) -> bool:
     """True when ``a`` and ``b`` were running at the same moment.
 
+    Any thread.
+
     Parameters
     ----------
     a, b

@@ -79,6 +79,20 @@ def test_every_public_function_says_its_parameters_returns_or_raises(
 
 
 @pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_every_public_function_states_its_thread_or_cancellation_guarantee(
+    ns: types.ModuleType,
+) -> None:
+    # which threads may call it, or what a cancellation does to it: one
+    # sentence a reader finds without reading the function
+    functions = [n for n in ns.__all__ if isinstance(getattr(ns, n), types.FunctionType)]
+    silent = [
+        n for n in functions
+        if not re.search(r"\bthreads?\b|\bcancel", getattr(ns, n).__doc__ or "", re.I)
+    ]
+    assert silent == []
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
 def test_every_public_method_says_its_parameters_returns_or_raises(
     ns: types.ModuleType,
 ) -> None:

@@ -143,6 +143,8 @@ def load_backend(name: str | Backend, num_devices: int | None) -> Backend:
     """A backend, made as :func:`gpuflow.init_device_contexts` makes it, but
     for no runtime: for tools that describe the machine.
 
+    Any thread.
+
     Parameters
     ----------
     name

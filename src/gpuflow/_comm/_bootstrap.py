@@ -50,6 +50,8 @@ def new_unique_id() -> bytes:
     It belongs to the current backend: a ``sim`` id names a meeting place on
     this host, a ``cuda`` id is NCCL's ``ncclUniqueId``.
 
+    Any thread.
+
     Returns
     -------
     bytes
@@ -63,6 +65,9 @@ def bootstrap_mpi(comm: Any = None, *, root: int = 0) -> RankInfo:
     ``comm`` is an mpi4py communicator (default ``MPI.COMM_WORLD``); every
     process of it must call this (it is an MPI broadcast).  Needs mpi4py and
     an MPI library (the ``mpich`` wheel has one, with ``mpiexec``).
+
+    Any thread; it blocks in MPI's broadcast until every process of ``comm``
+    calls it.
 
     Parameters
     ----------

@@ -465,6 +465,9 @@ class _Value(DeviceOperation[T]):
 def value(x: T) -> DeviceOperation[T]:
     """An operation that produces ``x`` and does no work.
 
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
+
     Parameters
     ----------
     x
@@ -506,6 +509,9 @@ def with_context(fn: Callable[[ExecutionContext], DeviceOperation[T]]) -> Device
     returns an operation, ``gf.value(...)`` for work it did itself.
     :func:`gpuflow.foreign` does this in one line for PyTorch and CuPy, and
     orders the arrays the foreign code uses.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------
@@ -656,6 +662,9 @@ def zip(*ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]:
 
     Independent arms may run on different streams of the pool; the join waits
     on their events, so what follows sees all of them done.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------

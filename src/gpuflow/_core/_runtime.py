@@ -379,6 +379,9 @@ def init_device_contexts(
     defaults.  Calling it again replaces the runtime: arrays and streams
     made before belong to the old one.
 
+    Not to be raced with runs in other threads: the runtime it replaces is
+    closed.
+
     Parameters
     ----------
     default_device
@@ -540,6 +543,8 @@ def device_count_option(text: str) -> int:
 def device_count() -> int:
     """How many devices gpuflow runs on.
 
+    Any thread.
+
     Returns
     -------
     int
@@ -586,6 +591,8 @@ def new_stream(device: int | None = None) -> Stream:
     The stream is destroyed when the last reference to it goes; work already
     enqueued on it still completes.
 
+    Any thread.
+
     Parameters
     ----------
     device
@@ -628,6 +635,8 @@ def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
 
 def current_backend() -> str:
     """The name of the backend in use.
+
+    Any thread.
 
     Returns
     -------
@@ -696,6 +705,8 @@ def reset_device(device: int | None = None) -> None:
     Pending operations on it fail with :class:`DeviceFaultError`; its pool
     streams are replaced; arrays and kernels made on it before are invalid
     (as after CUDA's primary context reset).
+
+    Any thread; the awaits of runs pending on the device raise the fault.
 
     Parameters
     ----------

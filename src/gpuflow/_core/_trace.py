@@ -516,6 +516,9 @@ def trace(path: str | os.PathLike[str]) -> Iterator[None]:
     While a trace records, gpuflow's operations are also NVTX ranges (domain
     ``gpuflow``) when the ``nvtx`` package is installed.
 
+    Any thread: it records the runs every thread starts while the block is
+    open.
+
     Parameters
     ----------
     path

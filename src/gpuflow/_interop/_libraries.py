@@ -311,6 +311,8 @@ def from_dlpack(x: Any) -> DeviceArray:
     host memory, memory of a device gpuflow does not use, a dtype it cannot
     pass, or a non-contiguous array, before anything is enqueued.
 
+    Any thread.
+
     Parameters
     ----------
     x
@@ -606,6 +608,9 @@ def foreign(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> DeviceOpera
     :class:`DeviceArray` (zero-copy, see :func:`from_dlpack`), ready for
     the next gpuflow step; ``torch.from_dlpack(arr)`` turns one back into
     a tensor without a copy.  Refused inside a graph capture.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------

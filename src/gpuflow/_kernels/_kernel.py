@@ -377,6 +377,9 @@ def compile(
     out-of-bounds access it is on a GPU, a sticky fault naming the slice,
     where NumPy alone would clip the slice and hide the bad launch.
 
+    Any thread; it blocks while NVRTC compiles (compile at start-up, not in a
+    request's path).
+
     Parameters
     ----------
     source

@@ -311,6 +311,9 @@ class _Fill(DeviceOperation[DeviceArray]):
 def full(shape: ShapeLike, fill_value: Any, dtype: Any = None) -> DeviceOperation[DeviceArray]:
     """An array of ``shape`` filled with ``fill_value``.
 
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
+
     Parameters
     ----------
     shape
@@ -338,6 +341,9 @@ def full(shape: ShapeLike, fill_value: Any, dtype: Any = None) -> DeviceOperatio
 def zeros(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
     """An array of zeros.
 
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
+
     Parameters
     ----------
     shape
@@ -361,6 +367,9 @@ def zeros(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceAr
 
 def ones(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
     """An array of ones.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------
@@ -413,6 +422,9 @@ def arange(
     start: float, stop: float | None = None, step: float = 1, *, dtype: Any = None
 ) -> DeviceOperation[DeviceArray]:
     """The numbers of ``[start, stop)`` by ``step``, as :func:`numpy.arange`.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------
@@ -476,6 +488,9 @@ class _FromHost(DeviceOperation[DeviceArray]):
 
 def from_host(array: Any) -> DeviceOperation[DeviceArray]:
     """Copy a host array to the device.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------
@@ -542,6 +557,9 @@ def _stream_on(device: int) -> Stream:
 
 def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np.ndarray[Any, Any]]:
     """A NumPy copy of a device array.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------
@@ -655,6 +673,9 @@ def copy(
     device: int | None = None,
 ) -> DeviceOperation[DeviceArray]:
     """Copy a device array on the device.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
 
     Parameters
     ----------

@@ -158,6 +158,8 @@ def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
 def leases_held() -> int:
     """How many stream leases of the current runtime are held now, over every device.
 
+    Any thread.
+
     Returns
     -------
     int
@@ -242,6 +244,8 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
     interrupt through at once instead (what the GPU still uses stays alive
     until it is done).  Two leases never hold the same stream; when every
     stream is leased, a new lease waits for one (fairly, FIFO).
+
+    Entering is a cancellation point; leaving waits shielded from cancellation.
 
     Parameters
     ----------

@@ -24,6 +24,8 @@ def pending_runs() -> int:
     (what finalizers left, such as the release of another library's memory
     after gpuflow's uses, is handed over first).
 
+    Any thread.
+
     Returns
     -------
     int
@@ -78,6 +80,8 @@ async def settle_async(timeout: float) -> int:
 def use_after_free_count() -> int:
     """How many device accesses to freed memory the ``sim`` backend has caught
     (always 0 on ``cuda``, where compute-sanitizer is the detector).
+
+    Any thread.
 
     Returns
     -------
