@@ -23,6 +23,7 @@ from helpers import kernels as K
 
 import gpuflow as gf
 from gpuflow import testing
+from gpuflow._core._runtime import ensure_runtime
 
 pytestmark = pytest.mark.anyio
 
@@ -311,6 +312,26 @@ async def test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work() -> 
     assert len(gf.lowlevel.pool_streams()) == 32  # the burst took the pool to its bound
     assert queued == [], f"runs started behind pending work: {queued[:10]}"
     assert misses == {"fast": 0, "slow": 20}
+
+
+@pytest.mark.anyio
+async def test_an_await_woken_for_a_stream_keeps_its_turn_until_it_has_looked() -> None:
+    """The completer thread wakes the first await in line when a stream goes
+    idle (a post to its loop); until that await has looked and left, the
+    next one's own look (every ``stall_s``) is not its turn: it would take
+    the stream first, out of the order the awaits came in."""
+    d = ensure_runtime().completer
+    first, second = d.wait_for_stream(0), d.wait_for_stream(0)
+    try:
+        assert d.stream_turn(0, first) and not d.stream_turn(0, second)
+        d.stream_freed(0)  # (the completer thread saw a stream go idle)
+        assert first.handed and not second.handed
+        assert d.stream_turn(0, first) and not d.stream_turn(0, second)
+        d.leave_stream_queue(0, first, used=True)  # it took the stream
+        assert d.stream_turn(0, second)
+    finally:
+        d.leave_stream_queue(0, second, used=False)
+    assert d.stream_waiters(0) == 0
 
 
 async def test_awaits_that_find_every_stream_busy_wait_in_turn_and_cancel_cleanly() -> None:

@@ -1136,6 +1136,15 @@ MUTATIONS = [
         "        pass\n",
         ("tests/core/test_interrupts.py",),
     ),
+    Mutation(
+        "N15",
+        "a waiter for an idle stream takes its turn while the one woken before it has not looked",
+        "_core/_handoff.py",
+        "        return not self._handed and bool(self._queue) and self._queue[0] is ticket\n",
+        "        return bool(self._queue) and self._queue[0] is ticket\n",
+        ("tests/core/test_policy.py::test_an_await_woken_for_a_stream_keeps_its_turn_until_it_"
+         "has_looked",),
+    ),
     # -- the common await's straight line (_run.await_run)
     Mutation(
         "R1",
