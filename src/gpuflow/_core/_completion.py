@@ -664,7 +664,7 @@ class Completer:
         with self._lock:
             waiters = self._stream_waiters.get(device)
             if waiters is None:
-                waiters = self._stream_waiters[device] = Handoff(turns=True)
+                waiters = self._stream_waiters[device] = Handoff()
             self.waiting += 1
             return waiters.join(first)
 

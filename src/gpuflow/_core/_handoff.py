@@ -41,18 +41,18 @@ class Handoff:
     """A FIFO of :class:`Ticket`\\ s.  Every method but :meth:`wait` is called
     under the owner's lock (one lock guards the queue and what it hands out).
 
-    Where the waiters also look for themselves (``turns``: an await looks at
-    the streams every ``stall_s``, whoever was to wake it), a waiter handed
-    its turn keeps it until it leaves: the next one's turn comes only then,
-    not while the first is still on its way to take what it was woken for.
+    A waiter handed its turn keeps it until it leaves (every waiter leaves,
+    handed or not): where waiters also look for themselves (an await looks at
+    the streams every ``stall_s``, whoever was to wake it), the next one's
+    turn comes only then, not while the first is still on its way to take
+    what it was woken for.
     """
 
-    __slots__ = ("_handed", "_queue", "_turns")
+    __slots__ = ("_handed", "_queue")
 
-    def __init__(self, turns: bool = False) -> None:
+    def __init__(self) -> None:
         self._queue: collections.deque[Ticket] = collections.deque()
-        self._turns = turns
-        #: with ``turns``: the waiters handed their turn that have not left yet
+        #: the waiters handed their turn that have not left yet
         self._handed = 0
 
     def __len__(self) -> int:
@@ -77,14 +77,13 @@ class Handoff:
         ticket.queued = False
         ticket.handed = True
         ticket.value = value
-        if self._turns:
-            self._handed += 1
+        self._handed += 1
         return ticket
 
     def first(self, ticket: Ticket) -> bool:
         """Whether it is ``ticket``'s turn: it was handed something, or it is
         at the head of the queue and no waiter handed its turn before it is
-        still on its way (``turns``)."""
+        still on its way."""
         if ticket.handed:
             return True
         return not self._handed and bool(self._queue) and self._queue[0] is ticket
@@ -95,6 +94,6 @@ class Handoff:
         if ticket.queued:
             ticket.queued = False
             self._queue.remove(ticket)
-        elif ticket.handed and self._turns:
+        elif ticket.handed:
             self._handed -= 1
         return ticket.handed

@@ -138,6 +138,8 @@ class _LeasePool:
             if handed:  # handed over just as we were cancelled: pass it on
                 self.release(ticket.value)
             raise
+        with self.lock:
+            self.waiters.leave(ticket)
         stream: Stream = ticket.value
         return stream
 
