@@ -1,0 +1,408 @@
+"""Planted bugs in the layers above the core: scopes, memory and export,
+communicators, the testing toolkit and the backends.
+
+Each is a :class:`Mutation` (``mutation.py``); ``mutate.py`` plants and runs them.
+"""
+
+from __future__ import annotations
+
+from mutation import Mutation
+
+MUTATIONS = [
+    Mutation(
+        "M6",
+        "sim no longer poisons freed memory",
+        "_backends/_sim/_backend.py",
+        "            buffer.data.fill(_POISON)\n",
+        "            pass\n",
+        ("tests/memory/test_arrays.py", "tests/core/test_running.py", "tests/core/test_faults.py"),
+    ),
+    Mutation(
+        "M12",
+        "leaving a scope does not wait for the GPU work it started",
+        "_scopes/_scope.py",
+        "                run = self._runs.pop()\n"
+        "                if not run.done:\n"
+        "                    try:\n"
+        "                        await run.wait()\n",
+        "                run = self._runs.pop()\n"
+        "                if not run.done:\n"
+        "                    try:\n"
+        "                        await anyio.lowlevel.checkpoint()\n",
+        ("tests/scopes/test_scopes.py", "tests/core/test_lifetimes.py"),
+    ),
+    Mutation(
+        "B4",
+        "a word is read as reached too early (the stream's last mark enqueued, not reached)",
+        '_backends/_sim/_marks.py',
+        '        reader: Callable[[], int] = functools.partial(getattr, stream, "word")\n',
+        '        reader: Callable[[], int] = functools.partial(getattr, stream, "issued")\n',
+        ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',
+         'tests/core/test_lifetimes.py',
+         'tests/core/test_hazards.py'),
+    ),
+    Mutation(
+        "C7",
+        "a communicator is never handed to the watchdog (nobody asks it for its errors)",
+        '_comm/_communicator.py',
+        '        self._rt.completer.watch_communicator(self)\n',
+        '        pass\n',
+        ('tests/comm/test_comm.py',),
+    ),
+    Mutation(
+        "M18",
+        "leaving a scope waits for its last run only (as if runs ended in order everywhere)",
+        "_scopes/_scope.py",
+        "            while self._runs:\n                run = self._runs.pop()\n",
+        "            for run in self._runs[-1:]:\n",
+        ("tests/scopes/test_scopes.py",),
+    ),
+    Mutation(
+        "I1",
+        "an export does not make another library's stream wait for gpuflow's uses",
+        '_memory/_export.py',
+        '        else:\n'
+        '            wait_for_uses(alloc, consumer)\n',
+        '        else:\n'
+        '            pass\n',
+        ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
+    ),
+    Mutation(
+        "I2",
+        "an export to one of gpuflow's streams is no use on that stream",
+        "_memory/_export.py",
+        "            alloc.before_write(consumer)\n",
+        "            pass\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I3",
+        "a consumer that lets go of an export leaves no event to wait for",
+        "_memory/_export.py",
+        "    alloc.after_foreign(key, event)\n",
+        "    pass\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I4",
+        "an import's owner is released at once, not after gpuflow's uses",
+        '_interop/_libraries.py',
+        '        release = Run(stream.device)\n'
+        '        release.hold((owner,))\n'
+        '        rt.completer.submit(stream.raw, release, polled=False)  # (no task awaits it)\n',
+        '        pass\n',
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I5",
+        "a __cuda_array_interface__ import ignores the producer's stream",
+        "_interop/_libraries.py",
+        "        _arrive_after(rt, s, producer, device)\n"
+        "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
+        "shape, dtype)\n",
+        "        pass\n"
+        "    return DeviceArray(ImportedAllocation(rt.backend, buffer, s, x, bool(readonly)), "
+        "shape, dtype)\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I6",
+        "wait_stream waits for nothing",
+        "_interop/_libraries.py",
+        "        if own:\n"
+        "            ctx.wait_for(s)\n"
+        "        elif s is not here:\n",
+        "        if False:\n"
+        "            ctx.wait_for(s)\n"
+        "        elif False:\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I7",
+        "foreign() leaves the other library on its own stream",
+        "_interop/_libraries.py",
+        "                for adapter in adapters:\n"
+        "                    cm = adapter(stream)\n"
+        "                    if cm is not None:\n"
+        "                        on_stream.enter_context(cm)\n",
+        "                pass\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I8",
+        "foreign() does not order the arrays it is given",
+        "_interop/_libraries.py",
+        "            for a in arrays:  # the code may write any array it gets\n"
+        "                a.allocation.before_write(stream, ctx.run)\n",
+        "            pass\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I9",
+        "__cuda_array_interface__ names a stream that does not follow the reads",
+        "_memory/_export.py",
+        "        alloc.before_write(alloc.writer)\n",
+        "        pass\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I12",
+        "an import's release waits on the interop stream, which later imports wait for",
+        "_interop/_libraries.py",
+        "            stream = next(iter(uses.readers), None) or rt.pool(stream.device)[0]\n",
+        "            pass\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I13",
+        "a capsule's tensor names device 0, whatever device the array is on",
+        "_memory/_dlpack.py",
+        "    t.device = DLDevice(KDL_CUDA, device)\n",
+        "    t.device = DLDevice(KDL_CUDA, 0)\n",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I14",
+        "a read-only DLPack capsule is imported writable",
+        "_interop/_libraries.py",
+        "(rt.backend, buffer, s, owner, t.readonly)",
+        "(rt.backend, buffer, s, owner, False)",
+        ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
+    ),
+    Mutation(
+        "I15",
+        "an import's first use waits for the interop stream's later imports too",
+        '_interop/_libraries.py',
+        '        if stream.runtime.is_interop(stream):\n',
+        '        if False:\n',
+        ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
+    ),
+    Mutation(
+        "I16",
+        "the import of a capsule handed over as it is waits not for the legacy default stream",
+        '_interop/_libraries.py',
+        '        _arrive_after(rt, s, producer, device)  # (before the import marks its '
+        'arrival there)\n',
+        '        pass\n',
+        ('tests/interop/test_interop_arrays.py::test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work',),
+    ),
+    Mutation(
+        "S1",
+        "an item wakes every stream's worker, not its own",
+        '_backends/_sim/_backend.py',
+        '        if len(stream.queue) == 1:\n'
+        '            stream.cv.notify_all()  # the worker sleeps only on an empty queue\n',
+        '        self._wake_all()\n',
+        ('tests/backends/test_sim.py',),
+    ),
+    Mutation(
+        "P1",
+        'a stream lease takes the first free stream, however busy',
+        '_scopes/_scope.py',
+        '        best = min(range(len(self.free)), key=lambda i: self.free[i].load())\n',
+        '        best = 0\n',
+        ('tests/testing/test_stalls.py',),
+    ),
+    Mutation(
+        "K1",
+        'a module is loaded at its first launch, not ahead',
+        '_kernels/_kernel.py',
+        '        if not rt.backend.setup_waits_for_idle or not rt.live:\n',
+        '        if True:\n',
+        ('tests/kernels/test_kernels.py',),
+    ),
+    Mutation(
+        "K2",
+        "a launch operation keeps the kernel it loaded past a reset of its device",
+        '_kernels/_kernel.py',
+        '        if c is None or c[0] is not life:\n',
+        '        if c is None:\n',
+        ('tests/core/test_faults.py',),
+    ),
+    Mutation(
+        "K3",
+        "a launch with scalar arguments only keeps its kernel past a reset of its device",
+        '_kernels/_kernel.py',
+        '            if c is None or c[0] is not stream.life:\n',
+        '            if c is None:\n',
+        ('tests/core/test_faults.py',),
+    ),
+    Mutation(
+        "C11",
+        "a collective is not ordered after the rank's previous collective on another stream",
+        '_comm/_communicator.py',
+        '                order_after(be, s, tail[0], tail[1])\n',
+        '                pass\n',
+        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
+    ),
+    Mutation(
+        "C12",
+        "a collective reads before a write on another stream ends",
+        '_comm/_communicator.py',
+        '            for arr, s in p.reads:\n'
+        '                arr.allocation.before_read(s, run)\n',
+        '',
+        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+    ),
+    Mutation(
+        "C13",
+        "a collective writes before a write on another stream ends",
+        '_comm/_communicator.py',
+        '            for arr, s in p.writes:\n'
+        '                arr.allocation.before_write(s, run)\n',
+        '',
+        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+    ),
+    Mutation(
+        "W1",
+        "a lone await of another library's stream waits for it on a stream of gpuflow's",
+        '_interop/_libraries.py',
+        '    awaited_alone = True\n',
+        '    awaited_alone = False\n',
+        ('tests/interop/test_interop_work.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
+    ),
+    Mutation(
+        "Q2",
+        "the quiescence checks look again to report: a run handed over after their wait counts",
+        '_testing/_quiescence.py',
+        '    if pending is None:\n        pending = pending_runs()\n',
+        '    pending = pending_runs()\n',
+        ('tests/testing/test_quiescence.py::test_the_check_reports_the_runs_its_last_look_saw',),
+    ),
+    Mutation(
+        "C5",
+        "a collective run again keeps the arrays of its first run, though its lists changed",
+        '_comm/_communicator.py',
+        '    return len(v) == len(kept) and all(map(operator.is_, v, kept))\n',
+        '    return True\n',
+        ('tests/comm/test_comm.py::test_a_collective_run_again_takes_its_arrays_as_they_are_then',),
+    ),
+    Mutation(
+        "C8",
+        "a collective run from its plan makes the calls an earlier plan's run made",
+        '_comm/_communicator.py',
+        '        if memo is not None and memo[0] is plan:\n',
+        '        if memo is not None:\n',
+        ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
+    ),
+    Mutation(
+        "C9",
+        "a collective run from its plan enqueues on the stream of its earlier run",
+        '_comm/_communicator.py',
+        'known = memo[1].get(ctx.stream)',
+        'known = next(iter(memo[1].values()), None)',
+        ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
+    ),
+    Mutation(
+        "C6",
+        "a collective run from its plan takes arrays of a device reset since",
+        '_comm/_communicator.py',
+        '            if x is not None:\n'
+        '                x.check_usable(ctx, what)\n'
+        '                if read:\n'
+        '                    reads.append((x, stream))\n'
+        '            if o is not None:\n'
+        '                if o is not x:\n'
+        '                    o.check_usable(ctx, what)\n',
+        '            if x is not None:\n'
+        '                if read:\n'
+        '                    reads.append((x, stream))\n'
+        '            if o is not None:\n'
+        '                if o is not x:\n'
+        '                    pass\n',
+        ('tests/comm/test_comm.py::test_a_collective_run_again_refuses_arrays_of_a_reset_device',),
+    ),
+    Mutation(
+        "E1",
+        "a use on another stream waits for a silent mark on the stream's word, which the GPU "
+        "never writes with its number",
+        '_backends/_cuda/_words.py',
+        '        if other.mark_events:\n'
+        '            rc = self._events.wait(dev, stream, other, number, exact=True)\n',
+        '        if False:\n'
+        '            rc = self._events.wait(dev, stream, other, number, exact=True)\n',
+        ('tests/backends/test_cuda_stand_in.py',),
+    ),
+    Mutation(
+        "E2",
+        "a stream whose last mark was silent is destroyed with its word below that mark: the "
+        "word is never reached, or serves another stream too early",
+        '_backends/_cuda/_words.py',
+        '        if stream.worded >= stream.issued:\n',
+        '        if True:\n',
+        ('tests/backends/test_cuda_stand_in.py',),
+    ),
+    Mutation(
+        "E3",
+        "a silent mark's event is recycled before its number is recorded as reached (a wait in "
+        "between waits on the word for it)",
+        '_backends/_cuda/_words.py',
+        '                stream.reached = number  # (before its event goes: see ``wait``)\n'
+        '                while q and q[0][0] <= number:\n'
+        '                    dev.events.append(q.popleft()[1])\n',
+        '                while q and q[0][0] <= number:\n'
+        '                    dev.events.append(q.popleft()[1])\n',
+        ('tests/backends/test_cuda_stand_in.py',),
+    ),
+    Mutation(
+        "N2",
+        "a scope that prunes its records of runs forgets the pending ones",
+        "_scopes/_scope.py",
+        "            runs[:] = [s for s in runs if not s.done]\n",
+        "            runs.clear()\n",
+        ("tests/scopes/test_scopes.py::test_a_scope_that_tracked_many_runs_still_waits_for_each_pending_one",),
+    ),
+    Mutation(
+        "N3",
+        "the first of two cancel_at_every_point to end removes the other's watcher",
+        "_testing/_cancel_at_every_point.py",
+        "            if not _installed:\n"
+        "                cancel_points.watcher = None\n",
+        "            cancel_points.watcher = None\n",
+        ("tests/testing/test_cancel_points.py::test_two_checks_at_once_each_count_and_cancel_their_own_points_to_the_end",),
+    ),
+    Mutation(
+        "N4",
+        "the blocking quiescence wait takes \"cannot tell yet\" for at rest",
+        "_testing/_quiescence.py",
+        "    while (pending := look()) != 0 and time.monotonic() < deadline:\n"
+        "        time.sleep(_POLL_S)\n",
+        "    while (pending := look()) and time.monotonic() < deadline:\n"
+        "        time.sleep(_POLL_S)\n",
+        ("tests/testing/test_quiescence.py::test_the_blocking_check_waits_for_work_on_gpuflows_streams_outside_any_run",),
+    ),
+    Mutation(
+        "N5",
+        "assert_no_stall removes the profile hook that was there before it",
+        "_testing/_stalls.py",
+        "        sys.setprofile(previous)\n",
+        "        sys.setprofile(None)\n",
+        ("tests/testing/test_stalls.py::test_the_profile_hook_installed_before_is_restored_after",),
+    ),
+    Mutation(
+        "N9",
+        "an export that copies (DLPack copy=True) is not a read of the array",
+        "_memory/_export.py",
+        "            alloc.before_read(s)\n"
+        "            be.copy_device(copy.buffer",
+        "            be.copy_device(copy.buffer",
+        ("tests/interop/test_interop_arrays.py::test_an_export_that_copies_is_a_read_a_later_write_waits_for",),
+    ),
+    Mutation(
+        "N11",
+        "cancel_at_every_point passes a pipeline that swallows the cancellation",
+        "_testing/_cancel_at_every_point.py",
+        "    if attempt.landed and not scope.cancelled_caught:\n",
+        "    if False:\n",
+        ("tests/testing/test_cancel_points.py::test_a_pipeline_that_swallows_the_cancellation_fails_naming_the_point",),
+    ),
+    Mutation(
+        "N13",
+        "a stream lease left by Ctrl-C holds the interrupt until its GPU work ends",
+        "_scopes/_scope.py",
+        "            if not interrupted(exc):\n"
+        "                await self._tracked.drain()\n",
+        "            await self._tracked.drain()\n",
+        ("tests/core/test_interrupts.py",),
+    ),
+]
