@@ -26,8 +26,12 @@ import gpuflow as gf
 SRC = Path(gf.__file__).resolve().parents[1]
 
 PROGRAM = r'''
-import sys, time, anyio, numpy as np, gpuflow as gf
+import signal, sys, time, anyio, numpy as np, gpuflow as gf
 
+# a program started from a terminal gets Python's Ctrl-C handler; one started
+# with SIGINT ignored (the suite run in the background of a shell script: its
+# children inherit the ignore) gets none, and would never see the interrupt
+signal.signal(signal.SIGINT, signal.default_int_handler)
 backend, loop, shape, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 gf.init_device_contexts(backend=backend)
 mod = gf.compile(r"""
