@@ -58,7 +58,7 @@ MADE_BY_GPUFLOW = {
     "gpuflow.DeviceOperation", "gpuflow.SharedOperation", "gpuflow.Graph",
     "gpuflow.DeviceArray", "gpuflow.Module", "gpuflow.Kernel", "gpuflow.Stream",
     "gpuflow.ExecutionContext", "gpuflow.SchedulingPolicy", "gpuflow.StreamLease",
-    "gpuflow.DeviceGroup", "gpuflow.Communicator", "gpuflow.lowlevel.Submission",
+    "gpuflow.DeviceGroup", "gpuflow.StartedRun", "gpuflow.Communicator", "gpuflow.lowlevel.Run",
     "gpuflow.lowlevel.ImportedAllocation",
 }
 

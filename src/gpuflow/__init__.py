@@ -19,7 +19,8 @@ The API by topic (help(gpuflow.NAME) tells more of each):
                  ExecutionContext
   scheduling     SchedulingPolicy, StreamPoolLeastLoaded, StreamPoolRoundRobin,
                  SingleStream
-  scopes         open_stream_lease, StreamLease, open_device_group, DeviceGroup
+  scopes         open_stream_lease, StreamLease, open_device_group, DeviceGroup,
+                 StartedRun
   interop        from_dlpack (other libraries' arrays), wait_stream (their
                  streams, awaited), foreign (their code, on gpuflow's stream)
   communicators  open_communicator, Communicator, RankInfo, new_unique_id,
@@ -91,6 +92,7 @@ from ._memory import ones as ones
 from ._memory import to_host as to_host
 from ._memory import zeros as zeros
 from ._scopes import DeviceGroup as DeviceGroup
+from ._scopes import StartedRun as StartedRun
 from ._scopes import StreamLease as StreamLease
 from ._scopes import open_device_group as open_device_group
 from ._scopes import open_stream_lease as open_stream_lease
@@ -109,7 +111,7 @@ __all__ = [
     "init_device_contexts", "current_backend", "current_device", "device_count",
     "use_device", "new_stream", "reset_device", "Stream", "ExecutionContext",
     "SchedulingPolicy", "StreamPoolLeastLoaded", "StreamPoolRoundRobin", "SingleStream",
-    "open_stream_lease", "StreamLease", "open_device_group", "DeviceGroup",
+    "open_stream_lease", "StreamLease", "open_device_group", "DeviceGroup", "StartedRun",
     # other libraries' arrays, streams and code
     "from_dlpack", "wait_stream", "foreign",
     # communicators

@@ -405,4 +405,30 @@ MUTATIONS = [
         "            await self._tracked.drain()\n",
         ("tests/core/test_interrupts.py",),
     ),
+    Mutation(
+        "L1",
+        "a run started from a task outside its scope is not the scope's: its exit does not wait",
+        "_scopes/_scope.py",
+        "    scope.track(run)\n",
+        "    pass\n",
+        ("tests/scopes/test_started_runs.py::"
+         "test_a_run_started_from_a_task_outside_the_scope_is_still_the_scopes",),
+    ),
+    Mutation(
+        "L2",
+        "a started run that failed and was never awaited is forgotten at its scope's exit",
+        "_scopes/_scope.py",
+        "        if not errors:\n",
+        "        if True:\n",
+        ("tests/scopes/test_started_runs.py",),
+    ),
+    Mutation(
+        "L3",
+        "a started run's failure is raised at the exit too though a task awaited it",
+        "_scopes/_scope.py",
+        "        self.awaited = True\n",
+        "        pass\n",
+        ("tests/scopes/test_started_runs.py::"
+         "test_a_failed_run_awaited_is_raised_by_the_await_not_again_at_the_exit",),
+    ),
 ]

@@ -41,6 +41,7 @@ from ._operation import value as value
 from ._operation import with_context as with_context
 from ._operation import zip as zip
 from ._pending import PendingHost as PendingHost
+from ._pending import resolve as resolve
 from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
@@ -50,6 +51,7 @@ from ._run import Run as Run
 from ._run import ended_by as ended_by
 from ._run import enter_scope as enter_scope
 from ._run import leave_scope as leave_scope
+from ._run import start_run as start_run
 from ._runtime import MemoryStats as MemoryStats
 from ._runtime import Runtime as Runtime
 from ._runtime import current_backend as current_backend
@@ -121,8 +123,10 @@ __all__ = [
     "post",
     "refuse_blocking",
     "reset_device",
+    "resolve",
     "run_finalized",
     "runtime_started",
+    "start_run",
     "stream_for",
     "stream_handle",
     "trace",

@@ -758,9 +758,21 @@ def _sync_run(
     return out if out is None else resolve(out)
 
 
-def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
-    rt, run, ctx = _start(op, stream, None)
-    traced = _traced(op, "enqueue_on", stream, run) if _trace.active else None
+def start_run(
+    op: DeviceOperation[Any], stream: Stream | None, device: int, how: str
+) -> tuple[Run, Any]:
+    """Enqueue a run of ``op`` now, on ``stream``, or where None, where an
+    await on ``device`` would put it but without waiting for a stream; the
+    run, which no task awaits yet (the completer completes it, unless a task
+    awaits it later: :meth:`Run.wait`), and its output, host values not yet
+    resolved."""
+    policy: SchedulingPolicy | None = None
+    if stream is None:
+        stream, policy = _choose(op, None, device, False)
+        assert stream is not None
+    rt, run, ctx = _start(op, stream, policy)
+    stream = ctx.stream
+    traced = _traced(op, how, stream, run) if _trace.active else None
     try:
         out = op.execute(ctx)
     except BaseException as exc:
@@ -771,6 +783,11 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
         rt.completer.submit(stream.raw, run, polled=False)  # (no task awaits it)
     if traced is not None:
         traced.ended(None)
+    return run, out
+
+
+def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+    _run, out = start_run(op, stream, stream.device, "enqueue_on")
     if is_pending(out):
         if has_map(out):
             raise UsageError(

@@ -13,14 +13,15 @@ cancelled await, and the process's exit waits for it (``_runtime``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 from .._core import (
+    DeviceOperation,
     Handoff,
     Run,
     Runtime,
@@ -34,8 +35,12 @@ from .._core import (
     enter_scope,
     interrupted,
     leave_scope,
+    resolve,
+    start_run,
 )
-from .._errors import UsageError
+from .._errors import UsageError, UsageTypeError
+
+T = TypeVar("T")
 
 _PRUNE_AT = 64
 
@@ -87,6 +92,118 @@ class Tracked:
 
     def pending(self) -> int:
         return sum(not s.done for s in self._runs)
+
+
+class StartedRun(Generic[T]):
+    """A run a scope started at once, awaited later (see
+    :meth:`StreamLease.start_run` and :meth:`DeviceGroup.start_run`).
+
+    Its work is enqueued when it is made; the task goes on meanwhile (host
+    work, other runs).  ``await started`` gives the operation's output once
+    the GPU is done with it, and may be repeated, from any task of the
+    scope's loop: later awaits give the same output.  A cancelled await
+    raises the loop's own cancellation at once, as an await of an operation
+    does; the run goes on, keeps what it uses, and the scope's exit waits
+    for it.  A run that failed raises its error at every await; one that
+    failed and was never awaited raises at the scope's exit, so that no
+    error is lost.
+
+    Made by ``start_run``; not constructed directly.
+    """
+
+    __slots__ = ("_out", "_resolved", "_run", "awaited", "op")
+
+    def __init__(self, op: DeviceOperation[T], run: Run, out: Any) -> None:
+        self.op = op
+        self._run = run
+        self._out = out
+        self._resolved = False
+        #: whether a task awaited it (then that task was given any failure)
+        self.awaited = False
+
+    def done(self) -> bool:
+        """Whether the GPU has finished the run (or it failed).  Any thread;
+        reads the run's completion word, no driver call.
+
+        Returns
+        -------
+        bool
+        """
+        return self._run.reached()
+
+    def failed(self) -> BaseException | None:
+        """The run's error, once it is known to have failed; else None.
+
+        Returns
+        -------
+        BaseException or None
+        """
+        return self._run.error
+
+    def __await__(self) -> Generator[Any, None, T]:
+        self.awaited = True
+        watcher = cancel_points.watcher  # (a test's; None otherwise)
+        if watcher is not None:
+            yield from watcher(cancel_points.IN_FLIGHT, self.op).__await__()
+        yield from self._run.wait().__await__()  # (raises the run's error)
+        if not self._resolved:  # (host values made concrete once)
+            self._out = self._out if self._out is None else resolve(self._out)
+            self._resolved = True
+        out: T = self._out
+        return out
+
+    def __repr__(self) -> str:
+        state = "done" if self._run.done else "in flight"
+        return f"<gpuflow.StartedRun of {self.op!r}, {state}>"
+
+
+def _started(scope: Tracked, started: Started, run: Run, op: Any, out: Any) -> StartedRun[Any]:
+    """A run a scope started: tracked (whichever task started it) and kept
+    for the exit's report of failures nobody awaited."""
+    scope.track(run)
+    handle: StartedRun[Any] = StartedRun(op, run, out)
+    started.add(handle)
+    return handle
+
+
+def _operation(op: Any) -> DeviceOperation[Any]:
+    if not isinstance(op, DeviceOperation):
+        raise UsageTypeError(f"start_run() takes a gpuflow operation, got {type(op).__name__}")
+    return op
+
+
+class Started:
+    """The runs a scope started with ``start_run``, for its exit: a failure
+    that no task awaited is raised there."""
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: list[StartedRun[Any]] = []
+
+    def add(self, started: StartedRun[Any]) -> None:
+        runs = self._runs
+        if len(runs) >= _PRUNE_AT:  # (those that can no longer fail unawaited go)
+            runs[:] = [s for s in runs if not s.awaited and not (s.done() and s.failed() is None)]
+        runs.append(started)
+
+    def raise_unawaited(self, exc: BaseException | None) -> None:
+        """At the scope's exit, after its runs are done: raise the failures
+        of runs nobody awaited, one as it is, several in an exception group.
+        Where the scope is left by an exception ``exc``, the group holds it
+        too, as a task group's does when its children fail: a cancel scope
+        outside takes its cancellation out of the group, and the failures
+        go on."""
+        runs, self._runs = self._runs, []
+        errors = [e for s in runs if not s.awaited and (e := s.failed()) is not None]
+        if not errors:
+            return
+        if exc is None and len(errors) == 1:
+            raise errors[0]
+        raise BaseExceptionGroup(
+            "runs started in the scope failed and were never awaited",
+            errors if exc is None else [exc, *errors],
+        )
 
 
 class _LeasePool:
@@ -183,6 +300,7 @@ class StreamLease:
         self.device = device
         self._stream: Stream | None = None
         self._tracked = Tracked()
+        self._started = Started()
         self._pool: _LeasePool | None = None
         self._token: Any = None
 
@@ -202,6 +320,35 @@ class StreamLease:
             The run.
         """
         self._tracked.track(run)
+
+    def start_run(self, op: DeviceOperation[T]) -> StartedRun[T]:
+        """Enqueue ``op`` on the leased stream now, and return at once;
+        ``await`` the result later (in order with the lease's other runs).
+
+        From a task of the loop that entered the scope, while it is held.
+        The scope's exit waits for the run, awaited or not, and raises its
+        failure if no task awaited it.
+
+        Parameters
+        ----------
+        op
+            The operation.
+
+        Returns
+        -------
+        StartedRun
+            Awaiting it gives the output once the GPU is done.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            The lease is not held, or a check of the operation failed (each
+            names what), before anything is enqueued.
+        """
+        if self._stream is None:
+            raise UsageError("start_run() outside the stream lease's `async with`")
+        run, out = start_run(_operation(op), self._stream, self.device, "start_run")
+        return _started(self._tracked, self._started, run, op, out)
 
     async def __aenter__(self) -> StreamLease:
         watcher = cancel_points.watcher
@@ -228,6 +375,8 @@ class StreamLease:
             stream, self._stream = self._stream, None
             assert self._pool is not None and stream is not None
             self._pool.release(stream)
+        if not interrupted(exc):
+            self._started.raise_unawaited(exc)
         watcher = cancel_points.watcher
         if watcher is not None and exc_type is None:
             # where a cancellation that came while the scope was left lands
@@ -277,6 +426,7 @@ class DeviceGroup:
         self.devices = devices
         self._tg: anyio.abc.TaskGroup | None = None
         self._tracked = Tracked()
+        self._started = Started()
         self._token: Any = None
         self._next = 0
 
@@ -322,19 +472,60 @@ class DeviceGroup:
         gpuflow.UsageError
             Outside the group's ``async with``, or a device not in the group.
         """
-        if self._tg is None:
-            raise UsageError("start_soon() outside the device group's `async with`")
-        if device is None:
-            device = self.devices[self._next % len(self.devices)]
-            self._next += 1
-        elif device not in self.devices:
-            raise UsageError(f"device {device} is not in this group (devices {self.devices})")
+        device = self._device(device, "start_soon()")
+        assert self._tg is not None  # (checked)
 
         async def child() -> None:
             current_device_var.set(device)
             await fn(*args)
 
         self._tg.start_soon(child, name=name or getattr(fn, "__qualname__", None))
+
+    def _device(self, device: int | None, what: str) -> int:
+        """``device``, or the group's next in turn where None; checked."""
+        if self._tg is None:
+            raise UsageError(f"{what} outside the device group's `async with`")
+        if device is None:
+            device = self.devices[self._next % len(self.devices)]
+            self._next += 1
+        elif device not in self.devices:
+            raise UsageError(f"device {device} is not in this group (devices {self.devices})")
+        return device
+
+    def start_run(self, op: DeviceOperation[T], *, device: int | None = None) -> StartedRun[T]:
+        """Enqueue ``op`` on ``device`` now, and return at once; ``await``
+        the result later.
+
+        The run goes where an await would put it (the innermost stream
+        lease of the device held by the calling task, else the default
+        policy's choice), except that it never waits for a stream: at the
+        pool's bound it takes the least-loaded one.  From a task of the
+        loop that entered the group, while it is open.  The group's exit
+        waits for the run, awaited or not, and raises its failure if no task
+        awaited it.
+
+        Parameters
+        ----------
+        op
+            The operation.
+        device
+            Its device (None: the group's devices in turn).
+
+        Returns
+        -------
+        StartedRun
+            Awaiting it gives the output once the GPU is done.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            Outside the group's ``async with``, a device not in the group, or
+            a check of the operation failed (each names what), before
+            anything is enqueued.
+        """
+        device = self._device(device, "start_run()")
+        run, out = start_run(_operation(op), None, device, "start_run")
+        return _started(self._tracked, self._started, run, op, out)
 
     async def __aenter__(self) -> DeviceGroup:
         watcher = cancel_points.watcher
@@ -363,6 +554,7 @@ class DeviceGroup:
             leave_scope(self._token)
             if not interrupted(raised):
                 await self._tracked.drain()
+                self._started.raise_unawaited(raised)
         watcher = cancel_points.watcher
         if watcher is not None and exc_type is None:
             await watcher(cancel_points.LEAVE_GROUP)  # (as a stream lease's)
