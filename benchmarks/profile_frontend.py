@@ -106,7 +106,7 @@ class NullBackend(_base.Backend):
     def device_name(self, device: int) -> str:
         return "null"
 
-    def create_stream(self, device: int) -> NullStream:
+    def create_stream(self, device: int, priority: int = 0) -> NullStream:
         return NullStream(device)
 
     def destroy_stream(self, stream: Any) -> None:
@@ -219,7 +219,7 @@ class ModelBackend(NullBackend):
         super().__init__()
         self.exec_s = exec_s
 
-    def create_stream(self, device: int) -> ModelStream:
+    def create_stream(self, device: int, priority: int = 0) -> ModelStream:
         return ModelStream(device)
 
     def mark(self, stream: Any, polled: bool = True) -> int:

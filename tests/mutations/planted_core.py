@@ -755,4 +755,12 @@ MUTATIONS = [
         "                and (lane.completed + 1 >= lane.issued or lane.read() >= lane.issued)\n",
         ("tests/core/test_policy.py",),
     ),
+    Mutation(
+        "L4",
+        "a stream priority out of the device's range is taken (clamped by the driver)",
+        "_core/_runtime.py",
+        "            if not 0 <= priority <= top:\n",
+        "            if False:\n",
+        ("tests/core/test_priorities.py",),
+    ),
 ]

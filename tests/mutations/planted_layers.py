@@ -431,4 +431,12 @@ MUTATIONS = [
         ("tests/scopes/test_started_runs.py::"
          "test_a_failed_run_awaited_is_raised_by_the_await_not_again_at_the_exit",),
     ),
+    Mutation(
+        "L5",
+        "gpuflow's priority level is passed to CUDA as it is: higher is then less urgent",
+        "_backends/_cuda/_backend.py",
+        "                STREAM_NON_BLOCKING, least - priority,\n",
+        "                STREAM_NON_BLOCKING, least + priority,\n",
+        ("tests/backends/test_cuda_stand_in.py",),
+    ),
 ]

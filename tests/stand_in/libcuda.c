@@ -30,6 +30,11 @@ CUresult cuMemPoolGetAttribute(void *pool, int attr, void *value) { *(u64 *)valu
 CUresult cuCtxSetCurrent(void *ctx) { current_ctx = ctx; return 0; }
 CUresult cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
 CUresult cuStreamCreate(void **s, unsigned f) { *s = handle(); return 0; }
+/* priorities as on current GPUs: 0 the lowest, -5 the highest; the last
+ * number a stream was made with is kept, for the program to check */
+int standin_priority = 1;
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return 0; }
+CUresult cuStreamCreateWithPriority(void **s, unsigned f, int p) { standin_priority = p; *s = handle(); return 0; }
 CUresult cuStreamGetCtx(void *s, void **ctx) { *ctx = (void *)0x1000; return 0; }
 CUresult cuEventCreate(void **e, unsigned f) { *e = handle(); return 0; }
 CUresult cuEventElapsedTime(float *ms, void *a, void *b) { *ms = 0.0f; return 0; }
@@ -83,6 +88,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, u64 flags,
     ROUTE(cuDeviceGetName) ROUTE(cuDeviceGetAttribute) ROUTE(cuDeviceTotalMem)
     ROUTE(cuDeviceCanAccessPeer) ROUTE(cuDevicePrimaryCtxRetain) ROUTE(cuDeviceGetDefaultMemPool)
     ROUTE(cuMemPoolGetAttribute) ROUTE(cuCtxSetCurrent) ROUTE(cuCtxGetCurrent) ROUTE(cuStreamCreate)
+    ROUTE(cuCtxGetStreamPriorityRange) ROUTE(cuStreamCreateWithPriority)
     ROUTE(cuStreamGetCtx) ROUTE(cuStreamIsCapturing) ROUTE(cuEventCreate) ROUTE(cuEventElapsedTime) ROUTE(cuMemHostGetDevicePointer)
     ROUTE(cuMemHostAlloc) ROUTE(cuStreamWriteValue64) ROUTE(cuLaunchHostFunc) ROUTE(cuMemAllocAsync)
     ROUTE(cuMemFreeAsync) ROUTE(cuMemcpyHtoDAsync) ROUTE(cuMemcpyDtoHAsync) ROUTE(cuMemcpyDtoDAsync)

@@ -50,6 +50,20 @@ for _ in range(100):
     empty.enqueue_on(s)
 s.synchronize()
 
+# stream priorities the right way round: gpuflow's level 5 is CUDA's -5 (its
+# highest), and a level past the device's range is refused, never clamped
+made_with = ctypes.c_int.in_dll(standin, "standin_priority")
+urgent = gf.new_stream(priority=5)
+assert urgent.priority == 5 and made_with.value == -5
+assert gf.new_stream(priority=2).priority == 2 and made_with.value == -2
+try:
+    gf.new_stream(priority=6)
+    raise AssertionError("priority 6 was taken")
+except gf.UsageError as exc:
+    assert "0 (the default) to 5" in str(exc), exc
+empty.enqueue_on(urgent)
+urgent.synchronize()
+
 # what a launch passes: scalar arguments packed once into a launch's own
 # parameter array, and its later runs (enqueued, traced, on another stream)
 # pass the same values; another launch of the kernel passes its own

@@ -158,8 +158,29 @@ class Backend(abc.ABC):
 
     # -- streams --------------------------------------------------------------
     @abc.abstractmethod
-    def create_stream(self, device: int) -> Any:
+    def create_stream(self, device: int, priority: int = 0) -> Any:
         """A new non-blocking stream on ``device``.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        priority
+            gpuflow's level: 0 the default, higher more urgent, up to
+            :meth:`stream_priorities` (checked by the caller; only a backend
+            that has levels above 0 is given one).
+
+        Returns
+        -------
+        object
+        """
+
+    def stream_priorities(self, device: int) -> int:
+        """The most urgent stream priority ``device`` takes, in gpuflow's
+        levels: 0 is the default, each level above it more urgent (CUDA's
+        numbers run the other way: its range from the lowest priority, 0 on
+        current GPUs, down to the highest, -5).  0 where the backend has no
+        priorities (the default).
 
         Parameters
         ----------
@@ -168,8 +189,9 @@ class Backend(abc.ABC):
 
         Returns
         -------
-        object
+        int
         """
+        return 0
 
     @abc.abstractmethod
     def destroy_stream(self, stream: Any) -> None:

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 from .._backends import Backend, load_backend
-from .._errors import DeviceFaultError, UsageError
+from .._errors import DeviceFaultError, UsageError, UsageTypeError
 from ._completion import Completer
 from ._finalizers import finalize_later, run_finalized, start_reaper
 from ._hazards import MemoryLedger
@@ -135,8 +135,11 @@ class Runtime:
         self._pools[device] = pool
         self.device_streams[device] = list(pool)
 
-    def new_raw_stream(self, device: int) -> Any:
-        """A backend stream of ``device``: one made ahead, while there is one."""
+    def new_raw_stream(self, device: int, priority: int = 0) -> Any:
+        """A backend stream of ``device``: one made ahead, while there is one
+        (of the default priority)."""
+        if priority:
+            return self.backend.create_stream(device, priority)
         spares = self._spares.get(device)
         if spares:
             try:
@@ -145,9 +148,9 @@ class Runtime:
                 pass
         return self.backend.create_stream(device)
 
-    def adopt(self, device: int, raw: Any) -> Stream:
+    def adopt(self, device: int, raw: Any, priority: int = 0) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
-        s = Stream(self, device, raw, self.generation(device), self._lives[device])
+        s = Stream(self, device, raw, self.generation(device), self._lives[device], priority)
         s.lane = self.completer.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
@@ -233,6 +236,23 @@ class Runtime:
                 "see gf.init_device_contexts(num_devices=...)"
             )
         return device
+
+    def check_priority(self, device: int, priority: int) -> int:
+        """``priority`` for a stream of ``device``: an int from 0 (the
+        default) to the device's most urgent level, never clamped."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise UsageTypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority:
+            top = self.backend.stream_priorities(device)
+            if not 0 <= priority <= top:
+                raise UsageError(
+                    f"priority {priority} is out of device {device}'s range: 0 (the default) "
+                    f"to {top} (the most urgent; higher is more urgent)"
+                    if top else
+                    f"priority {priority}: device {device} ({self.backend.name}) has no stream "
+                    "priorities, only the default 0"
+                )  # fmt: skip
+        return priority
 
     def pool(self, device: int) -> list[Stream]:
         """The ``streams_per_device`` streams made with the device's context:
@@ -585,11 +605,16 @@ def use_device(device: int) -> Iterator[int]:
         current_device_var.reset(token)
 
 
-def new_stream(device: int | None = None) -> Stream:
+def new_stream(device: int | None = None, *, priority: int = 0) -> Stream:
     """A new stream of its own on ``device`` (default: the current device).
 
     The stream is destroyed when the last reference to it goes; work already
-    enqueued on it still completes.
+    enqueued on it still completes.  ``priority`` reads the right way round:
+    0 is the default and each level above it is more urgent (when SMs free
+    up, the GPU schedules the blocks of a more urgent stream's kernels
+    first; running blocks are not preempted, and copies are not affected).
+    The device's range is asked of the driver (0 to 5 on current GPUs,
+    CUDA's 0 to -5); a level out of it is refused, never clamped.
 
     Any thread.
 
@@ -597,6 +622,9 @@ def new_stream(device: int | None = None) -> Stream:
     ----------
     device
         The device's ordinal (None: the current device).
+    priority
+        The stream's priority level, from 0 (the default) to the device's
+        most urgent.
 
     Returns
     -------
@@ -605,12 +633,16 @@ def new_stream(device: int | None = None) -> Stream:
     Raises
     ------
     gpuflow.UsageError
-        ``device`` is not one of the runtime's devices.
+        ``device`` is not one of the runtime's devices, or ``priority`` is
+        out of the device's range (the message says the range).
+    gpuflow.UsageTypeError
+        ``priority`` is not an int.
     """
     rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
-    raw = rt.new_raw_stream(dev)
-    s = rt.adopt(dev, raw)
+    priority = rt.check_priority(dev, priority)
+    raw = rt.new_raw_stream(dev, priority)
+    s = rt.adopt(dev, raw, priority)
     weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s.final)
     return s
 

@@ -38,11 +38,17 @@ class Stream:
 
     __slots__ = (
         "__weakref__", "_syncs", "device", "final", "generation", "lane", "leased", "life",
-        "raw", "runtime",
+        "priority", "raw", "runtime",
     )  # fmt: skip
 
     def __init__(
-        self, runtime: Runtime, device: int, raw: Any, generation: int, life: object
+        self,
+        runtime: Runtime,
+        device: int,
+        raw: Any,
+        generation: int,
+        life: object,
+        priority: int = 0,
     ) -> None:
         #: the runtime that made the stream
         self.runtime = runtime
@@ -52,6 +58,9 @@ class Stream:
         #: directly (:mod:`gpuflow.lowlevel`): operations enqueue on
         #: ``ctx.stream.raw`` through ``ctx.backend``
         self.raw = raw
+        #: its priority level: 0 the default, higher more urgent (see
+        #: :func:`gpuflow.new_stream`)
+        self.priority = priority
         #: the device context's generation the stream was made in
         self.generation = generation
         #: the device context's life (an identity, replaced at a reset) the

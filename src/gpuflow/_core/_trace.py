@@ -31,8 +31,9 @@ What a trace holds:
   the run (it was enqueued, or the stream finished its previous run,
   whichever is later) to when gpuflow saw the GPU finish it.  A stream's
   slices never overlap: one that would is cut where the next one starts.
-  ``args``: ``op`` (its repr), ``device``, ``stream``, ``how`` it ran
-  (``await``, ``sync``, ``enqueue_on``), ``outcome`` (``ok``,
+  ``args``: ``op`` (its repr), ``device``, ``stream``, ``priority`` (its
+  stream's level: 0 the default, higher more urgent), ``how`` it ran
+  (``await``, ``sync``, ``enqueue_on``, ``start_run``), ``outcome`` (``ok``,
   ``cancelled``, ``fault``, ``error``; ``unfinished`` if the trace was
   written first), ``gpu`` (how the GPU side ended: ``ok``, ``fault``,
   ``unfinished``), ``device_timed`` (whether the slice's ends are the
@@ -157,8 +158,8 @@ class TracedRun:
 
     __slots__ = (
         "backend", "device", "done", "ends", "enq", "enq_end", "gpu", "how", "id", "name",
-        "op", "outcome", "recorders", "resumed", "slots", "stream", "stream_key", "tag",
-        "thread",
+        "op", "outcome", "priority", "recorders", "resumed", "slots", "stream", "stream_key",
+        "tag", "thread",
     )  # fmt: skip
 
     def __init__(
@@ -171,6 +172,7 @@ class TracedRun:
         self.how = how
         self.device: int = stream.device
         self.stream = repr(stream)
+        self.priority: int = stream.priority
         backend: Backend = stream.runtime.backend
         self.backend = backend
         self.stream_key: Key = (
@@ -342,6 +344,7 @@ class Recorder:
             "op": run.op,
             "device": run.device,
             "stream": run.stream,
+            "priority": run.priority,
             "how": run.how,
             "outcome": outcome,
             "run": run.id,

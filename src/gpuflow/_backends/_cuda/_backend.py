@@ -100,11 +100,18 @@ class CudaBackend(CudaContexts):
         self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
 
     # -- streams ------------------------------------------------------------------
-    def create_stream(self, device: int) -> CudaStream:
+    def create_stream(self, device: int, priority: int = 0) -> CudaStream:
         dev = self._dev(device)
         if dev.fault is not None:
             raise dev.fault
-        (h,) = self._call(dev, "cuStreamCreate", self._cu.cuStreamCreate, STREAM_NON_BLOCKING)
+        if priority:
+            least = self.priority_range(dev)[0]
+            (h,) = self._call(
+                dev, "cuStreamCreateWithPriority", self._cu.cuStreamCreateWithPriority,
+                STREAM_NON_BLOCKING, least - priority,
+            )  # fmt: skip
+        else:
+            (h,) = self._call(dev, "cuStreamCreate", self._cu.cuStreamCreate, STREAM_NON_BLOCKING)
         word = WORDS.take(self._register_host) if self._marks.name == "word" else None
         return CudaStream(dev, h, word)
 

@@ -225,6 +225,18 @@ class CudaContexts(Backend):
             res = fn(*args)
         return check(res, what, dev)
 
+    def priority_range(self, dev: Dev) -> tuple[int, int]:
+        """CUDA's (lowest, highest) stream priority on ``dev``: (0, -5) on
+        current GPUs, a lower number more urgent."""
+        least, greatest = self._call(
+            dev, "cuCtxGetStreamPriorityRange", self._cu.cuCtxGetStreamPriorityRange
+        )
+        return int(least), int(greatest)
+
+    def stream_priorities(self, device: int) -> int:
+        least, greatest = self.priority_range(self._dev(device))
+        return least - greatest
+
     def _setup_context(self, dev: Dev) -> None:
         """What each life of a primary context needs: pool settings, a private stream."""
         cu = self._cu

@@ -82,6 +82,10 @@ from ._comm import SimComms, new_unique_id
 from ._marks import SimCompletion
 
 DEFAULT_MEMORY_BYTES = 2 << 30
+#: the stream priorities above the default a simulated device takes, as
+#: current GPUs (CUDA's range 0 to -5); the simulator keeps a stream's level
+#: and schedules nothing by it yet (it models no SMs)
+SIM_PRIORITIES = 5
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
 _MAX_BLOCK = 1024
 _ADDRESS_ALIGN = 256
@@ -203,6 +207,7 @@ class SimStream:
         self.capture: _Capture | None = None
         self.running = False
         self.wakeups = 0  # how often the worker woke (what a test of the herd counts)
+        self.priority = 0  # gpuflow's level: 0 the default, higher more urgent
         self.serial = next(backend._stream_serials)
         self.handle = _STREAM_HANDLE_BASE + self.serial * _ADDRESS_ALIGN
         self.thread = threading.Thread(
@@ -428,12 +433,17 @@ class SimBackend(Backend):
             self._wake_all()
 
     # -- streams -------------------------------------------------------------
-    def create_stream(self, device: int) -> SimStream:
+    def create_stream(self, device: int, priority: int = 0) -> SimStream:
         s = SimStream(self, self._dev(device))
+        s.priority = priority
         with self.cond:
             self._streams.append(s)
             self._handles[s.handle] = s
         return s
+
+    def stream_priorities(self, device: int) -> int:
+        self._dev(device)
+        return SIM_PRIORITIES
 
     def destroy_stream(self, stream: Any) -> None:
         with self.cond:
