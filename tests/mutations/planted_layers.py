@@ -424,12 +424,21 @@ MUTATIONS = [
     ),
     Mutation(
         "L3",
-        "a started run's failure is raised at the exit too though a task awaited it",
+        "a started run's failure is raised at the exit too though a task's await raised it",
         "_scopes/_scope.py",
-        "        self.awaited = True\n",
-        "        pass\n",
+        "            self.awaited = self.awaited or exc is self._run.error\n",
+        "            pass\n",
         ("tests/scopes/test_started_runs.py::"
          "test_a_failed_run_awaited_is_raised_by_the_await_not_again_at_the_exit",),
+    ),
+    Mutation(
+        "L6",
+        "a started run whose await was cancelled counts as awaited: its later failure is lost",
+        "_scopes/_scope.py",
+        "            self.awaited = self.awaited or exc is self._run.error\n",
+        "            self.awaited = True\n",
+        ("tests/scopes/test_started_runs.py::"
+         "test_a_failure_after_a_cancelled_await_is_raised_at_the_scope_exit",),
     ),
     Mutation(
         "L5",

@@ -204,3 +204,18 @@ async def test_a_run_started_from_a_task_outside_the_scope_is_still_the_scopes()
         took = time.perf_counter() - t0
     assert took >= 0.2 - EARLY, f"the lease was left {took:.3f} s after its 0.2 s run started"
     assert (await gf.to_host(x) == 5.0).all()
+
+
+@pytest.mark.faults_device
+async def test_a_failure_after_a_cancelled_await_is_raised_at_the_scope_exit() -> None:
+    x = await gf.zeros(N, F32)
+    fault = fault_op()
+    try:
+        with pytest.raises(gf.DeviceFaultError, match="ILLEGAL_ADDRESS"):
+            async with gf.open_stream_lease() as lease:
+                started = lease.start_run(K.slow_fill(x, 1.0, 0.2).then(lambda _: fault))
+                with anyio.move_on_after(0.05):
+                    await started  # cancelled: this task was given no outcome
+                assert not started.done()
+    finally:
+        reset_after_fault()

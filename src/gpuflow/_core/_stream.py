@@ -59,7 +59,8 @@ class Stream:
         #: ``ctx.stream.raw`` through ``ctx.backend``
         self.raw = raw
         #: its priority level: 0 the default, higher more urgent (see
-        #: :func:`gpuflow.new_stream`)
+        #: :func:`gpuflow.new_stream`); 0 for another library's stream,
+        #: whose priority gpuflow does not ask
         self.priority = priority
         #: the device context's generation the stream was made in
         self.generation = generation

@@ -118,7 +118,8 @@ class StartedRun(Generic[T]):
         self._run = run
         self._out = out
         self._resolved = False
-        #: whether a task awaited it (then that task was given any failure)
+        #: whether a task's await ended with the run's outcome (then that
+        #: task was given any failure)
         self.awaited = False
 
     def done(self) -> bool:
@@ -141,11 +142,17 @@ class StartedRun(Generic[T]):
         return self._run.error
 
     def __await__(self) -> Generator[Any, None, T]:
-        self.awaited = True
         watcher = cancel_points.watcher  # (a test's; None otherwise)
         if watcher is not None:
             yield from watcher(cancel_points.IN_FLIGHT, self.op).__await__()
-        yield from self._run.wait().__await__()  # (raises the run's error)
+        try:
+            yield from self._run.wait().__await__()  # (raises the run's error)
+        except BaseException as exc:
+            # given the run's failure; a cancelled await was given nothing,
+            # and a failure after it is still the scope's to raise
+            self.awaited = self.awaited or exc is self._run.error
+            raise
+        self.awaited = True
         if not self._resolved:  # (host values made concrete once)
             self._out = self._out if self._out is None else resolve(self._out)
             self._resolved = True
