@@ -18,7 +18,7 @@ The API by topic (help(gpuflow.NAME) tells more of each):
                  device_count, use_device, new_stream, reset_device, Stream,
                  ExecutionContext
   scheduling     SchedulingPolicy, StreamPoolLeastLoaded, StreamPoolRoundRobin,
-                 SingleStream
+                 SingleStream, priority, current_priority
   scopes         open_stream_lease, StreamLease, open_device_group, DeviceGroup,
                  StartedRun
   interop        from_dlpack (other libraries' arrays), wait_stream (their
@@ -57,10 +57,12 @@ from ._core import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._core import StreamPoolRoundRobin as StreamPoolRoundRobin
 from ._core import current_backend as current_backend
 from ._core import current_device as current_device
+from ._core import current_priority as current_priority
 from ._core import device_count as device_count
 from ._core import init_device_contexts as init_device_contexts
 from ._core import memory_stats as memory_stats
 from ._core import new_stream as new_stream
+from ._core import priority as priority
 from ._core import reset_device as reset_device
 from ._core import trace as trace
 from ._core import use_device as use_device
@@ -111,6 +113,7 @@ __all__ = [
     "init_device_contexts", "current_backend", "current_device", "device_count",
     "use_device", "new_stream", "reset_device", "Stream", "ExecutionContext",
     "SchedulingPolicy", "StreamPoolLeastLoaded", "StreamPoolRoundRobin", "SingleStream",
+    "priority", "current_priority",
     "open_stream_lease", "StreamLease", "open_device_group", "DeviceGroup", "StartedRun",
     # other libraries' arrays, streams and code
     "from_dlpack", "wait_stream", "foreign",

@@ -83,3 +83,92 @@ async def test_the_trace_shows_each_runs_priority(tmp_path: Path) -> None:
     assert [(e["args"]["stream"], e["args"]["priority"]) for e in runs] == [
         (repr(urgent), 4), (repr(plain), 0)
     ]
+
+
+def probe(seen: list[gf.Stream], then: gf.DeviceOperation[Any] | None = None) -> Any:
+    """An operation that records the stream it runs on (then runs ``then``)."""
+
+    def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+        seen.append(ctx.stream)
+        return gf.value(None) if then is None else then
+
+    return gf.with_context(fn)
+
+
+@pytest.mark.anyio
+async def test_runs_started_in_a_priority_block_take_streams_of_that_level() -> None:
+    seen: list[gf.Stream] = []
+    assert gf.current_priority() == 0
+    with gf.priority(3) as level:
+        assert level == 3 and gf.current_priority() == 3
+        await probe(seen)  # awaited
+        await gf.zip(probe(seen), probe(seen))  # a zip's arms too
+
+        async def child() -> None:  # a task started in the block
+            await probe(seen)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child)
+        with gf.priority(1):  # the innermost applies
+            await probe(seen)
+        await probe(seen)
+    await probe(seen)  # and after the block, the default again
+    levels = [s.priority for s in seen]
+    assert levels == [3, 3, 3, 3, 1, 3, 0], levels
+    # each level has a pool of its own: a level-3 stream is never a default one
+    assert not {s for s in seen if s.priority == 3} & set(gf.lowlevel.pool_streams())
+
+
+@pytest.mark.anyio
+async def test_a_busy_level_grows_its_own_pool_and_never_waits_for_another_level() -> None:
+    x = [await gf.zeros(64, np.float32) for _ in range(8)]
+    from helpers import kernels as K
+
+    seen: list[gf.Stream] = []
+    t0 = anyio.current_time()
+    with gf.priority(2):
+        async with anyio.create_task_group() as tg:
+            for i in range(8):  # more at once than the level's four first streams
+                tg.start_soon(lambda i=i: probe(seen, K.slow_fill(x[i], 1.0, 0.1)).run())
+    took = anyio.current_time() - t0
+    assert len(set(seen)) == 8 and {s.priority for s in seen} == {2}  # it grew to 8
+    assert took < 0.1 + 0.15, f"eight 0.1 s runs at one level took {took:.3f} s"
+
+
+@pytest.mark.anyio
+async def test_a_lease_of_a_priority_level_holds_a_stream_of_that_level() -> None:
+    seen: list[gf.Stream] = []
+    async with gf.open_stream_lease(priority=4) as a, gf.open_stream_lease(priority=4) as b:
+        assert a.priority == 4 and a.stream.priority == 4 and b.stream.priority == 4
+        assert a.stream is not b.stream
+        with gf.priority(1):  # a lease's runs stay on its stream (the innermost: b's)
+            await probe(seen)
+        assert seen == [b.stream]
+    async with gf.open_stream_lease() as plain:
+        assert plain.stream.priority == 0
+    with pytest.raises(gf.UsageError, match=r"priority 9 is out of device 0's range"):
+        async with gf.open_stream_lease(priority=9):
+            pass
+
+
+def test_a_priority_block_checks_its_level_before_anything_runs() -> None:
+    with pytest.raises(gf.UsageError, match=r"priority 6 is out of device \d's range: 0 \(the"):
+        with gf.priority(6):
+            raise AssertionError("entered")
+    with pytest.raises(gf.UsageTypeError, match="priority must be an int, got str"):
+        with gf.priority("high"):  # type: ignore[arg-type]
+            raise AssertionError("entered")
+    assert gf.current_priority() == 0
+
+
+def test_a_reset_device_makes_a_levels_pool_anew(device_backend: str) -> None:
+    if device_backend != "sim":
+        pytest.skip("sim: the CUDA driver keeps a reset for a process's end")
+    seen: list[gf.Stream] = []
+    with gf.priority(2):
+        probe(seen).sync()  # a blocking run too
+        gf.reset_device(0)
+        probe(seen).sync()
+    probe(seen).sync()
+    assert [s.priority for s in seen] == [2, 2, 0] and seen[0] is not seen[1]
+    assert not seen[0].current() and seen[1].current()

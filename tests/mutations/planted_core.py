@@ -763,4 +763,22 @@ MUTATIONS = [
         "            if False:\n",
         ("tests/core/test_priorities.py",),
     ),
+    Mutation(
+        "L7",
+        "a run started in a priority block takes a stream of the default level",
+        "_core/_run.py",
+        "        level = current_priority_var.get()\n",
+        "        level = 0\n",
+        ("tests/core/test_priorities.py",),
+    ),
+    Mutation(
+        "L8",
+        "a priority level's pool grows into the default level's streams",
+        "_core/_runtime.py",
+        "            s = self.adopt(device, self.new_raw_stream(device, priority), priority)\n"
+        "            streams.append(s)\n",
+        "            s = self.adopt(device, self.new_raw_stream(device), 0)\n"
+        "            streams.append(s)\n",
+        ("tests/core/test_priorities.py",),
+    ),
 ]

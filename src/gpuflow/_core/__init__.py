@@ -47,6 +47,8 @@ from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
 from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
+from ._policy import current_priority as current_priority
+from ._policy import priority as priority
 from ._run import Run as Run
 from ._run import ended_by as ended_by
 from ._run import enter_scope as enter_scope
@@ -104,6 +106,7 @@ __all__ = [
     "current_backend",
     "current_device",
     "current_device_var",
+    "current_priority",
     "current_loop",
     "current_runtime",
     "describe_stream",
@@ -121,6 +124,7 @@ __all__ = [
     "new_stream",
     "order_after",
     "post",
+    "priority",
     "refuse_blocking",
     "reset_device",
     "resolve",

@@ -10,11 +10,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Protocol, runtime_checkable
 
 from .._errors import UsageError
 from ._runtime import CURRENT, MAX_POOL_STREAMS, ensure_runtime, new_stream
 from ._stream import Stream
+from ._unusual import UNUSUAL
 
 
 @runtime_checkable
@@ -130,7 +134,9 @@ class StreamPoolLeastLoaded:
         counts as stalled."""
         return self._stall
 
-    def idle_stream(self, device: int, prefer: Stream | None = None) -> Stream | None:
+    def idle_stream(
+        self, device: int, prefer: Stream | None = None, priority: int = 0
+    ) -> Stream | None:
         """Steps 1 and 2: a stream of ``device`` with nothing pending, or a
         new one; None where every stream is busy at the bound.  ``prefer``
         is looked at first, where it is one of the device's streams
@@ -143,16 +149,22 @@ class StreamPoolLeastLoaded:
             The device's ordinal.
         prefer
             A stream to look at first.
+        priority
+            The priority level of the streams (0: the default); each level
+            has a pool of its own (see :func:`gpuflow.priority`).
 
         Returns
         -------
         Stream or None
         """
         rt = CURRENT.runtime or ensure_runtime()
-        try:
-            streams = rt.device_streams[device]
-        except KeyError:
-            streams = rt.streams(device)  # (which says why)
+        if priority:
+            streams = rt.streams(device, priority)
+        else:
+            try:
+                streams = rt.device_streams[device]
+            except KeyError:
+                streams = rt.streams(device)  # (which says why)
         if prefer is not None:
             # step 1's test, made on that stream alone first (a collective
             # run again after an awaited one: no loop, no rotation); never a
@@ -172,10 +184,10 @@ class StreamPoolLeastLoaded:
             if not s.leased and s.idle():
                 return s
         if n < self._max:
-            return rt.grow(device, self._max)
+            return rt.grow(device, self._max, priority)
         return None
 
-    def next_stream(self, device: int, prefer: Stream | None = None) -> Stream:
+    def next_stream(self, device: int, prefer: Stream | None = None, priority: int = 0) -> Stream:
         """The stream of ``device`` for the next run: steps 1 and 2
         (:meth:`idle_stream`), else the least-loaded stream (step 3 for a
         run that cannot wait).
@@ -186,14 +198,17 @@ class StreamPoolLeastLoaded:
             The device's ordinal.
         prefer
             A stream to look at first.
+        priority
+            The priority level of the streams (0: the default).
 
         Returns
         -------
         Stream
         """
-        s = self.idle_stream(device, prefer)
+        s = self.idle_stream(device, prefer, priority)
         if s is None:
-            s = least_loaded(ensure_runtime().streams(device), time.monotonic() - self._stall)
+            streams = ensure_runtime().streams(device, priority)
+            s = least_loaded(streams, time.monotonic() - self._stall)
         return s
 
     def __repr__(self) -> str:
@@ -286,4 +301,89 @@ class SingleStream:
 
 #: The policy of runs that name none, outside a stream lease.
 DEFAULT_POLICY = StreamPoolLeastLoaded()
+
+
+# -- priority levels ------------------------------------------------------------------
+#
+# A level of its own pool on each device: the default policy's runs inside
+# ``with gf.priority(p)`` take streams of that pool, and a run never waits
+# behind a busy pool of another level.
+
+#: The priority level of the runs the current task starts (0: the default).
+current_priority_var: ContextVar[int] = ContextVar("gpuflow_priority", default=0)
+
+
+class AtLevel:
+    """``policy`` (the default policy) at one priority level: what a run's
+    ``zip`` arms fork with inside :func:`priority`."""
+
+    __slots__ = ("_level", "_policy")
+
+    def __init__(self, policy: StreamPoolLeastLoaded, level: int) -> None:
+        self._policy = policy
+        self._level = level
+
+    def next_stream(self, device: int) -> Stream:
+        return self._policy.next_stream(device, None, self._level)
+
+    def __repr__(self) -> str:
+        return f"{self._policy!r} at priority {self._level}"
+
+
+@contextmanager
+def priority(level: int) -> Iterator[int]:
+    """Run the work started in the block at stream priority ``level``.
+
+    ``with gf.priority(3):`` — every run the default policy places, started
+    in the block by this task or by tasks started from it (``await``,
+    ``sync()``, ``enqueue_on`` aside, which names its stream), takes a
+    stream of that level's pool on its device: 0 is the default and each
+    level above it is more urgent (see :func:`new_stream`).  Each level has
+    a pool of its own, made at its first use and grown as the default
+    pool is; at the pool's bound a run takes the least-loaded stream of
+    its level rather than wait for one to go idle.  A stream lease's runs
+    stay on its stream (``open_stream_lease(priority=...)``), and a policy
+    given to a run decides for it.  Blocks nest; the innermost applies.
+
+    Any thread; a context variable, as :func:`use_device`.
+
+    Parameters
+    ----------
+    level
+        From 0 (the default) to the most urgent level of every device.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager[int]
+        Gives ``level``.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``level`` is out of a device's range (the message says the range).
+    gpuflow.UsageTypeError
+        ``level`` is not an int.
+    """
+    rt = ensure_runtime()
+    for device in rt.devices:
+        rt.check_priority(device, level)
+    token = current_priority_var.set(level)
+    UNUSUAL.begin()  # (runs take the long path, which asks the level)
+    try:
+        yield level
+    finally:
+        UNUSUAL.end()
+        current_priority_var.reset(token)
+
+
+def current_priority() -> int:
+    """The priority level of the runs the current task starts (0: the default).
+
+    Any thread.
+
+    Returns
+    -------
+    int
+    """
+    return current_priority_var.get()
 

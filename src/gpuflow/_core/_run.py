@@ -50,7 +50,13 @@ from ._execution import ExecutionContext
 from ._hazards import capture_log, refuse_in_capture
 from ._loops import Loop, Posts, current_loop, refuse_blocking
 from ._pending import has_map, is_pending, resolve
-from ._policy import DEFAULT_POLICY, SchedulingPolicy, StreamPoolLeastLoaded
+from ._policy import (
+    DEFAULT_POLICY,
+    AtLevel,
+    SchedulingPolicy,
+    StreamPoolLeastLoaded,
+    current_priority_var,
+)
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._stream import Stream
 from ._unusual import UNUSUAL
@@ -619,6 +625,9 @@ def _choose(
         policy = DEFAULT_POLICY
     if isinstance(policy, StreamPoolLeastLoaded):
         home = op.stream_home(device) if op.has_home else None
+        level = current_priority_var.get()
+        if level:  # (a level's pool: no await waits for one of its streams)
+            return policy.next_stream(device, home, level), AtLevel(policy, level)
         if not can_wait:
             return policy.next_stream(device, home), policy
         if ensure_runtime().completer.stream_waiters(device):

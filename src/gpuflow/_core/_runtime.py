@@ -97,8 +97,12 @@ class Runtime:
         #: per device: the pool, then the streams grow() added (append only):
         #: what :meth:`streams` gives, read directly where a run starts
         self.device_streams: dict[int, list[Stream]] = {}
-        #: stream-lease bookkeeping per (device, generation), owned by _scope
-        self.lease_pools: dict[tuple[int, int], Any] = {}
+        #: per (device, priority level above 0): that level's streams, made
+        #: at its first use (the first ``streams_per_device`` of them its
+        #: leases' pool), then those the default policy grew (append only)
+        self._levels: dict[tuple[int, int], list[Stream]] = {}
+        #: stream-lease bookkeeping per (device, generation, priority), owned by _scope
+        self.lease_pools: dict[tuple[int, int, int], Any] = {}
         #: every live stream of this runtime, by its handle (__cuda_stream__):
         #: a weak reference each, not a WeakValueDictionary, whose lookup of
         #: a handle it lacks (every other library's stream, at each wait for
@@ -254,32 +258,54 @@ class Runtime:
                 )  # fmt: skip
         return priority
 
-    def pool(self, device: int) -> list[Stream]:
-        """The ``streams_per_device`` streams made with the device's context:
-        what round robin deals and stream leases take."""
+    def pool(self, device: int, priority: int = 0) -> list[Stream]:
+        """The ``streams_per_device`` streams made with the device's context
+        (of a priority level above 0: made at the level's first use): what
+        round robin deals and stream leases take."""
+        if priority:
+            return self.streams(device, priority)[: self.streams_per_device]
         try:
             return self._pools[device]
         except KeyError:
             self.check_device(device)
             raise
 
-    def streams(self, device: int) -> list[Stream]:
+    def streams(self, device: int, priority: int = 0) -> list[Stream]:
         """The pool followed by the streams :meth:`grow` added; the list only
         grows (in place), until a reset of the device replaces it."""
         try:
-            return self.device_streams[device]
+            return self.device_streams[device] if not priority else self._levels[device, priority]
         except KeyError:
             self.check_device(device)
-            raise
+            if not priority:
+                raise
+        return self._make_level(device, priority)
 
-    def grow(self, device: int, limit: int) -> Stream | None:
-        """Add a stream to ``device``'s streams unless it has ``limit`` already;
-        the new stream, or None.  Added streams live as long as the pool."""
+    def _make_level(self, device: int, priority: int) -> list[Stream]:
+        """A priority level's pool on ``device``, at its first use.  (On CUDA,
+        making a stream can wait until the device is idle: the first use of a
+        level may too.)"""
         with self._lock:
-            streams = self.device_streams.get(device)
+            streams = self._levels.get((device, priority))
+            if streams is None:
+                streams = self._levels[device, priority] = [
+                    self.adopt(device, self.backend.create_stream(device, priority), priority)
+                    for _ in range(self.streams_per_device)
+                ]
+            return streams
+
+    def grow(self, device: int, limit: int, priority: int = 0) -> Stream | None:
+        """Add a stream to ``device``'s streams (of that priority level)
+        unless it has ``limit`` already; the new stream, or None.  Added
+        streams live as long as the pool."""
+        with self._lock:
+            if priority:
+                streams = self._levels.get((device, priority))
+            else:
+                streams = self.device_streams.get(device)
             if streams is None or len(streams) >= limit or not self.live:
                 return None
-            s = self.adopt(device, self.new_raw_stream(device))
+            s = self.adopt(device, self.new_raw_stream(device, priority), priority)
             streams.append(s)
             return s
 
@@ -336,6 +362,8 @@ class Runtime:
             self._spares.pop(device, None)  # gone with the context
             self._pools.pop(device, None)
             old = self.device_streams.pop(device, [])
+            for key in [key for key in self._levels if key[0] == device]:
+                old += self._levels.pop(key)  # (made anew at the level's next use)
             self._generations[device] += 1
             self._lives[device] = object()
             self._make_pool(device)
@@ -358,6 +386,7 @@ class Runtime:
         with self._lock:
             made = [raw for spares in self._spares.values() for raw in spares]
             made += [s.raw for streams in self.device_streams.values() for s in streams]
+            made += [s.raw for streams in self._levels.values() for s in streams]
             made += [s.raw for s in self._interop.values()]
             self._spares.clear()
         for raw in made:

@@ -271,13 +271,15 @@ class _LeasePool:
 _lease_pools_lock = threading.Lock()
 
 
-def _lease_pool(rt: Runtime, device: int) -> _LeasePool:
+def _lease_pool(rt: Runtime, device: int, priority: int) -> _LeasePool:
     # kept on the runtime: a replaced runtime takes its pools (and streams) along
-    key = (device, rt.generation(device))
+    key = (device, rt.generation(device), priority)
     with _lease_pools_lock:
         pool: _LeasePool | None = rt.lease_pools.get(key)
         if pool is None:
-            pool = rt.lease_pools[key] = _LeasePool(rt.pool(device), rt.completer.stream_freed)
+            pool = rt.lease_pools[key] = _LeasePool(
+                rt.pool(device, priority), rt.completer.stream_freed
+            )
         return pool
 
 
@@ -303,8 +305,10 @@ class StreamLease:
     Made by :func:`open_stream_lease`; not constructed directly.
     """
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, priority: int = 0) -> None:
         self.device = device
+        #: the priority level of its stream (0: the default)
+        self.priority = priority
         self._stream: Stream | None = None
         self._tracked = Tracked()
         self._started = Started()
@@ -363,7 +367,8 @@ class StreamLease:
             await watcher(cancel_points.ENTER_LEASE)
         rt = ensure_runtime()
         rt.check_device(self.device)
-        self._pool = _lease_pool(rt, self.device)
+        rt.check_priority(self.device, self.priority)
+        self._pool = _lease_pool(rt, self.device, self.priority)
         self._stream = await self._pool.acquire()
         self._token = enter_scope(self)
         return self
@@ -391,7 +396,7 @@ class StreamLease:
             await watcher(cancel_points.LEAVE_LEASE)
 
 
-def open_stream_lease(device: int | None = None) -> StreamLease:
+def open_stream_lease(device: int | None = None, *, priority: int = 0) -> StreamLease:
     """Lease one stream of ``device``'s pool (default: the current device) for a scope.
 
     ``async with gf.open_stream_lease() as lease:`` — operations awaited in
@@ -401,7 +406,10 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
     enqueued, then returns the stream; left by Ctrl-C, it lets the
     interrupt through at once instead (what the GPU still uses stays alive
     until it is done).  Two leases never hold the same stream; when every
-    stream is leased, a new lease waits for one (fairly, FIFO).
+    stream is leased, a new lease waits for one (fairly, FIFO).  With
+    ``priority``, the stream is one of that priority level's pool (see
+    :func:`gpuflow.priority`), which has ``streams_per_device`` streams for
+    leases as the default level's pool has.
 
     Entering is a cancellation point; leaving waits shielded from cancellation.
 
@@ -409,6 +417,9 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
     ----------
     device
         The device's ordinal (None: the current device).
+    priority
+        The stream's priority level, from 0 (the default) to the device's
+        most urgent (higher is more urgent).
 
     Returns
     -------
@@ -418,9 +429,12 @@ def open_stream_lease(device: int | None = None) -> StreamLease:
     Raises
     ------
     gpuflow.UsageError
-        ``device`` is not one of the runtime's devices (on entry).
+        ``device`` is not one of the runtime's devices, or ``priority`` is
+        out of its range (on entry).
+    gpuflow.UsageTypeError
+        ``priority`` is not an int (on entry).
     """
-    return StreamLease(current_device() if device is None else device)
+    return StreamLease(current_device() if device is None else device, priority)
 
 
 class DeviceGroup:
