@@ -15,6 +15,8 @@ import anyio
 import numpy as np
 import pytest
 
+from helpers import kernels as K
+
 import gpuflow as gf
 
 
@@ -122,14 +124,16 @@ async def test_runs_started_in_a_priority_block_take_streams_of_that_level() -> 
 @pytest.mark.anyio
 async def test_a_busy_level_grows_its_own_pool_and_never_waits_for_another_level() -> None:
     x = [await gf.zeros(64, np.float32) for _ in range(8)]
-    from helpers import kernels as K
-
     seen: list[gf.Stream] = []
+
+    async def one(i: int) -> None:
+        await probe(seen, K.slow_fill(x[i], 1.0, 0.1))
+
     t0 = anyio.current_time()
     with gf.priority(2):
         async with anyio.create_task_group() as tg:
             for i in range(8):  # more at once than the level's four first streams
-                tg.start_soon(lambda i=i: probe(seen, K.slow_fill(x[i], 1.0, 0.1)).run())
+                tg.start_soon(one, i)
     took = anyio.current_time() - t0
     assert len(set(seen)) == 8 and {s.priority for s in seen} == {2}  # it grew to 8
     assert took < 0.1 + 0.15, f"eight 0.1 s runs at one level took {took:.3f} s"
