@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-
 from helpers import kernels as K
 
 import gpuflow as gf
