@@ -533,7 +533,7 @@ def _drain_at_exit() -> None:
             return
         print(
             f"gpuflow: waiting up to {EXIT_DRAIN_S:g} s for {completer.pending} run(s) still "
-            "on the GPU, so that what they use is released in order; press Ctrl-C again "
+            "on the GPU, so that what they use is released in order; press Ctrl-C "
             "to exit now (the driver then reclaims that memory with the process)",
             file=sys.stderr,
             flush=True,
