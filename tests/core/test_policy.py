@@ -275,14 +275,15 @@ async def test_from_the_first_request_no_fast_run_queues_behind_slow_work() -> N
 
 async def test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work() -> None:
     """80 requests started at once, more than the pool's bound of 32
-    streams: 20 run 0.5 s of GPU work, 60 run 20 ms, each under a 0.3 s
+    streams: 20 run 0.5 s of GPU work, 60 short work, each under a 0.3 s
     deadline.  The 20 long kernels leave twelve streams to the short ones,
     so no fast request needs to wait behind a long kernel: every run starts
     on a stream with nothing pending (the awaits that find every stream
-    busy wait for one to go idle), and no fast request misses.  (The short
-    work is long enough, and each request's array made before, that a GPU
-    does not finish it while the host is still starting the burst: the
-    burst really is past the bound.)"""
+    busy wait for one to go idle), and no fast request misses.  (The first
+    32 requests hold their streams at least 0.1 s, and each request's array
+    is made before: however slowly the host starts the burst, a GPU or a
+    loaded machine has not finished any of them when the last requests
+    come, so the burst really is past the bound.)"""
     queued: list[tuple[int, int]] = []  # (request, runs pending on its stream) where > 0
     misses = {"fast": 0, "slow": 0}
 
@@ -306,7 +307,8 @@ async def test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work() -> 
     async with anyio.create_task_group() as tg:
         for i in range(80):
             slow = i % 4 == 0
-            tg.start_soon(request, i, 0.5 if slow else 0.02, "slow" if slow else "fast")
+            seconds = 0.5 if slow else 0.1 if i < 32 else 0.02
+            tg.start_soon(request, i, seconds, "slow" if slow else "fast")
     while testing.pending_runs():  # the abandoned slow work, still running
         await anyio.sleep(0.01)
     assert len(gf.lowlevel.pool_streams()) == 32  # the burst took the pool to its bound
