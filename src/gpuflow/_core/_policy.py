@@ -335,9 +335,9 @@ def priority(level: int) -> Iterator[int]:
     """Run the work started in the block at stream priority ``level``.
 
     ``with gf.priority(3):`` — every run the default policy places, started
-    in the block by this task or by tasks started from it (``await``,
-    ``sync()``, ``enqueue_on`` aside, which names its stream), takes a
-    stream of that level's pool on its device: 0 is the default and each
+    in the block by this task or by tasks started from it (an ``await``, a
+    ``sync()``, a ``zip``'s arms; not ``enqueue_on``, which names its
+    stream), takes a stream of that level's pool on its device: 0 is the default and each
     level above it is more urgent (see :func:`new_stream`).  Each level has
     a pool of its own, made at its first use and grown as the default
     pool is; at the pool's bound a run takes the least-loaded stream of
