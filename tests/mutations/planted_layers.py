@@ -409,8 +409,8 @@ MUTATIONS = [
         "L1",
         "a run started from a task outside its scope is not the scope's: its exit does not wait",
         "_scopes/_scope.py",
-        "    scope.track(run)\n",
-        "    pass\n",
+        "        self.track(run)\n",
+        "        pass\n",
         ("tests/scopes/test_started_runs.py::"
          "test_a_run_started_from_a_task_outside_the_scope_is_still_the_scopes",),
     ),

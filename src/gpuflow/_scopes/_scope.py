@@ -46,18 +46,55 @@ _PRUNE_AT = 64
 
 
 class Tracked:
-    """The runs started inside a scope that may still be running."""
+    """The runs started inside a scope that may still be running, and the
+    runs it started with ``start_run`` whose failure its exit may owe."""
 
-    __slots__ = ("_runs",)
+    __slots__ = ("_runs", "_started")
 
     def __init__(self) -> None:
         self._runs: list[Run] = []
+        self._started: list[StartedRun[Any]] | None = None  # (made at the first)
 
     def track(self, run: Run) -> None:
         runs = self._runs
         if len(runs) >= _PRUNE_AT:
             runs[:] = [s for s in runs if not s.done]
         runs.append(run)
+
+    def start(self, op: DeviceOperation[T], run: Run, out: Any) -> StartedRun[T]:
+        """The handle of a run the scope started: tracked (whichever task
+        started it) and kept for :meth:`raise_unawaited`."""
+        self.track(run)
+        handle = StartedRun(op, run, out)
+        started = self._started
+        if started is None:
+            started = self._started = []
+        elif len(started) >= _PRUNE_AT:  # (those that can no longer fail unawaited go)
+            started[:] = [
+                s for s in started if not s.awaited and not (s.done() and s.failed() is None)
+            ]
+        started.append(handle)
+        return handle
+
+    def raise_unawaited(self, exc: BaseException | None) -> None:
+        """At the scope's exit, after its runs are done: raise the failures
+        of runs it started that nobody awaited, one as it is, several in an
+        exception group.  Where the scope is left by an exception ``exc``,
+        the group holds it too, as a task group's does when its children
+        fail: a cancel scope outside takes its cancellation out of the
+        group, and the failures go on."""
+        started, self._started = self._started, None
+        if started is None:
+            return
+        errors = [e for s in started if not s.awaited and (e := s.failed()) is not None]
+        if not errors:
+            return
+        if exc is None and len(errors) == 1:
+            raise errors[0]
+        raise BaseExceptionGroup(
+            "runs started in the scope failed and were never awaited",
+            errors if exc is None else [exc, *errors],
+        )
 
     async def drain(self) -> None:
         """Wait until every tracked run is done: shielded from cancellation,
@@ -164,53 +201,10 @@ class StartedRun(Generic[T]):
         return f"<gpuflow.StartedRun of {self.op!r}, {state}>"
 
 
-def _started(scope: Tracked, started: Started, run: Run, op: Any, out: Any) -> StartedRun[Any]:
-    """A run a scope started: tracked (whichever task started it) and kept
-    for the exit's report of failures nobody awaited."""
-    scope.track(run)
-    handle: StartedRun[Any] = StartedRun(op, run, out)
-    started.add(handle)
-    return handle
-
-
 def _operation(op: Any) -> DeviceOperation[Any]:
     if not isinstance(op, DeviceOperation):
         raise UsageTypeError(f"start_run() takes a gpuflow operation, got {type(op).__name__}")
     return op
-
-
-class Started:
-    """The runs a scope started with ``start_run``, for its exit: a failure
-    that no task awaited is raised there."""
-
-    __slots__ = ("_runs",)
-
-    def __init__(self) -> None:
-        self._runs: list[StartedRun[Any]] = []
-
-    def add(self, started: StartedRun[Any]) -> None:
-        runs = self._runs
-        if len(runs) >= _PRUNE_AT:  # (those that can no longer fail unawaited go)
-            runs[:] = [s for s in runs if not s.awaited and not (s.done() and s.failed() is None)]
-        runs.append(started)
-
-    def raise_unawaited(self, exc: BaseException | None) -> None:
-        """At the scope's exit, after its runs are done: raise the failures
-        of runs nobody awaited, one as it is, several in an exception group.
-        Where the scope is left by an exception ``exc``, the group holds it
-        too, as a task group's does when its children fail: a cancel scope
-        outside takes its cancellation out of the group, and the failures
-        go on."""
-        runs, self._runs = self._runs, []
-        errors = [e for s in runs if not s.awaited and (e := s.failed()) is not None]
-        if not errors:
-            return
-        if exc is None and len(errors) == 1:
-            raise errors[0]
-        raise BaseExceptionGroup(
-            "runs started in the scope failed and were never awaited",
-            errors if exc is None else [exc, *errors],
-        )
 
 
 class _LeasePool:
@@ -311,7 +305,6 @@ class StreamLease:
         self.priority = priority
         self._stream: Stream | None = None
         self._tracked = Tracked()
-        self._started = Started()
         self._pool: _LeasePool | None = None
         self._token: Any = None
 
@@ -359,7 +352,7 @@ class StreamLease:
         if self._stream is None:
             raise UsageError("start_run() outside the stream lease's `async with`")
         run, out = start_run(_operation(op), self._stream, self.device, "start_run")
-        return _started(self._tracked, self._started, run, op, out)
+        return self._tracked.start(op, run, out)
 
     async def __aenter__(self) -> StreamLease:
         watcher = cancel_points.watcher
@@ -388,7 +381,7 @@ class StreamLease:
             assert self._pool is not None and stream is not None
             self._pool.release(stream)
         if not interrupted(exc):
-            self._started.raise_unawaited(exc)
+            self._tracked.raise_unawaited(exc)
         watcher = cancel_points.watcher
         if watcher is not None and exc_type is None:
             # where a cancellation that came while the scope was left lands
@@ -447,7 +440,6 @@ class DeviceGroup:
         self.devices = devices
         self._tg: anyio.abc.TaskGroup | None = None
         self._tracked = Tracked()
-        self._started = Started()
         self._token: Any = None
         self._next = 0
 
@@ -546,7 +538,7 @@ class DeviceGroup:
         """
         device = self._device(device, "start_run()")
         run, out = start_run(_operation(op), None, device, "start_run")
-        return _started(self._tracked, self._started, run, op, out)
+        return self._tracked.start(op, run, out)
 
     async def __aenter__(self) -> DeviceGroup:
         watcher = cancel_points.watcher
@@ -575,7 +567,7 @@ class DeviceGroup:
             leave_scope(self._token)
             if not interrupted(raised):
                 await self._tracked.drain()
-                self._started.raise_unawaited(raised)
+                self._tracked.raise_unawaited(raised)
         watcher = cancel_points.watcher
         if watcher is not None and exc_type is None:
             await watcher(cancel_points.LEAVE_GROUP)  # (as a stream lease's)

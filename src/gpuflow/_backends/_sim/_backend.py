@@ -195,7 +195,7 @@ class SimStream:
     ``issued`` the number of the last one enqueued.
     """
 
-    def __init__(self, backend: SimBackend, device: SimDevice) -> None:
+    def __init__(self, backend: SimBackend, device: SimDevice, priority: int = 0) -> None:
         self.backend = backend
         self.device = device
         # (what, item, the activity tag where it was enqueued)
@@ -207,7 +207,7 @@ class SimStream:
         self.capture: _Capture | None = None
         self.running = False
         self.wakeups = 0  # how often the worker woke (what a test of the herd counts)
-        self.priority = 0  # gpuflow's level: 0 the default, higher more urgent
+        self.priority = priority  # gpuflow's level: 0 the default, higher more urgent
         self.serial = next(backend._stream_serials)
         self.handle = _STREAM_HANDLE_BASE + self.serial * _ADDRESS_ALIGN
         self.thread = threading.Thread(
@@ -434,8 +434,7 @@ class SimBackend(Backend):
 
     # -- streams -------------------------------------------------------------
     def create_stream(self, device: int, priority: int = 0) -> SimStream:
-        s = SimStream(self, self._dev(device))
-        s.priority = priority
+        s = SimStream(self, self._dev(device), priority)
         with self.cond:
             self._streams.append(s)
             self._handles[s.handle] = s
