@@ -12,10 +12,13 @@ pytest plugin: the ``gpuflow_runtime`` fixture and the options
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
+from ._backends import BLOCK_TIME_ATTR
 from ._backends import Activity as Activity
 from ._core import ensure_runtime
+from ._errors import UsageError, UsageTypeError
 from ._scopes import leases_held as leases_held
 from ._testing import CancellationPoint as CancellationPoint
 from ._testing import CancellationReport as CancellationReport
@@ -31,8 +34,10 @@ __all__ = [
     "assert_quiescent", "assert_quiescent_async", "pending_runs", "leases_held",
     "use_after_free_count", "cancel_at_every_point", "CancellationReport",
     "CancellationPoint", "record_activity", "Activity", "overlapped", "assert_no_stall",
-    "Stall",
+    "Stall", "block_time",
 ]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 @contextlib.contextmanager
@@ -94,3 +99,50 @@ def overlapped(a: Activity, b: Activity) -> bool:
     bool
     """
     return a.start < b.end and b.start < a.end
+
+
+def block_time(seconds: float | Callable[..., float]) -> Callable[[_F], _F]:
+    """Give a kernel's NumPy reference the time each block takes on ``sim``.
+
+    ``sim`` runs a kernel block by block on its device's SMs (132 by
+    default, as an H200): each block holds an SM for ``seconds``, free SMs
+    go to the blocks of the most urgent stream first, then in launch order,
+    and a stream made in reserved SMs uses only those (docs/concepts.md,
+    "Latency classes").  A reference without it takes no time on the SMs
+    (only what it spends running).  ``seconds`` is a number, or a function
+    of the kernel's arguments as the reference gets them (a spin kernel
+    whose argument is nanoseconds: ``block_time(lambda ns: ns / 1e9)``).
+    The cuda backend ignores it: the kernel takes the time it takes.  Any
+    thread.
+
+    Parameters
+    ----------
+    seconds
+        The time one block holds an SM: 0 or more seconds, or a function
+        of the kernel's arguments that gives them.
+
+    Returns
+    -------
+    A decorator that marks the reference and returns it unchanged.
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``seconds`` is neither a number nor a callable.
+    gpuflow.UsageError
+        ``seconds`` is a negative number.
+    """
+    if not callable(seconds):
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise UsageTypeError(
+                f"block_time takes seconds (a number, or a function of the kernel's "
+                f"arguments), got {type(seconds).__name__}"
+            )
+        if not 0 <= seconds < float("inf"):
+            raise UsageError(f"block_time takes 0 or more seconds, got {seconds}")
+
+    def mark(reference: _F) -> _F:
+        setattr(reference, BLOCK_TIME_ATTR, seconds)
+        return reference
+
+    return mark

@@ -7,7 +7,10 @@ that checks results passes on ``sim`` and on ``cuda`` alike.  Values the tests
 use are small integers (also in the float kernels), so results are exact on
 both, fused multiply-add or not.
 
-The "slow" kernel takes a wall-clock time: the GPU spins on ``%globaltimer``
+``spin`` holds SMs: each of its blocks waits ``ns`` on the GPU, and on
+``sim`` holds one of the device's simulated SMs as long
+(:func:`gpuflow.testing.block_time`), so that a grid larger than the SMs
+runs in waves.  The "slow" kernel takes a wall-clock time: the GPU spins on ``%globaltimer``
 (nanoseconds) for ``ns``, the reference sleeps as long.  ``stamped_wait``
 waits the same way and writes when it started and ended on the device's own
 clock (``%globaltimer`` on a GPU; on ``sim``, ``time.monotonic_ns`` read by
@@ -71,6 +74,15 @@ extern "C" __global__ void slow_fill(float* x, float v, int n, long long ns) {
     } while (now - start < (unsigned long long)ns);
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
+}
+
+// every block waits ns nanoseconds of wall-clock time: a grid that holds SMs
+extern "C" __global__ void spin(long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)ns);
 }
 
 // waits ns nanoseconds of wall-clock time; t[0], t[1]: %globaltimer at its start and end
@@ -151,6 +163,11 @@ def stamped_wait_ref(t: np.ndarray, ns: int) -> None:
     t[1] = now
 
 
+@gf.testing.block_time(lambda ns: ns / 1e9)
+def spin_ref(ns: int) -> None:
+    """Nothing to compute: on ``sim`` each block holds an SM for ``ns``."""
+
+
 def null_write_ref(n: int) -> None:
     raise IndexError("null_write: write through a null pointer")
 
@@ -165,6 +182,7 @@ REFERENCES: dict[str, Any] = {
     "count": count_ref,
     "slow_fill": slow_fill_ref,
     "stamped_wait": stamped_wait_ref,
+    "spin": spin_ref,
 }
 
 
@@ -189,6 +207,12 @@ def slow_fill(x: Any, v: float, seconds: float, n: int | None = None) -> gf.Devi
             raise TypeError("slow_fill needs n when x is an operation")
         n = x.size
     return module().slow_fill(cfg(n), x, v, n, int(seconds * 1e9))
+
+
+def spin(blocks: int, seconds: float) -> gf.DeviceOperation[None]:
+    """``blocks`` blocks of 32 threads, each holding an SM for ``seconds``
+    (on ``sim``, one block an SM; a GPU holds many at once)."""
+    return module().spin(gf.LaunchConfig(blocks, 32), int(seconds * 1e9))
 
 
 def stamped_wait(t: Any, seconds: float) -> gf.DeviceOperation[Any]:

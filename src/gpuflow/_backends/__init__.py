@@ -24,6 +24,7 @@ from .._errors import DeviceError, GpuflowError, UsageError
 from ._base import Backend as Backend
 from ._nvrtc import CHECK_ARCH as CHECK_ARCH
 from ._nvrtc import compile_source as compile_source
+from ._records import BLOCK_TIME_ATTR as BLOCK_TIME_ATTR
 from ._records import COMM_DTYPES as COMM_DTYPES
 from ._records import REDUCTIONS as REDUCTIONS
 from ._records import Activity as Activity
@@ -34,8 +35,8 @@ from ._records import activity_tag as activity_tag
 from ._sim import SimBackend
 
 __all__ = [
-    "BACKEND_ENV", "CHECK_ARCH", "COMM_DTYPES", "REDUCTIONS", "Activity", "Backend",
-    "BackendFactory", "CollectiveCall", "PointerArg", "RawBuffer", "activity_tag",
+    "BACKEND_ENV", "BLOCK_TIME_ATTR", "CHECK_ARCH", "COMM_DTYPES", "REDUCTIONS", "Activity",
+    "Backend", "BackendFactory", "CollectiveCall", "PointerArg", "RawBuffer", "activity_tag",
     "backend_names", "compile_source", "cuda_probe", "load_backend", "register_backend",
 ]
 

@@ -28,6 +28,12 @@ class RawBuffer(Protocol):
     def ptr(self) -> int: ...
 
 
+#: The attribute :func:`gpuflow.testing.block_time` sets on a kernel's
+#: reference: the seconds each block of the kernel holds a simulated SM (a
+#: number, or a function of the kernel's arguments)
+BLOCK_TIME_ATTR = "__gpuflow_block_time__"
+
+
 class ModuleSource(Protocol):
     """What a backend needs of a compiled module to load its kernels."""
 

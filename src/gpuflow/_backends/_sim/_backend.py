@@ -15,6 +15,12 @@ CI, with the real concurrency of the real thing:
 * a stream's worker sleeps on a condition of its own: an item enqueued on one
   stream wakes that stream only, so that many streams scale as many CUDA
   streams do (one condition for all woke every stream at every item);
+* a device has SMs (:mod:`._sms`): a kernel runs block by block, each
+  block holding an SM for the per-block time its reference gives
+  (:func:`gpuflow.testing.block_time`; none where it gives none), and free
+  SMs go to the blocks of the most urgent stream first, then in launch
+  order; reserved SMs (partitions, as CUDA's green contexts) serve only the
+  streams made in them;
 * a kernel's reference gets its arrays as :class:`Bounded` views: a slice
   past an array's end is an out-of-bounds access, not one NumPy clips
   silently;
@@ -70,6 +76,7 @@ from .._codes import (
     NAMES,
 )
 from .._records import (
+    BLOCK_TIME_ATTR,
     Activity,
     CollectiveCall,
     DeviceDescription,
@@ -80,11 +87,11 @@ from .._records import (
 )
 from ._comm import SimComms, new_unique_id
 from ._marks import SimCompletion
+from ._sms import DEFAULT_SMS, SimPartition, SimSMs
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 #: the stream priorities above the default a simulated device takes, as
-#: current GPUs (CUDA's range 0 to -5); the simulator keeps a stream's level
-#: and schedules nothing by it yet (it models no SMs)
+#: current GPUs (CUDA's range 0 to -5); free SMs go to the most urgent first
 SIM_PRIORITIES = 5
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
 _MAX_BLOCK = 1024
@@ -104,10 +111,16 @@ Item = Callable[[], None]
 _EDGE_ITEMS = frozenset({"event record", "event wait", "mark wait", "host signal"})
 
 
+#: the stream whose worker the current thread is (a kernel replayed from a
+#: graph runs at the priority, and on the SMs, of the stream replaying it)
+_worker = threading.local()
+
+
 @dataclass(eq=False)
 class SimDevice:
     index: int
     memory_limit: int
+    sms: SimSMs
     memory_used: int = 0
     fault: DeviceFaultError | None = None
     generation: int = 0
@@ -195,9 +208,16 @@ class SimStream:
     ``issued`` the number of the last one enqueued.
     """
 
-    def __init__(self, backend: SimBackend, device: SimDevice, priority: int = 0) -> None:
+    def __init__(
+        self,
+        backend: SimBackend,
+        device: SimDevice,
+        priority: int = 0,
+        partition: SimPartition | None = None,
+    ) -> None:
         self.backend = backend
         self.device = device
+        self.partition = partition  # its SMs (None: any of the device's)
         # (what, item, the activity tag where it was enqueued)
         self.queue: collections.deque[tuple[str, Item, int | None]] = collections.deque()
         self.cv = threading.Condition(backend.lock)
@@ -219,6 +239,7 @@ class SimStream:
         return f"<sim stream {id(self):#x} on device {self.device.index}>"
 
     def _work(self) -> None:
+        _worker.stream = self
         cv = self.cv
         while True:
             with cv:
@@ -309,20 +330,27 @@ class Bounded(np.ndarray):
 
 
 class SimBackend(Backend):
-    """A CPU simulation of ``num_devices`` devices (default 1)."""
+    """A CPU simulation of ``num_devices`` devices (default 1), each with
+    ``memory_bytes`` of memory and ``sms`` SMs (an H200's 132 by default)."""
 
     name = "sim"
 
     def __init__(
-        self, num_devices: int | None = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES
+        self,
+        num_devices: int | None = None,
+        *,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        sms: int = DEFAULT_SMS,
     ) -> None:
         n = 1 if num_devices is None else num_devices
+        if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+            raise UsageError(f"sms must be a number of SMs (an int of 1 or more), not {sms!r}")
         # one lock for the whole simulated device, and conditions on it: this
         # one for events, marks, faults and communicators (what items wait
         # for), one per stream for its queue, one for the driver thread
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        self._devices = [SimDevice(i, memory_bytes) for i in range(n)]
+        self._devices = [SimDevice(i, memory_bytes, SimSMs(sms)) for i in range(n)]
         self._streams: list[SimStream] = []
         self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
         self._default_streams: dict[int, SimStream] = {}  # device -> its legacy default stream
@@ -343,6 +371,8 @@ class SimBackend(Backend):
         for s in self._streams:
             s.cv.notify_all()
         self._completion.wake()
+        for dev in self._devices:
+            dev.sms.wake()
 
     def close(self) -> None:
         with self.cond:
@@ -433,8 +463,10 @@ class SimBackend(Backend):
             self._wake_all()
 
     # -- streams -------------------------------------------------------------
-    def create_stream(self, device: int, priority: int = 0) -> SimStream:
-        s = SimStream(self, self._dev(device), priority)
+    def create_stream(
+        self, device: int, priority: int = 0, partition: Any = None
+    ) -> SimStream:
+        s = SimStream(self, self._dev(device), priority, partition)
         with self.cond:
             self._streams.append(s)
             self._handles[s.handle] = s
@@ -443,6 +475,19 @@ class SimBackend(Backend):
     def stream_priorities(self, device: int) -> int:
         self._dev(device)
         return SIM_PRIORITIES
+
+    def sm_count(self, device: int) -> int:
+        return self._dev(device).sms.count
+
+    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[SimPartition]:
+        dev = self._dev(device)
+        try:
+            return dev.sms.partition(device, list(sizes))
+        except ValueError as exc:
+            raise UsageError(f"cannot reserve SMs on sim device {device}: {exc}") from None
+
+    def partition_size(self, partition: Any) -> int:
+        return len(partition.sms)
 
     def destroy_stream(self, stream: Any) -> None:
         with self.cond:
@@ -721,6 +766,10 @@ class SimBackend(Backend):
         if kernel.generation != self._devices[kernel.device].generation:
             raise UsageError(f"kernel {kernel.name!r} was loaded before its device was reset")
 
+        blocks = grid[0] * grid[1] * grid[2]
+        block_s = getattr(kernel.reference, BLOCK_TIME_ATTR, None)
+        dev = self._devices[kernel.device]
+
         def run() -> None:
             values: list[Any] = []
             for a in args:
@@ -734,6 +783,13 @@ class SimBackend(Backend):
                     values.append(view)
                 else:
                     values.append(a.item())
+            seconds = block_s(*values) if callable(block_s) else block_s or 0.0
+            on = getattr(_worker, "stream", stream)
+            generation = dev.generation
+            dev.sms.run(
+                blocks, float(seconds), on.priority, on.partition,
+                lambda: dev.fault is not None or dev.generation != generation,
+            )  # fmt: skip
             kernel.reference(*values)
             for a in args:
                 if isinstance(a, PointerArg):
