@@ -16,12 +16,13 @@ static void *handle(void) { return (void *)__sync_fetch_and_add(&next_handle, 16
 
 static CUresult ok(void) { return 0; }
 CUresult cuInit(unsigned f) { return 0; }
-CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+int standin_driver_version = 13000;
+CUresult cuDriverGetVersion(int *v) { *v = standin_driver_version; return 0; }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
 CUresult cuDeviceGet(int *d, int i) { *d = i; return 0; }
 CUresult cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len); return 0; }
-CUresult cuDeviceGetAttribute(int *v, int attr, int d) {
-    *v = attr == 75 ? 9 : attr == 76 ? 0 : 1; return 0; }
+CUresult cuDeviceGetAttribute(int *v, int attr, int d) {  /* sm_90, 132 SMs */
+    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : 1; return 0; }
 CUresult cuDeviceTotalMem(size_t *b, int d) { *b = (size_t)80 << 30; return 0; }
 CUresult cuDeviceCanAccessPeer(int *ok_, int a, int b) { *ok_ = 0; return 0; }
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) { *ctx = (void *)(0x1000 + 16 * (uintptr_t)d); return 0; }
@@ -35,6 +36,43 @@ CUresult cuStreamCreate(void **s, unsigned f) { *s = handle(); return 0; }
 int standin_priority = 1;
 CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return 0; }
 CUresult cuStreamCreateWithPriority(void **s, unsigned f, int p) { standin_priority = p; *s = handle(); return 0; }
+/* green contexts: a device of 132 SMs split as CUDA 13 does on sm_90
+ * (partitions of multiples of 8); what was made is counted, and the SMs of
+ * the green context the last stream was made in are kept, for the program */
+typedef struct {
+    int type; unsigned char pad[92];
+    union { unsigned sm[4]; unsigned char oversize[48]; } u;
+    void *next;
+} Resource;
+int standin_green_contexts = 0, standin_green_streams = 0, standin_green_sms = 0;
+int standin_modules = 0;
+static unsigned desc_sms[64];
+static int n_desc = 0;
+CUresult cuDeviceGetDevResource(int d, Resource *r, int type) {
+    memset(r, 0, sizeof *r); r->type = 1;
+    r->u.sm[0] = 132; r->u.sm[1] = 8; r->u.sm[2] = 8; return 0; }
+CUresult cuDevSmResourceSplitByCount(Resource *result, unsigned *nb, const Resource *in,
+                                     Resource *left, unsigned flags, unsigned min) {
+    unsigned n = (min + 7) / 8 * 8;
+    if (n > in->u.sm[0]) return 914;  /* CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION */
+    *left = *in; left->u.sm[0] = in->u.sm[0] - n;
+    if (result) { result[0] = *in; result[0].u.sm[0] = n; }
+    *nb = 1; return 0; }
+CUresult cuDevResourceGenerateDesc(void **desc, Resource *res, unsigned n) {
+    if (n_desc == 64) return 2;
+    desc_sms[n_desc] = res[0].u.sm[0];
+    *desc = (void *)(uintptr_t)(0x7000 + 16 * n_desc++); return 0; }
+CUresult cuGreenCtxCreate(void **g, void *desc, int d, unsigned flags) {
+    standin_green_contexts++; *g = (void *)((uintptr_t)desc + 0x1000); return 0; }
+CUresult cuCtxFromGreenCtx(void **ctx, void *g) { *ctx = (void *)((uintptr_t)g + 0x1000); return 0; }
+CUresult cuGreenCtxStreamCreate(void **s, void *g, unsigned f, int p) {
+    standin_green_streams++; standin_priority = p;
+    standin_green_sms = desc_sms[((uintptr_t)g - 0x8000) / 16];
+    *s = handle(); return 0; }
+CUresult cuGreenCtxDestroy(void *g) { standin_green_contexts--; return 0; }
+static void *pushed = 0;
+CUresult cuCtxPushCurrent(void *ctx) { pushed = current_ctx; current_ctx = ctx; return 0; }
+CUresult cuCtxPopCurrent(void **ctx) { if (ctx) *ctx = current_ctx; current_ctx = pushed; return 0; }
 CUresult cuStreamGetCtx(void *s, void **ctx) { *ctx = (void *)0x1000; return 0; }
 CUresult cuEventCreate(void **e, unsigned f) { *e = handle(); return 0; }
 CUresult cuEventElapsedTime(float *ms, void *a, void *b) { *ms = 0.0f; return 0; }
@@ -62,7 +100,7 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     for (int i = 0; i < standin_record && i < 8; i++) standin_params[i] = *(u64 *)params[i];
     return 0;
 }
-CUresult cuModuleLoadData(void **m, const void *image) { *m = handle(); return 0; }
+CUresult cuModuleLoadData(void **m, const void *image) { standin_modules++; *m = handle(); return 0; }
 CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = handle(); return 0; }
 CUresult cuModuleGetFunctionCount(unsigned *n, void *m) { *n = 0; return 0; }
 CUresult cuStreamEndCapture(void *s, void **g) { *g = handle(); return 0; }
@@ -84,6 +122,10 @@ CUresult cuPointerGetAttribute(void *data, int attr, u64 p) {
 CUresult cuStreamIsCapturing(void *s, int *status) { *status = 0; return 0; }
 #define ROUTE(n) if (strcmp(symbol, #n) == 0) { *pfn = (void *)n; goto done; }
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, u64 flags, int *status) {
+    ROUTE(cuDeviceGetDevResource) ROUTE(cuDevSmResourceSplitByCount)
+    ROUTE(cuDevResourceGenerateDesc) ROUTE(cuGreenCtxCreate) ROUTE(cuCtxFromGreenCtx)
+    ROUTE(cuGreenCtxStreamCreate) ROUTE(cuGreenCtxDestroy) ROUTE(cuCtxPushCurrent)
+    ROUTE(cuCtxPopCurrent)
     ROUTE(cuInit) ROUTE(cuDriverGetVersion) ROUTE(cuDeviceGetCount) ROUTE(cuDeviceGet)
     ROUTE(cuDeviceGetName) ROUTE(cuDeviceGetAttribute) ROUTE(cuDeviceTotalMem)
     ROUTE(cuDeviceCanAccessPeer) ROUTE(cuDevicePrimaryCtxRetain) ROUTE(cuDeviceGetDefaultMemPool)

@@ -158,4 +158,43 @@ del t, y
 gc.collect()
 testing.assert_quiescent(timeout=5.0)
 assert gf.memory_stats().live_allocations == live
+# reserved SMs: green contexts of 16 SMs (12 asked, rounded up to 8s) and
+# of the 116 left, where the pools' streams are made; a run of the class
+# runs in its green context, its kernel and a fill loaded there
+green = ctypes.c_int.in_dll(standin, "standin_green_contexts")
+green_streams = ctypes.c_int.in_dll(standin, "standin_green_streams")
+green_sms = ctypes.c_int.in_dll(standin, "standin_green_sms")
+modules = ctypes.c_int.in_dll(standin, "standin_modules")
+gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 12})
+backend = gf.lowlevel.current_backend_object()
+assert green.value == 2 and green_sms.value == 116, (green.value, green_sms.value)
+assert backend.sm_count(0) == 132
+made = green_streams.value
+fast = gf.new_stream(sms="interactive", priority=2)
+assert green_streams.value == made + 1 and green_sms.value == 16 and made_with.value == -2
+before = modules.value
+with gf.latency_class(sms="interactive"):
+    z = gf.arange(64, dtype=np.float32).sync()  # the built-in kernels, loaded there
+    mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()
+    mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()  # (loaded once)
+assert green_sms.value == 16 and modules.value - before == 2, modules.value - before
+for reserve, words in [
+    ({"interactive": 126}, "128 SMs (rounded up to multiples of 8, at least 8 a partition) and at "
+     "least 8 left for the rest do not fit in the device's 132"),
+]:
+    try:
+        gf.init_device_contexts(backend="cuda", reserve_sms=reserve)
+        raise AssertionError(f"{reserve} was taken")
+    except gf.UsageError as exc:
+        assert words in str(exc), exc
+ctypes.c_int.in_dll(standin, "standin_driver_version").value = 12030
+try:
+    gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 8})
+    raise AssertionError("reserved SMs on a driver without green contexts")
+except gf.UsageError as exc:
+    assert "need a driver of CUDA 12.4 or later" in str(exc) and "CUDA 12.3" in str(exc), exc
+ctypes.c_int.in_dll(standin, "standin_driver_version").value = 13000
+gf.init_device_contexts(backend="cuda")
+assert green.value == 0, green.value  # destroyed with the backend that made them
+testing.assert_quiescent(timeout=5.0)
 print("stand-in program done")

@@ -1,15 +1,15 @@
 """The ``cuda`` backend itself: :class:`CudaBackend`, the interface of
-:mod:`.._base` on the CUDA driver: streams, events, memory, copies, kernels,
-the native half of the completion bridge, communicators and graphs, in the
-primary contexts of :class:`._contexts.CudaContexts`.
+:mod:`.._base` on the CUDA driver (streams, events, memory, copies, kernels,
+the native half of the completion bridge, communicators and graphs) in the
+contexts of :class:`._contexts.CudaContexts` (primary, and green: :mod:`._green`).
 
-Completion bridge, native half: each stream owns a completion word in
-mapped host memory (:mod:`._words`); a mark is a ``cuStreamWriteValue64`` of
-its number (a mark no loop reads, an event: :mod:`._words`), a wait for it
-``cuStreamWaitValue64``, and a sleeping loop's
-wake-up a host function that is libc's ``close`` (:mod:`._native`), with no
-Python and no GIL in the driver's thread.  Where the driver refuses stream
-memory operations, marks are events (``CudaBackend(marks="event")``).
+Completion bridge, native half: each stream owns a completion word in mapped
+host memory (:mod:`._words`); a mark is a ``cuStreamWriteValue64`` of its
+number (a mark no loop reads, an event), a wait for it ``cuStreamWaitValue64``,
+and a sleeping loop's wake-up a host function that is libc's ``close``
+(:mod:`._native`), with no Python and no GIL in the driver's thread.  Where
+the driver refuses stream memory operations, marks are events
+(``CudaBackend(marks="event")``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .._codes import (
 )
 from .._nvrtc import compile_source
 from .._records import Activity, CollectiveCall, KernelArg, ModuleSource, PointerArg
+from . import _green
 from ._contexts import STREAM_NON_BLOCKING, CudaContexts
 from ._driver import check, err_name, error_for, warn_unless_fault
 from ._handles import (
@@ -100,12 +101,14 @@ class CudaBackend(CudaContexts):
         self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
 
     # -- streams ------------------------------------------------------------------
-    def create_stream(self, device: int, priority: int = 0) -> CudaStream:
+    def create_stream(self, device: int, priority: int = 0, partition: Any = None) -> CudaStream:
         dev = self._dev(device)
         if dev.fault is not None:
             raise dev.fault
-        if priority:
-            least = self.priority_range(dev)[0]
+        least = self.priority_range(dev)[0] if priority or partition is not None else 0
+        if partition is not None:
+            h = _green.create_stream(self._cu, self._call, partition, least - priority)
+        elif priority:
             (h,) = self._call(
                 dev, "cuStreamCreateWithPriority", self._cu.cuStreamCreateWithPriority,
                 STREAM_NON_BLOCKING, least - priority,
@@ -113,7 +116,7 @@ class CudaBackend(CudaContexts):
         else:
             (h,) = self._call(dev, "cuStreamCreate", self._cu.cuStreamCreate, STREAM_NON_BLOCKING)
         word = WORDS.take(self._register_host) if self._marks.name == "word" else None
-        return CudaStream(dev, h, word)
+        return CudaStream(dev, h, word, partition)
 
     def destroy_stream(self, stream: Any) -> None:
         if stream.foreign:
@@ -525,7 +528,9 @@ class CudaBackend(CudaContexts):
     def _launch_builtin(
         self, dev: Dev, stream: CudaStream, fname: str, st: struct.Struct, values: tuple[Any, ...]
     ) -> None:
-        func = self._builtin(dev, fname)
+        green = stream.green  # (a green context loads a copy of its own)
+        func = self._builtin(dev, fname) if green is None else _green.function(
+            self._cu, green, compile_source(BUILTIN_SOURCE, dev.arch, ()), fname)  # fmt: skip
         count = int(values[-1])
         blocks = min((count + FILL_THREADS - 1) // FILL_THREADS, FILL_MAX_BLOCKS)
         ts = self.make_current(dev)
@@ -620,7 +625,7 @@ class CudaBackend(CudaContexts):
             dev,
             message=f'kernel {name!r} not found in its module (is it declared extern "C"?)',
         )
-        return CudaKernel(dev, name, f, mod)
+        return CudaKernel(dev, name, f, mod, cubin)
 
     def _load_functions(self, dev: Dev, module: Any) -> None:
         """Load every kernel of a module now, not at its first launch.
@@ -674,10 +679,13 @@ class CudaBackend(CudaContexts):
         bx, by, bz = block
         timer = self._timer
         timed = timer.start(dev, stream, f"kernel {kernel.name!r}") if timer.records else None
+        func = kernel.obj
+        if stream.green is not None:  # (its own copy of the kernel, in its green ctx)
+            func = _green.function(self._cu, stream.green, kernel.image, kernel.name)
         # cuda.bindings' cuLaunchKernel (Cython, GIL released) with the parameter array's
         # address: measured faster than libcuda through ctypes, whose 11 converted
         # arguments cost more than the bindings' whole call
-        (err,) = self._launch(kernel.obj, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
+        (err,) = self._launch(func, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
         if err:
             try:
                 self._launch_failed(int(err), kernel, grid, block, shmem, params, stream)
@@ -716,6 +724,7 @@ class CudaBackend(CudaContexts):
                 or stream.destroyed
                 or tls.token is not dev.token
                 or timer.records
+                or stream.green is not None
             ):
                 launch(kernel, grid, block, shmem, args, stream)
                 return
@@ -987,3 +996,5 @@ class CudaBackend(CudaContexts):
             modules, self._modules = list(self._modules.values()), {}
         for mod in modules:
             mod.unload()
+        parts, self._partitions = self._partitions, []
+        _green.destroy(self._cu, parts)

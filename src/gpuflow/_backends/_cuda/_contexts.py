@@ -33,12 +33,14 @@ from __future__ import annotations
 import ctypes
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
 from .._base import Backend
 from .._codes import CONTEXT_ERRORS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_SUCCESS
 from .._records import DeviceDescription
+from . import _green
 from ._driver import check, driver, err_name, error_for
 from ._handles import CudaStream, Dev, Token
 from ._kernels import ThreadState
@@ -69,6 +71,8 @@ class CudaContexts(Backend):
         cu = driver()
         self._cu = cu
         self.last_reset_trace: list[str] = []  # driver calls of the last reset_device
+        #: the green contexts partition_sms made (destroyed by close())
+        self._partitions: list[Any] = []
         check(cu.cuInit(0), "cuInit")
         (available,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         available = int(available)
@@ -236,6 +240,18 @@ class CudaContexts(Backend):
     def stream_priorities(self, device: int) -> int:
         least, greatest = self.priority_range(self._dev(device))
         return least - greatest
+
+    # -- reserved SMs: green contexts (._green) ------------------------------------
+    def sm_count(self, device: int) -> int:
+        return _green.sm_count(self._cu, self._dev(device))
+
+    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[Any]:
+        parts = _green.partition_sms(self._cu, self._call, self._dev(device), sizes)
+        self._partitions += parts
+        return parts
+
+    def partition_size(self, partition: Any) -> int:
+        return int(partition.sms)
 
     def _setup_context(self, dev: Dev) -> None:
         """What each life of a primary context needs: pool settings, a private stream."""

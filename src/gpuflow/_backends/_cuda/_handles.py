@@ -98,11 +98,11 @@ class CudaStream:
     """
 
     __slots__ = (
-        "__weakref__", "capture", "destroyed", "dev", "foreign", "handle", "issued",
+        "__weakref__", "capture", "destroyed", "dev", "foreign", "green", "handle", "issued",
         "mark_events", "mark_lock", "obj", "pre_capture", "reached", "token", "word", "worded",
     )  # fmt: skip
 
-    def __init__(self, dev: Dev, handle: Any, word: Word | None) -> None:
+    def __init__(self, dev: Dev, handle: Any, word: Word | None, green: Any = None) -> None:
         self.dev = dev
         self.obj = handle  # the cuda.bindings CUstream, for the launch path
         self.handle = int(handle)
@@ -115,6 +115,8 @@ class CudaStream:
         self.pre_capture = 0  # an event recorded just before the capture began
         self.destroyed = False
         self.foreign = False
+        #: the partition of reserved SMs (a green context, ._green) it was made in, or None
+        self.green = green
 
     def __repr__(self) -> str:
         kind = "foreign cuda stream" if self.foreign else "cuda stream"
@@ -191,10 +193,11 @@ class CudaModule:
 class CudaKernel:
     """A launchable CUfunction; keeps its module loaded."""
 
-    __slots__ = ("dev", "func", "module", "name", "obj", "shmem_max", "token")
+    __slots__ = ("dev", "func", "image", "module", "name", "obj", "shmem_max", "token")
 
-    def __init__(self, dev: Dev, name: str, func: Any, module: CudaModule) -> None:
+    def __init__(self, dev: Dev, name: str, func: Any, module: CudaModule, image: bytes) -> None:
         self.dev = dev
+        self.image = image  # its module's cubin (loaded again in a green context that runs it)
         self.name = name
         self.obj = func  # the cuda.bindings CUfunction, for the launch path
         self.func = int(func)
