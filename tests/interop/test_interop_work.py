@@ -11,6 +11,7 @@ import contextlib
 import gc
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import time
@@ -511,6 +512,33 @@ def test_foreign_refuses_what_it_cannot_run() -> None:
 
 
 # -- python -m gpuflow info ------------------------------------------------------------------
+
+
+def test_info_lists_the_sms_each_device_would_reserve(tmp_path: Path) -> None:
+    package_root = Path(gf.__file__).parent.parent
+    path = os.pathsep.join(p for p in (str(package_root), os.environ.get("PYTHONPATH")) if p)
+
+    def info(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuflow", "info", *args], cwd=tmp_path, capture_output=True,
+            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=path),
+        )  # fmt: skip
+
+    proc = info()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sms = int(re.search(r"  0: .*, (\d+) SMs\n", proc.stdout).group(1))  # type: ignore[union-attr]
+    assert "reserved SMs: none asked (--reserve-sms NAME=COUNT" in proc.stdout
+    proc = info("--reserve-sms", "interactive=12", "--reserve-sms", "bulk=8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # rounded up to the device's granule (8 SMs on sim and on compute capability 9.0)
+    assert "     reserved SMs 'interactive': 16 (12 asked)\n" in proc.stdout, proc.stdout
+    assert "     reserved SMs 'bulk': 8 (8 asked)\n" in proc.stdout
+    assert f"     the other streams' SMs: {sms - 24}\n" in proc.stdout
+    proc = info("--reserve-sms", f"interactive={sms}")
+    assert proc.returncode == 0 and "reserved SMs: none: cannot reserve SMs on " in proc.stdout
+    assert f"do not fit in the device's {sms}" in proc.stdout
+    proc = info("--reserve-sms", "interactive")
+    assert proc.returncode == 2 and "'interactive' is not NAME=COUNT" in proc.stderr
 
 
 def test_info_reports_backend_devices_and_libraries(tmp_path: Path) -> None:

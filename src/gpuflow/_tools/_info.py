@@ -4,8 +4,10 @@ As ``cupy.show_config()`` and ``python -m torch.utils.collect_env`` do:
 gpuflow's and Python's versions, the packages gpuflow runs with and the
 optional ones (event loops, MPI, NCCL; "not installed" where absent), the CUDA
 driver and devices (or why there are none), the backend gpuflow would pick
-and its devices (name, compute capability, memory), and whether PyTorch
-and CuPy can be imported here, with the CUDA they were built for.  Nothing
+and its devices (name, compute capability, memory, SMs), the SMs each
+device would reserve (``--reserve-sms NAME=COUNT``, as
+``init_device_contexts(reserve_sms=...)`` would), and whether PyTorch and
+CuPy can be imported here, with the CUDA they were built for.  Nothing
 fails: a part that cannot be learnt says why.
 """
 
@@ -41,7 +43,19 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
-def _backend_lines() -> list[str]:
+def _reserved_lines(be: Any, device: int, reserve: dict[str, int]) -> list[str]:
+    try:
+        *parts, rest = be.partition_sms(device, list(reserve.values()))
+    except Exception as exc:
+        return [f"     reserved SMs: none: {exc}"]
+    lines = [
+        f"     reserved SMs {name!r}: {be.partition_size(part)} ({count} asked)"
+        for (name, count), part in zip(reserve.items(), parts, strict=True)
+    ]
+    return [*lines, f"     the other streams' SMs: {be.partition_size(rest)}"]
+
+
+def _backend_lines(reserve: dict[str, int] | None = None) -> list[str]:
     try:
         be = load_backend("auto", None)
     except Exception as exc:
@@ -69,7 +83,22 @@ def _backend_lines() -> list[str]:
             cc = "simulated" if desc.compute_capability is None else (
                 f"compute capability {desc.compute_capability}"
             )
-            lines.append(f"  {d}: {desc.name}, {cc}, {_gib(desc.total_memory)}")
+            sms: int | str | None
+            try:
+                sms = be.sm_count(d)
+            except Exception as exc:
+                sms = f"? ({exc})"
+            lines.append(
+                f"  {d}: {desc.name}, {cc}, {_gib(desc.total_memory)}"
+                + ("" if sms is None else f", {sms} SMs")
+            )
+            if reserve:
+                lines += _reserved_lines(be, d, reserve)
+        if not reserve:
+            lines.append(
+                "reserved SMs: none asked (--reserve-sms NAME=COUNT shows what each device "
+                "gives, as init_device_contexts(reserve_sms={NAME: COUNT}) would)"
+            )
         return lines
     finally:
         be.close()
@@ -102,8 +131,9 @@ def _cupy(cupy: Any) -> str:
     return f"{cupy.__version__} (CUDA runtime {runtime // 1000}.{runtime % 1000 // 10})"
 
 
-def report() -> str:
-    """The report ``python -m gpuflow info`` prints."""
+def report(reserve: dict[str, int] | None = None) -> str:
+    """The report ``python -m gpuflow info`` prints (``reserve``: the SMs to
+    try to reserve on each device, by name)."""
     from_pkg = _version("gpuflow")
     lines = [
         f"gpuflow {sys.modules['gpuflow'].__version__} (installed: {from_pkg})",
@@ -115,18 +145,34 @@ def report() -> str:
     count, driver, problem = cuda_probe()
     lines.append(f"CUDA driver: {driver if driver else 'none'}")
     lines.append(f"CUDA devices: {count}" if count else f"CUDA devices: no CUDA device: {problem}")
-    lines += _backend_lines()
+    lines += _backend_lines(reserve)
     lines.append(f"PyTorch: {_library('torch', _torch)}")
     lines.append(f"CuPy: {_library('cupy', _cupy)}")
     return "\n".join(lines)
 
 
+def _reservation(text: str) -> tuple[str, int]:
+    name, sep, count = text.partition("=")
+    if not sep or not name or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=COUNT (a name and a number of SMs, e.g. interactive=16)"
+        )
+    return name, int(count)
+
+
 def main(argv: list[str]) -> int:
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m gpuflow info",
         description="Print what a bug report needs: gpuflow's, Python's and the packages' "
         "versions (optional ones too), the CUDA driver and devices, the backend gpuflow "
         "picks here, and whether PyTorch and CuPy import.",
-    ).parse_args(argv)
-    print(report())
+    )
+    parser.add_argument(
+        "--reserve-sms", metavar="NAME=COUNT", type=_reservation, action="append",
+        help="reserve COUNT SMs named NAME on each device, as "
+        "init_device_contexts(reserve_sms=...) would, and list what each device gives "
+        "(or why it cannot); may be repeated",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    print(report(dict(args.reserve_sms) if args.reserve_sms else None))
     return 0
