@@ -18,7 +18,7 @@ The API by topic (help(gpuflow.NAME) tells more of each):
                  device_count, use_device, new_stream, reset_device, Stream,
                  ExecutionContext
   scheduling     SchedulingPolicy, StreamPoolLeastLoaded, StreamPoolRoundRobin,
-                 SingleStream, priority, current_priority
+                 SingleStream, latency_class, LatencyClass, current_latency_class
   scopes         open_stream_lease, StreamLease, open_device_group, DeviceGroup,
                  StartedRun
   interop        from_dlpack (other libraries' arrays), wait_stream (their
@@ -48,6 +48,7 @@ from ._comm import spawn_ranks as spawn_ranks
 from ._core import DeviceOperation as DeviceOperation
 from ._core import ExecutionContext as ExecutionContext
 from ._core import Graph as Graph
+from ._core import LatencyClass as LatencyClass
 from ._core import MemoryStats as MemoryStats
 from ._core import SchedulingPolicy as SchedulingPolicy
 from ._core import SharedOperation as SharedOperation
@@ -57,12 +58,12 @@ from ._core import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._core import StreamPoolRoundRobin as StreamPoolRoundRobin
 from ._core import current_backend as current_backend
 from ._core import current_device as current_device
-from ._core import current_priority as current_priority
+from ._core import current_latency_class as current_latency_class
 from ._core import device_count as device_count
 from ._core import init_device_contexts as init_device_contexts
+from ._core import latency_class as latency_class
 from ._core import memory_stats as memory_stats
 from ._core import new_stream as new_stream
-from ._core import priority as priority
 from ._core import reset_device as reset_device
 from ._core import trace as trace
 from ._core import use_device as use_device
@@ -113,7 +114,7 @@ __all__ = [
     "init_device_contexts", "current_backend", "current_device", "device_count",
     "use_device", "new_stream", "reset_device", "Stream", "ExecutionContext",
     "SchedulingPolicy", "StreamPoolLeastLoaded", "StreamPoolRoundRobin", "SingleStream",
-    "priority", "current_priority",
+    "latency_class", "LatencyClass", "current_latency_class",
     "open_stream_lease", "StreamLease", "open_device_group", "DeviceGroup", "StartedRun",
     # other libraries' arrays, streams and code
     "from_dlpack", "wait_stream", "foreign",

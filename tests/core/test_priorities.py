@@ -97,11 +97,11 @@ def probe(seen: list[gf.Stream], then: gf.DeviceOperation[Any] | None = None) ->
 
 
 @pytest.mark.anyio
-async def test_runs_started_in_a_priority_block_take_streams_of_that_level() -> None:
+async def test_runs_started_in_a_class_block_take_streams_of_that_level() -> None:
     seen: list[gf.Stream] = []
-    assert gf.current_priority() == 0
-    with gf.priority(3) as level:
-        assert level == 3 and gf.current_priority() == 3
+    assert gf.current_latency_class().priority == 0
+    with gf.latency_class(priority=3) as cls:
+        assert cls == gf.LatencyClass(3, None, None) == gf.current_latency_class()
         await probe(seen)  # awaited
         await gf.zip(probe(seen), probe(seen))  # a zip's arms too
 
@@ -110,7 +110,7 @@ async def test_runs_started_in_a_priority_block_take_streams_of_that_level() -> 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(child)
-        with gf.priority(1):  # the innermost applies
+        with gf.latency_class(priority=1):  # the innermost applies
             await probe(seen)
         await probe(seen)
     await probe(seen)  # and after the block, the default again
@@ -129,7 +129,7 @@ async def test_a_busy_level_grows_its_own_pool_and_never_waits_for_another_level
         await probe(seen, K.slow_fill(x[i], 1.0, 0.1))
 
     t0 = anyio.current_time()
-    with gf.priority(2):
+    with gf.latency_class(priority=2):
         async with anyio.create_task_group() as tg:
             for i in range(8):  # more at once than the level's four first streams
                 tg.start_soon(one, i)
@@ -144,7 +144,7 @@ async def test_a_lease_of_a_priority_level_holds_a_stream_of_that_level() -> Non
     async with gf.open_stream_lease(priority=4) as a, gf.open_stream_lease(priority=4) as b:
         assert a.priority == 4 and a.stream.priority == 4 and b.stream.priority == 4
         assert a.stream is not b.stream
-        with gf.priority(1):  # a lease's runs stay on its stream (the innermost: b's)
+        with gf.latency_class(priority=1):  # a lease's runs stay on its stream (the innermost: b's)
             await probe(seen)
         assert seen == [b.stream]
     async with gf.open_stream_lease() as plain:
@@ -154,21 +154,21 @@ async def test_a_lease_of_a_priority_level_holds_a_stream_of_that_level() -> Non
             pass
 
 
-def test_a_priority_block_checks_its_level_before_anything_runs() -> None:
+def test_a_class_block_checks_its_level_before_anything_runs() -> None:
     with pytest.raises(gf.UsageError, match=r"priority 6 is out of device \d's range: 0 \(the"):
-        with gf.priority(6):
+        with gf.latency_class(priority=6):
             raise AssertionError("entered")
     with pytest.raises(gf.UsageTypeError, match="priority must be an int, got str"):
-        with gf.priority("high"):  # type: ignore[arg-type]
+        with gf.latency_class(priority="high"):  # type: ignore[arg-type]
             raise AssertionError("entered")
-    assert gf.current_priority() == 0
+    assert gf.current_latency_class().priority == 0
 
 
 def test_a_reset_device_makes_a_levels_pool_anew(device_backend: str) -> None:
     if device_backend != "sim":
         pytest.skip("sim: the CUDA driver keeps a reset for a process's end")
     seen: list[gf.Stream] = []
-    with gf.priority(2):
+    with gf.latency_class(priority=2):
         probe(seen).sync()  # a blocking run too
         gf.reset_device(0)
         probe(seen).sync()

@@ -170,6 +170,7 @@ PRINTS = [
     ["[10. 12. 14. 16.]"],
     ["sum 1024,", "cancelled: True", "ok"],
     ["10: 'ok 1024'", "20: 'ok 1024'", "30: 'ok 1024'", "500: 'timeout'"],
+    ["no class ", "the classes went first: True"],
 ]
 
 

@@ -36,6 +36,8 @@ EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cupy_interop.py": (("cupy",), ("cupy sees the same memory", "pipeline: correct",
                                     "awaited CuPy's stream")),
     "data_parallel.py": ((), ("rank 0: step 3 all-reduced", "rank 0 done")),
+    "latency_classes.py": ((), ("without classes: interactive p50", "with classes: interactive p50",
+                                "shorter with the classes")),
 }
 
 

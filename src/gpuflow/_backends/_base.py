@@ -158,7 +158,7 @@ class Backend(abc.ABC):
 
     # -- streams --------------------------------------------------------------
     @abc.abstractmethod
-    def create_stream(self, device: int, priority: int = 0) -> Any:
+    def create_stream(self, device: int, priority: int = 0, partition: Any = None) -> Any:
         """A new non-blocking stream on ``device``.
 
         Parameters
@@ -169,11 +169,73 @@ class Backend(abc.ABC):
             gpuflow's level: 0 the default, higher more urgent, up to
             :meth:`stream_priorities` (checked by the caller; only a backend
             that has levels above 0 is given one).
+        partition
+            One of the partitions :meth:`partition_sms` made: the stream
+            runs its kernels on those SMs alone.  None: on any SM (only a
+            backend that makes partitions is given one).
 
         Returns
         -------
         object
         """
+
+    def sm_count(self, device: int) -> int | None:
+        """How many SMs ``device`` has (None where the backend does not say).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        int or None
+        """
+        return None
+
+    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[Any]:
+        """Reserve SMs of ``device``: one partition of at least ``sizes[i]``
+        SMs for each size (rounded up as the device requires), then one of
+        the SMs left.  Streams made in a partition (:meth:`create_stream`)
+        run on its SMs alone.  Called once per device, at set-up; a backend
+        or driver that cannot reserve SMs raises rather than reserve none.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        sizes
+            The SMs each partition asks for.
+
+        Returns
+        -------
+        list
+            ``len(sizes) + 1`` partitions, the SMs left last.
+
+        Raises
+        ------
+        gpuflow.UsageError
+            The backend cannot reserve SMs (the default), or the sizes do
+            not fit the device (the message says its SMs and the rounding).
+        """
+        raise UsageError(
+            f"the {self.name} backend cannot reserve SMs (reserve_sms): it has no partitions "
+            "of a device's SMs (the cuda backend has them, as green contexts)"
+        )
+
+    def partition_size(self, partition: Any) -> int:
+        """How many SMs ``partition`` (of :meth:`partition_sms`) has.
+
+        Parameters
+        ----------
+        partition
+            A partition.
+
+        Returns
+        -------
+        int
+        """
+        raise NotImplementedError
 
     def stream_priorities(self, device: int) -> int:
         """The most urgent stream priority ``device`` takes, in gpuflow's

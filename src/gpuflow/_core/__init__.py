@@ -43,12 +43,13 @@ from ._operation import zip as zip
 from ._pending import PendingHost as PendingHost
 from ._pending import resolve as resolve
 from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
+from ._policy import LatencyClass as LatencyClass
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
 from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
-from ._policy import current_priority as current_priority
-from ._policy import priority as priority
+from ._policy import current_latency_class as current_latency_class
+from ._policy import latency_class as latency_class
 from ._run import Run as Run
 from ._run import ended_by as ended_by
 from ._run import enter_scope as enter_scope
@@ -100,13 +101,14 @@ __all__ = [
     "StreamPoolRoundRobin",
     "UNUSUAL",
     "Uses",
+    "LatencyClass",
     "callable_name",
     "cancel_points",
     "capture_log",
     "current_backend",
     "current_device",
     "current_device_var",
-    "current_priority",
+    "current_latency_class",
     "current_loop",
     "current_runtime",
     "describe_stream",
@@ -124,7 +126,7 @@ __all__ = [
     "new_stream",
     "order_after",
     "post",
-    "priority",
+    "latency_class",
     "refuse_blocking",
     "reset_device",
     "resolve",

@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .._errors import UsageError
-from ._runtime import CURRENT, MAX_POOL_STREAMS, ensure_runtime, new_stream
+from ._runtime import CURRENT, MAX_POOL_STREAMS, busy_poll_s, ensure_runtime, new_stream
 from ._stream import Stream
 from ._unusual import UNUSUAL
 
@@ -135,7 +135,11 @@ class StreamPoolLeastLoaded:
         return self._stall
 
     def idle_stream(
-        self, device: int, prefer: Stream | None = None, priority: int = 0
+        self,
+        device: int,
+        prefer: Stream | None = None,
+        priority: int = 0,
+        sms: str | None = None,
     ) -> Stream | None:
         """Steps 1 and 2: a stream of ``device`` with nothing pending, or a
         new one; None where every stream is busy at the bound.  ``prefer``
@@ -151,15 +155,18 @@ class StreamPoolLeastLoaded:
             A stream to look at first.
         priority
             The priority level of the streams (0: the default); each level
-            has a pool of its own (see :func:`gpuflow.priority`).
+            has a pool of its own (see :func:`gpuflow.latency_class`).
+        sms
+            The name of the reserved SMs of the streams (None: the SMs no
+            partition reserved); each has a pool of its own, at each level.
 
         Returns
         -------
         Stream or None
         """
         rt = CURRENT.runtime or ensure_runtime()
-        if priority:
-            streams = rt.streams(device, priority)
+        if priority or sms is not None:
+            streams = rt.streams(device, priority, sms)
         else:
             try:
                 streams = rt.device_streams[device]
@@ -184,10 +191,16 @@ class StreamPoolLeastLoaded:
             if not s.leased and s.idle():
                 return s
         if n < self._max:
-            return rt.grow(device, self._max, priority)
+            return rt.grow(device, self._max, priority, sms)
         return None
 
-    def next_stream(self, device: int, prefer: Stream | None = None, priority: int = 0) -> Stream:
+    def next_stream(
+        self,
+        device: int,
+        prefer: Stream | None = None,
+        priority: int = 0,
+        sms: str | None = None,
+    ) -> Stream:
         """The stream of ``device`` for the next run: steps 1 and 2
         (:meth:`idle_stream`), else the least-loaded stream (step 3 for a
         run that cannot wait).
@@ -200,14 +213,16 @@ class StreamPoolLeastLoaded:
             A stream to look at first.
         priority
             The priority level of the streams (0: the default).
+        sms
+            The name of the reserved SMs of the streams (None: the others).
 
         Returns
         -------
         Stream
         """
-        s = self.idle_stream(device, prefer, priority)
+        s = self.idle_stream(device, prefer, priority, sms)
         if s is None:
-            streams = ensure_runtime().streams(device, priority)
+            streams = ensure_runtime().streams(device, priority, sms)
             s = least_loaded(streams, time.monotonic() - self._stall)
         return s
 
@@ -303,87 +318,149 @@ class SingleStream:
 DEFAULT_POLICY = StreamPoolLeastLoaded()
 
 
-# -- priority levels ------------------------------------------------------------------
+# -- latency classes ------------------------------------------------------------------
 #
-# A level of its own pool on each device: the default policy's runs inside
-# ``with gf.priority(p)`` take streams of that pool, and a run never waits
-# behind a busy pool of another level.
+# A class of runs (interactive requests beside batch work) gets the GPU's
+# SMs first, or SMs of its own, and its own busy poll.  Its level (priority,
+# reserved SMs) has a pool of its own on each device: the default policy's
+# runs inside ``with gf.latency_class(...)`` take streams of that pool, and
+# a run never waits behind a busy pool of another level.
 
-#: The priority level of the runs the current task starts (0: the default).
-current_priority_var: ContextVar[int] = ContextVar("gpuflow_priority", default=0)
+
+class LatencyClass(NamedTuple):
+    """What :func:`latency_class` sets for the runs a task starts."""
+
+    #: stream priority: 0 the default, higher more urgent
+    priority: int = 0
+    #: the name of the reserved SMs its runs use (None: the SMs none reserved)
+    sms: str | None = None
+    #: its busy-poll budget in microseconds (None: the runtime's)
+    busy_poll_us: float | None = None
+
+
+#: The class of the runs the current task starts (None: the default class,
+#: which the runs on the straight line of an await are).
+current_class_var: ContextVar[LatencyClass | None] = ContextVar(
+    "gpuflow_latency_class", default=None
+)
 
 
 class AtLevel:
-    """``policy`` (the default policy) at one priority level: what a run's
-    ``zip`` arms fork with inside :func:`priority`."""
+    """``policy`` (the default policy) at one level: what a run's ``zip``
+    arms fork with inside :func:`latency_class`."""
 
-    __slots__ = ("_level", "_policy")
+    __slots__ = ("_policy", "_priority", "_sms")
 
-    def __init__(self, policy: StreamPoolLeastLoaded, level: int) -> None:
+    def __init__(self, policy: StreamPoolLeastLoaded, priority: int, sms: str | None) -> None:
         self._policy = policy
-        self._level = level
+        self._priority = priority
+        self._sms = sms
 
     def next_stream(self, device: int) -> Stream:
-        return self._policy.next_stream(device, None, self._level)
+        return self._policy.next_stream(device, None, self._priority, self._sms)
 
     def __repr__(self) -> str:
-        return f"{self._policy!r} at priority {self._level}"
+        sms = "" if self._sms is None else f" on SMs {self._sms!r}"
+        return f"{self._policy!r} at priority {self._priority}{sms}"
+
+
+_UNSET: Any = object()
 
 
 @contextmanager
-def priority(level: int) -> Iterator[int]:
-    """Run the work started in the block at stream priority ``level``.
+def latency_class(
+    *, priority: int = _UNSET, sms: str | None = _UNSET, busy_poll_us: float | None = _UNSET
+) -> Iterator[LatencyClass]:
+    """Run the work started in the block as one latency class.
 
-    ``with gf.priority(3):`` — every run the default policy places, started
-    in the block by this task or by tasks started from it (an ``await``, a
-    ``sync()``, a ``zip``'s arms; not ``enqueue_on``, which names its
-    stream), takes a stream of that level's pool on its device: 0 is the default and each
-    level above it is more urgent (see :func:`new_stream`).  Each level has
-    a pool of its own, made at its first use and grown as the default
-    pool is; at the pool's bound a run takes the least-loaded stream of
-    its level rather than wait for one to go idle.  A stream lease's runs
-    stay on its stream (``open_stream_lease(priority=...)``), and a policy
-    given to a run decides for it.  Blocks nest; the innermost applies.
+    ``with gf.latency_class(priority=2, sms="interactive", busy_poll_us=1000):``
+    — every run the default policy places, started in the block by this
+    task or by tasks started from it (an ``await``, a ``sync()``, a
+    ``zip``'s arms, ``start_run``; not ``enqueue_on``, which names its
+    stream), takes a stream of the class's level on its device:
 
-    Any thread; a context variable, as :func:`use_device`.
+    * ``priority``: 0 is the default and each level above it is more
+      urgent (see :func:`new_stream`): when SMs free up, the GPU gives them
+      to the blocks of the most urgent kernels first (running blocks are
+      not preempted; copies are not affected);
+    * ``sms``: the name of SMs reserved at :func:`init_device_contexts`
+      (``reserve_sms``): the runs' kernels use those SMs alone, and no
+      other gpuflow work holds them;
+    * ``busy_poll_us``: how long the loop reads the completion words of the
+      class's awaits before it sleeps (see ``init_device_contexts``):
+      interactive work polls longer, batch work (``0``) sleeps at once and
+      leaves the CPU to others.
+
+    Each level (priority and SMs) has a pool of its own, made at its first
+    use and grown as the default pool is; at the pool's bound a run takes
+    the least-loaded stream of its level rather than wait for one to go
+    idle.  A stream lease's runs stay on its stream
+    (``open_stream_lease(priority=..., sms=...)``; the class's busy poll
+    still applies), and a policy given to a run decides its stream.
+
+    Blocks nest: what an inner class names replaces the outer's, what it
+    leaves out is the outer's.  Any thread; a context variable, as
+    :func:`use_device`.  Cancellation and errors are unaffected: the class
+    ends with the block, whatever ends it.
 
     Parameters
     ----------
-    level
+    priority
         From 0 (the default) to the most urgent level of every device.
+    sms
+        The name of SMs every device reserved, or None (the others).
+    busy_poll_us
+        0 or more microseconds, or None (the runtime's budget).
 
     Returns
     -------
-    contextlib.AbstractContextManager[int]
-        Gives ``level``.
+    contextlib.AbstractContextManager[LatencyClass]
+        Gives the class in effect inside the block.
 
     Raises
     ------
     gpuflow.UsageError
-        ``level`` is out of a device's range (the message says the range).
+        ``priority`` is out of a device's range (the message says the
+        range), no SMs of that name are reserved (it lists those that
+        are), or ``busy_poll_us`` is negative.
     gpuflow.UsageTypeError
-        ``level`` is not an int.
+        ``priority`` is not an int, or ``sms`` not a str.
     """
+    outer = current_class_var.get() or LatencyClass()
+    cls = LatencyClass(
+        outer.priority if priority is _UNSET else priority,
+        outer.sms if sms is _UNSET else sms,
+        outer.busy_poll_us if busy_poll_us is _UNSET else busy_poll_us,
+    )
     rt = ensure_runtime()
     for device in rt.devices:
-        rt.check_priority(device, level)
-    token = current_priority_var.set(level)
-    UNUSUAL.begin()  # (runs take the long path, which asks the level)
+        rt.check_priority(device, cls.priority)
+        rt.check_sms(device, cls.sms)
+    poll_s = None if cls.busy_poll_us is None else busy_poll_s(cls.busy_poll_us)
+    token = current_class_var.set(cls)
+    run_poll_token = current_poll_var.set(poll_s)
+    UNUSUAL.begin()  # (runs take the long path, which asks the class)
     try:
-        yield level
+        yield cls
     finally:
         UNUSUAL.end()
-        current_priority_var.reset(token)
+        current_poll_var.reset(run_poll_token)
+        current_class_var.reset(token)
 
 
-def current_priority() -> int:
-    """The priority level of the runs the current task starts (0: the default).
+#: The busy-poll budget in seconds of the class of the runs the current task
+#: starts (None: the runtime's)
+current_poll_var: ContextVar[float | None] = ContextVar("gpuflow_poll_s", default=None)
+
+
+def current_latency_class() -> LatencyClass:
+    """The latency class of the runs the current task starts
+    (``LatencyClass(0, None, None)`` outside any :func:`latency_class`).
 
     Any thread.
 
     Returns
     -------
-    int
+    LatencyClass
     """
-    return current_priority_var.get()
-
+    return current_class_var.get() or LatencyClass()

@@ -55,7 +55,8 @@ from ._policy import (
     AtLevel,
     SchedulingPolicy,
     StreamPoolLeastLoaded,
-    current_priority_var,
+    current_class_var,
+    current_poll_var,
 )
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._stream import Stream
@@ -102,7 +103,7 @@ class Run:
 
     __slots__ = (
         "_keep", "arms", "comms", "device", "done", "error", "lane", "more_parked", "number",
-        "on_done", "parked", "parked_loop",
+        "on_done", "parked", "parked_loop", "poll_s",
     )  # fmt: skip
 
     def __init__(self, device: int) -> None:
@@ -123,6 +124,8 @@ class Run:
         self.lane: Lane | None = None
         self.number = 0
         self.arms: dict[Any, Any] | None = None
+        #: its latency class's busy-poll budget in seconds (None: the runtime's)
+        self.poll_s: float | None = None
 
     def reached(self) -> bool:
         """Whether the run's work is known to be done (seen done, or its mark
@@ -388,7 +391,7 @@ def _pending_after_spin(run: Run, loop: Loop, lane: Lane) -> bool:
     would reach the GPU one at a time).  The caller asks that first, from
     ``loop.awaiting``."""
     d = lane.completer
-    limit = min(INLINE_SPIN_S, d.busy_poll_s)
+    limit = min(INLINE_SPIN_S, d.busy_poll_s if run.poll_s is None else run.poll_s)
     if limit <= 0 or d.others_polled(loop):
         return False
     if lane.unmarked:  # (a run's mark failed: the next one covers it)
@@ -423,7 +426,7 @@ def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]
     clock = time.monotonic
     busy = BusyPoll()
     now = clock()
-    busy.start(now, d.busy_poll_s)
+    busy.start(now, d.busy_poll_s if run.poll_s is None else run.poll_s)
     lane.polled_until = busy.held_until(now)
     checkpoint = loop.checkpoint
     while True:
@@ -460,7 +463,7 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
             park = run.parked = loop.park()
             run.parked_loop = loop
             mark_on.submit(run)
-            mark_on.completer.poll_on(loop, mark_on)
+            mark_on.completer.poll_on(loop, mark_on, run.poll_s)
             loop.yielded = _PARKED
             yield from park.__await__()
         else:
@@ -476,7 +479,7 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
 def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None]:
     """:func:`_wait` of a marked run: read its word while alone, then park."""
     lane = run.lane
-    budget: float | None = None  # the busy poll left to the loop's poller: all of it
+    budget = run.poll_s  # the busy poll left to the loop's poller: all of it
     if alone and not run.done and lane is not None:
         # (before a waiter is registered: finished here, nobody is woken)
         if _pending_after_spin(run, loop, lane) and not run.done:
@@ -625,9 +628,13 @@ def _choose(
         policy = DEFAULT_POLICY
     if isinstance(policy, StreamPoolLeastLoaded):
         home = op.stream_home(device) if op.has_home else None
-        level = current_priority_var.get()
-        if level:  # (a level's pool: no await waits for one of its streams)
-            return policy.next_stream(device, home, level), AtLevel(policy, level)
+        cls = current_class_var.get()
+        if cls is not None and (cls.priority or cls.sms is not None):
+            # (a level's pool: no await waits for one of its streams)
+            return (
+                policy.next_stream(device, home, cls.priority, cls.sms),
+                AtLevel(policy, cls.priority, cls.sms),
+            )
         if not can_wait:
             return policy.next_stream(device, home), policy
         if ensure_runtime().completer.stream_waiters(device):
@@ -689,6 +696,7 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
     if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
     run = Run(stream.device)
+    run.poll_s = current_poll_var.get()
     for scope in current_scopes.get():
         scope.track(run)
     return rt, run

@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NamedTuple
@@ -46,7 +46,7 @@ DEFAULT_BUSY_POLL_US = 200.0
 BUSY_POLL_ENV = "GPUFLOW_BUSY_POLL_US"
 
 
-def _busy_poll_s(busy_poll_us: float | None) -> float:
+def busy_poll_s(busy_poll_us: float | None) -> float:
     """The busy-poll budget in seconds: the argument, else the environment's, else the default."""
     where = "busy_poll_us"
     if busy_poll_us is None:
@@ -77,6 +77,7 @@ class Runtime:
         devices: list[int],
         streams_per_device: int,
         busy_poll_s: float = DEFAULT_BUSY_POLL_US / 1e6,
+        reserve_sms: dict[str, int] | None = None,
     ) -> None:
         start_reaper()  # (its arrays' and streams' finalizers leave work for it)
         self.backend = backend
@@ -97,12 +98,24 @@ class Runtime:
         #: per device: the pool, then the streams grow() added (append only):
         #: what :meth:`streams` gives, read directly where a run starts
         self.device_streams: dict[int, list[Stream]] = {}
-        #: per (device, priority level above 0): that level's streams, made
-        #: at its first use (the first ``streams_per_device`` of them its
-        #: leases' pool), then those the default policy grew (append only)
-        self._levels: dict[tuple[int, int], list[Stream]] = {}
-        #: stream-lease bookkeeping per (device, generation, priority), owned by _scope
-        self.lease_pools: dict[tuple[int, int, int], Any] = {}
+        #: per (device, priority level, reserved SMs' name) other than the
+        #: default (0, None): that level's streams, made at its first use (the
+        #: first ``streams_per_device`` of them its leases' pool), then those
+        #: the default policy grew (append only)
+        self._levels: dict[tuple[int, int, str | None], list[Stream]] = {}
+        #: stream-lease bookkeeping per (device, generation, priority, SMs'
+        #: name), owned by _scope
+        self.lease_pools: dict[tuple[int, int, int, str | None], Any] = {}
+        #: per device: the partitions of its SMs reserve_sms made, by name,
+        #: and the one of the SMs left, where gpuflow's other streams are made
+        self.partitions: dict[int, dict[str, Any]] = {}
+        self._rest: dict[int, Any] = {}
+        for d in devices:
+            if reserve_sms:
+                names = list(reserve_sms)
+                *parts, rest = backend.partition_sms(d, [reserve_sms[n] for n in names])
+                self.partitions[d] = dict(zip(names, parts, strict=True))
+                self._rest[d] = rest
         #: every live stream of this runtime, by its handle (__cuda_stream__):
         #: a weak reference each, not a WeakValueDictionary, whose lookup of
         #: a handle it lacks (every other library's stream, at each wait for
@@ -132,29 +145,41 @@ class Runtime:
             # "Measurements behind the code"): every stream the pool may grow
             # into, and the interop stream, are made now, before any work runs
             count = max(self.streams_per_device, MAX_POOL_STREAMS) + 1
-            self._spares[device] = [be.create_stream(device) for _ in range(count)]
+            self._spares[device] = [self._create(device, 0, None) for _ in range(count)]
         pool = [
             self.adopt(device, self.new_raw_stream(device)) for _ in range(self.streams_per_device)
         ]
         self._pools[device] = pool
         self.device_streams[device] = list(pool)
 
-    def new_raw_stream(self, device: int, priority: int = 0) -> Any:
+    def new_raw_stream(self, device: int, priority: int = 0, sms: str | None = None) -> Any:
         """A backend stream of ``device``: one made ahead, while there is one
-        (of the default priority)."""
-        if priority:
-            return self.backend.create_stream(device, priority)
+        (of the default priority and SMs).  ``sms``: made in that partition
+        of reserved SMs; else in the SMs the partitions left, where any are
+        reserved."""
+        if priority or sms is not None:
+            return self._create(device, priority, sms)
         spares = self._spares.get(device)
         if spares:
             try:
                 return spares.pop()
             except IndexError:  # taken by another thread meanwhile
                 pass
+        return self._create(device, 0, None)
+
+    def _create(self, device: int, priority: int, sms: str | None) -> Any:
+        """A backend stream of that level (a backend is given no more
+        arguments than the level needs)."""
+        part = self._rest.get(device) if sms is None else self.partitions[device][sms]
+        if part is not None:
+            return self.backend.create_stream(device, priority, part)
+        if priority:
+            return self.backend.create_stream(device, priority)
         return self.backend.create_stream(device)
 
-    def adopt(self, device: int, raw: Any, priority: int = 0) -> Stream:
+    def adopt(self, device: int, raw: Any, priority: int = 0, sms: str | None = None) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
-        s = Stream(self, device, raw, self.generation(device), self._lives[device], priority)
+        s = Stream(self, device, raw, self.generation(device), self._lives[device], priority, sms)
         s.lane = self.completer.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
@@ -258,54 +283,76 @@ class Runtime:
                 )  # fmt: skip
         return priority
 
-    def pool(self, device: int, priority: int = 0) -> list[Stream]:
+    def check_sms(self, device: int, sms: str | None) -> str | None:
+        """``sms``: None, or the name of a partition of ``device``'s SMs
+        that :func:`init_device_contexts` reserved."""
+        if sms is None:
+            return None
+        if not isinstance(sms, str):
+            raise UsageTypeError(
+                f"sms must be the name of reserved SMs (a str), got {type(sms).__name__}"
+            )
+        reserved = self.partitions.get(device, {})
+        if sms not in reserved:
+            raise UsageError(
+                f"no SMs named {sms!r} are reserved on device {device} "
+                + (f"(reserved: {', '.join(map(repr, reserved))})" if reserved else
+                   "(none are: see gf.init_device_contexts(reserve_sms={name: count}))")
+            )  # fmt: skip
+        return sms
+
+    def pool(self, device: int, priority: int = 0, sms: str | None = None) -> list[Stream]:
         """The ``streams_per_device`` streams made with the device's context
-        (of a priority level above 0: made at the level's first use): what
-        round robin deals and stream leases take."""
-        if priority:
-            return self.streams(device, priority)[: self.streams_per_device]
+        (of a priority level above 0 or reserved SMs: made at the level's
+        first use): what round robin deals and stream leases take."""
+        if priority or sms is not None:
+            return self.streams(device, priority, sms)[: self.streams_per_device]
         try:
             return self._pools[device]
         except KeyError:
             self.check_device(device)
             raise
 
-    def streams(self, device: int, priority: int = 0) -> list[Stream]:
+    def streams(self, device: int, priority: int = 0, sms: str | None = None) -> list[Stream]:
         """The pool followed by the streams :meth:`grow` added; the list only
         grows (in place), until a reset of the device replaces it."""
         try:
-            return self.device_streams[device] if not priority else self._levels[device, priority]
+            if not priority and sms is None:
+                return self.device_streams[device]
+            return self._levels[device, priority, sms]
         except KeyError:
             self.check_device(device)
-            if not priority:
+            if not priority and sms is None:
                 raise
-        return self._make_level(device, priority)
+        return self._make_level(device, priority, sms)
 
-    def _make_level(self, device: int, priority: int) -> list[Stream]:
-        """A priority level's pool on ``device``, at its first use.  (On CUDA,
-        making a stream can wait until the device is idle: the first use of a
-        level may too.)"""
+    def _make_level(self, device: int, priority: int, sms: str | None) -> list[Stream]:
+        """A level's pool on ``device``, at its first use.  (On CUDA, making
+        a stream can wait until the device is idle: the first use of a level
+        may too.)"""
         with self._lock:
-            streams = self._levels.get((device, priority))
+            streams = self._levels.get((device, priority, sms))
             if streams is None:
-                streams = self._levels[device, priority] = [
-                    self.adopt(device, self.backend.create_stream(device, priority), priority)
+                streams = self._levels[device, priority, sms] = [
+                    self.adopt(device, self.new_raw_stream(device, priority, sms), priority, sms)
                     for _ in range(self.streams_per_device)
                 ]
             return streams
 
-    def grow(self, device: int, limit: int, priority: int = 0) -> Stream | None:
-        """Add a stream to ``device``'s streams (of that priority level)
-        unless it has ``limit`` already; the new stream, or None.  Added
-        streams live as long as the pool."""
+    def grow(
+        self, device: int, limit: int, priority: int = 0, sms: str | None = None
+    ) -> Stream | None:
+        """Add a stream to ``device``'s streams (of that level) unless it
+        has ``limit`` already; the new stream, or None.  Added streams live
+        as long as the pool."""
         with self._lock:
-            if priority:
-                streams = self._levels.get((device, priority))
+            if priority or sms is not None:
+                streams = self._levels.get((device, priority, sms))
             else:
                 streams = self.device_streams.get(device)
             if streams is None or len(streams) >= limit or not self.live:
                 return None
-            s = self.adopt(device, self.new_raw_stream(device, priority), priority)
+            s = self.adopt(device, self.new_raw_stream(device, priority, sms), priority, sms)
             streams.append(s)
             return s
 
@@ -421,6 +468,7 @@ def init_device_contexts(
     backend: str | Backend = "auto",
     *,
     busy_poll_us: float | None = None,
+    reserve_sms: Mapping[str, int] | None = None,
 ) -> str:
     """Initialise gpuflow: choose the backend, the devices and their stream pools.
 
@@ -456,6 +504,18 @@ def init_device_contexts(
         completes a short run within a few microseconds of the GPU finishing
         it; the wake-up costs tens of microseconds more but no CPU.  A loop
         busy with other tasks reads the words once per turn either way.
+        A latency class may set its own (:func:`latency_class`).
+    reserve_sms
+        SMs to reserve on each device, by name: ``{"interactive": 16}``
+        makes a partition of at least 16 SMs (the driver rounds up, to 8 a
+        partition on current GPUs) whose streams run on those SMs alone, and
+        makes gpuflow's other streams in the SMs left, so that work on
+        them never holds the reserved ones.  Runs use them through
+        ``latency_class(sms="interactive")``, ``open_stream_lease(sms=...)``
+        and ``new_stream(sms=...)``.  On cuda these are green contexts
+        (CUDA 12.4 or later); another library's streams still run on every
+        SM.  ``python -m gpuflow info --reserve-sms interactive=16`` lists
+        what a device gives.
 
     Returns
     -------
@@ -465,8 +525,10 @@ def init_device_contexts(
     Raises
     ------
     gpuflow.UsageError
-        An argument out of range (each names the one), or a backend name
-        (given, or in ``GPUFLOW_BACKEND``) that is no backend's.
+        An argument out of range (each names the one), a backend name
+        (given, or in ``GPUFLOW_BACKEND``) that is no backend's, or SMs to
+        reserve that the device does not have, or on a backend or driver
+        that cannot reserve them (never a set-up that reserves nothing).
     gpuflow.DeviceError
         The backend could not be started.
 
@@ -480,11 +542,12 @@ def init_device_contexts(
         reference without a word.  With no driver at all the choice is only
         logged.
     """
-    poll_s = _busy_poll_s(busy_poll_us)
+    poll_s = busy_poll_s(busy_poll_us)
     if not isinstance(streams_per_device, int) or streams_per_device < 1:
         raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
     if num_devices is not None and (not isinstance(num_devices, int) or num_devices < 1):
         raise UsageError(f"num_devices must be a positive int or None, not {num_devices!r}")
+    reserve = _check_reserve(reserve_sms)
     be = load_backend(backend, num_devices)
     given = be is backend  # the caller's instance: closed by its runtime, not on an error here
     count = be.device_count
@@ -497,7 +560,12 @@ def init_device_contexts(
         if not given:
             be.close()
         raise UsageError(f"default_device={default_device} is not one of the {n} devices")
-    rt = Runtime(be, default_device, list(range(n)), streams_per_device, poll_s)
+    try:
+        rt = Runtime(be, default_device, list(range(n)), streams_per_device, poll_s, reserve)
+    except BaseException:
+        if not given:
+            be.close()
+        raise
     for started in runtime_started:
         started(rt)
     with _runtime_lock:
@@ -505,6 +573,26 @@ def init_device_contexts(
     if old is not None:
         old.close(backend=old.backend is not be)
     return be.name
+
+
+def _check_reserve(reserve_sms: Mapping[str, int] | None) -> dict[str, int] | None:
+    """``reserve_sms``, checked before any backend starts."""
+    if reserve_sms is None:
+        return None
+    if not isinstance(reserve_sms, Mapping):
+        raise UsageTypeError(
+            "reserve_sms must map names to numbers of SMs ({'interactive': 16}), "
+            f"got {type(reserve_sms).__name__}"
+        )
+    for name, count in reserve_sms.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"reserve_sms: a name of reserved SMs must be a str, got {name!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise UsageError(
+                f"reserve_sms[{name!r}] must be a number of SMs (an int of 1 or more), "
+                f"not {count!r}"
+            )
+    return dict(reserve_sms) or None
 
 
 #: How long a process that exits waits for the GPU work still pending.
@@ -634,7 +722,9 @@ def use_device(device: int) -> Iterator[int]:
         current_device_var.reset(token)
 
 
-def new_stream(device: int | None = None, *, priority: int = 0) -> Stream:
+def new_stream(
+    device: int | None = None, *, priority: int = 0, sms: str | None = None
+) -> Stream:
     """A new stream of its own on ``device`` (default: the current device).
 
     The stream is destroyed when the last reference to it goes; work already
@@ -654,6 +744,10 @@ def new_stream(device: int | None = None, *, priority: int = 0) -> Stream:
     priority
         The stream's priority level, from 0 (the default) to the device's
         most urgent.
+    sms
+        The name of SMs reserved at :func:`init_device_contexts`
+        (``reserve_sms``): the stream runs its kernels on those alone.
+        None: on the SMs no partition reserved (every SM where none is).
 
     Returns
     -------
@@ -662,16 +756,18 @@ def new_stream(device: int | None = None, *, priority: int = 0) -> Stream:
     Raises
     ------
     gpuflow.UsageError
-        ``device`` is not one of the runtime's devices, or ``priority`` is
-        out of the device's range (the message says the range).
+        ``device`` is not one of the runtime's devices, ``priority`` is
+        out of the device's range (the message says the range), or no SMs
+        of that name are reserved (the message lists those that are).
     gpuflow.UsageTypeError
-        ``priority`` is not an int.
+        ``priority`` is not an int, or ``sms`` not a str.
     """
     rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
     priority = rt.check_priority(dev, priority)
-    raw = rt.new_raw_stream(dev, priority)
-    s = rt.adopt(dev, raw, priority)
+    sms = rt.check_sms(dev, sms)
+    raw = rt.new_raw_stream(dev, priority, sms)
+    s = rt.adopt(dev, raw, priority, sms)
     weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s.final)
     return s
 

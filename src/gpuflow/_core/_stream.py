@@ -38,7 +38,7 @@ class Stream:
 
     __slots__ = (
         "__weakref__", "_syncs", "device", "final", "generation", "lane", "leased", "life",
-        "priority", "raw", "runtime",
+        "priority", "raw", "runtime", "sms",
     )  # fmt: skip
 
     def __init__(
@@ -49,6 +49,7 @@ class Stream:
         generation: int,
         life: object,
         priority: int = 0,
+        sms: str | None = None,
     ) -> None:
         #: the runtime that made the stream
         self.runtime = runtime
@@ -62,6 +63,9 @@ class Stream:
         #: :func:`gpuflow.new_stream`); 0 for another library's stream,
         #: whose priority gpuflow does not ask
         self.priority = priority
+        #: the name of the reserved SMs it runs on (see
+        #: :func:`gpuflow.init_device_contexts`), or None
+        self.sms = sms
         #: the device context's generation the stream was made in
         self.generation = generation
         #: the device context's life (an identity, replaced at a reset) the

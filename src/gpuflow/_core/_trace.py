@@ -32,7 +32,8 @@ What a trace holds:
   whichever is later) to when gpuflow saw the GPU finish it.  A stream's
   slices never overlap: one that would is cut where the next one starts.
   ``args``: ``op`` (its repr), ``device``, ``stream``, ``priority`` (its
-  stream's level: 0 the default, higher more urgent), ``how`` it ran
+  stream's level: 0 the default, higher more urgent), ``sms`` (the name of
+  the reserved SMs its stream runs on, or null), ``how`` it ran
   (``await``, ``sync``, ``enqueue_on``, ``start_run``), ``outcome`` (``ok``,
   ``cancelled``, ``fault``, ``error``; ``unfinished`` if the trace was
   written first), ``gpu`` (how the GPU side ended: ``ok``, ``fault``,
@@ -158,8 +159,8 @@ class TracedRun:
 
     __slots__ = (
         "backend", "device", "done", "ends", "enq", "enq_end", "gpu", "how", "id", "name",
-        "op", "outcome", "priority", "recorders", "resumed", "slots", "stream", "stream_key",
-        "tag", "thread",
+        "op", "outcome", "priority", "recorders", "resumed", "slots", "sms", "stream",
+        "stream_key", "tag", "thread",
     )  # fmt: skip
 
     def __init__(
@@ -173,6 +174,7 @@ class TracedRun:
         self.device: int = stream.device
         self.stream = repr(stream)
         self.priority: int = stream.priority
+        self.sms: str | None = stream.sms
         backend: Backend = stream.runtime.backend
         self.backend = backend
         self.stream_key: Key = (
@@ -345,6 +347,7 @@ class Recorder:
             "device": run.device,
             "stream": run.stream,
             "priority": run.priority,
+            "sms": run.sms,
             "how": run.how,
             "outcome": outcome,
             "run": run.id,

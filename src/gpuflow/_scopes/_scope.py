@@ -265,14 +265,14 @@ class _LeasePool:
 _lease_pools_lock = threading.Lock()
 
 
-def _lease_pool(rt: Runtime, device: int, priority: int) -> _LeasePool:
+def _lease_pool(rt: Runtime, device: int, priority: int, sms: str | None) -> _LeasePool:
     # kept on the runtime: a replaced runtime takes its pools (and streams) along
-    key = (device, rt.generation(device), priority)
+    key = (device, rt.generation(device), priority, sms)
     with _lease_pools_lock:
         pool: _LeasePool | None = rt.lease_pools.get(key)
         if pool is None:
             pool = rt.lease_pools[key] = _LeasePool(
-                rt.pool(device, priority), rt.completer.stream_freed
+                rt.pool(device, priority, sms), rt.completer.stream_freed
             )
         return pool
 
@@ -299,10 +299,12 @@ class StreamLease:
     Made by :func:`open_stream_lease`; not constructed directly.
     """
 
-    def __init__(self, device: int, priority: int = 0) -> None:
+    def __init__(self, device: int, priority: int = 0, sms: str | None = None) -> None:
         self.device = device
         #: the priority level of its stream (0: the default)
         self.priority = priority
+        #: the name of the reserved SMs its stream runs on, or None
+        self.sms = sms
         self._stream: Stream | None = None
         self._tracked = Tracked()
         self._pool: _LeasePool | None = None
@@ -361,7 +363,8 @@ class StreamLease:
         rt = ensure_runtime()
         rt.check_device(self.device)
         rt.check_priority(self.device, self.priority)
-        self._pool = _lease_pool(rt, self.device, self.priority)
+        rt.check_sms(self.device, self.sms)
+        self._pool = _lease_pool(rt, self.device, self.priority, self.sms)
         self._stream = await self._pool.acquire()
         self._token = enter_scope(self)
         return self
@@ -389,7 +392,9 @@ class StreamLease:
             await watcher(cancel_points.LEAVE_LEASE)
 
 
-def open_stream_lease(device: int | None = None, *, priority: int = 0) -> StreamLease:
+def open_stream_lease(
+    device: int | None = None, *, priority: int = 0, sms: str | None = None
+) -> StreamLease:
     """Lease one stream of ``device``'s pool (default: the current device) for a scope.
 
     ``async with gf.open_stream_lease() as lease:`` — operations awaited in
@@ -400,9 +405,9 @@ def open_stream_lease(device: int | None = None, *, priority: int = 0) -> Stream
     interrupt through at once instead (what the GPU still uses stays alive
     until it is done).  Two leases never hold the same stream; when every
     stream is leased, a new lease waits for one (fairly, FIFO).  With
-    ``priority``, the stream is one of that priority level's pool (see
-    :func:`gpuflow.priority`), which has ``streams_per_device`` streams for
-    leases as the default level's pool has.
+    ``priority`` or ``sms``, the stream is one of that level's pool (see
+    :func:`gpuflow.latency_class`), which has ``streams_per_device`` streams
+    for leases as the default level's pool has.
 
     Entering is a cancellation point; leaving waits shielded from cancellation.
 
@@ -413,6 +418,9 @@ def open_stream_lease(device: int | None = None, *, priority: int = 0) -> Stream
     priority
         The stream's priority level, from 0 (the default) to the device's
         most urgent (higher is more urgent).
+    sms
+        The name of SMs reserved at :func:`gpuflow.init_device_contexts`:
+        the stream runs its kernels on those alone (None: on the others).
 
     Returns
     -------
@@ -422,12 +430,12 @@ def open_stream_lease(device: int | None = None, *, priority: int = 0) -> Stream
     Raises
     ------
     gpuflow.UsageError
-        ``device`` is not one of the runtime's devices, or ``priority`` is
-        out of its range (on entry).
+        ``device`` is not one of the runtime's devices, ``priority`` is
+        out of its range, or no SMs of that name are reserved (on entry).
     gpuflow.UsageTypeError
-        ``priority`` is not an int (on entry).
+        ``priority`` is not an int, or ``sms`` not a str (on entry).
     """
-    return StreamLease(current_device() if device is None else device, priority)
+    return StreamLease(current_device() if device is None else device, priority, sms)
 
 
 class DeviceGroup:

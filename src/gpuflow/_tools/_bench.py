@@ -34,6 +34,7 @@ import numpy as np
 import gpuflow as gf
 
 from ..lowlevel import pool_streams
+from ._bench_classes import bench_classes
 from ._bench_comm import bench_collectives
 from ._bench_poll import (
     bench_cpu,
@@ -82,8 +83,9 @@ def bench_references() -> dict[str, Callable[..., None]]:
     def busy(x: Any, iters: int) -> None:
         x += 1.0
 
+    @gf.testing.block_time(lambda ns: ns / 1e9)  # each block holds a simulated SM as long
     def spin(ns: int) -> None:
-        time.sleep(ns / 1e9)
+        pass
 
     return {"empty": lambda: None, "crash": crash, "busy": busy, "spin": spin}
 
@@ -721,6 +723,9 @@ BENCHES = {
                  "in a burst of 200 at once (past the pool's 32 streams)",
     "overlap": "a request of 5 ms of GPU work and 5 ms of host work: the run started "
                "first (lease.start_run) and awaited after, against awaited then host work",
+    "classes": "short requests while long kernels keep every SM busy: p50 and p99 with no "
+               "class (against an idle device), at a higher priority and on reserved SMs "
+               "(against no class)",
     "fanout": "a device group over two devices against one device (needs two)",
     "torch": "a PyTorch request (an MLP forward) awaited with gf.wait_stream, one and 64 in "
              "flight, against to_thread(torch.cuda.synchronize) (needs PyTorch and cuda)",
@@ -815,6 +820,8 @@ def run_benches(mod: gf.Module, only: set[str], quick: bool, cuda: bool) -> None
         bench_deadlines(mod, quick)
     if "overlap" in only:
         bench_overlap(mod, quick)
+    if "classes" in only:
+        bench_classes(mod, quick)
     if "fanout" in only:
         bench_fan_out(mod, quick, cuda)
     if "torch" in only:

@@ -1,0 +1,230 @@
+"""Latency classes: urgent work gets SMs first, or SMs of its own, and its own busy poll.
+
+The effects are shown on ``sim``'s model of a device's SMs (each block of a
+kernel holds an SM for its time; free SMs go to the most urgent stream's
+blocks first, then in launch order; reserved SMs serve their own streams
+alone), with a small device so that a grid of a few blocks fills it.  The
+checks of bad input and the busy poll run on every backend.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from helpers import kernels as K
+from helpers.completion import reinit
+
+import gpuflow as gf
+from gpuflow._backends import Backend
+from gpuflow._backends._sim._backend import SimBackend  # the model under test
+from gpuflow._core._runtime import CURRENT  # (to see that a refused set-up replaced nothing)
+
+#: one block's time on the small simulated device: long against a thread's
+#: wake-up, short enough that a test of four waves takes a fraction of a second
+BLOCK_S = 0.05
+#: the short request's kernel: one block
+SHORT_S = 0.005
+
+
+def small_device(sms: int = 8, **kwargs: Any) -> None:
+    gf.init_device_contexts(backend=SimBackend(1, sms=sms), **kwargs)
+
+
+async def short_behind_long(long_blocks: int, **short_class: Any) -> tuple[float, float]:
+    """Start ``long_blocks`` blocks of :data:`BLOCK_S` in the default class,
+    then, 10 ms later, one short block in ``short_class``: how long the short
+    one took, and the long one."""
+    took: dict[str, float] = {}
+
+    async def long() -> None:
+        t0 = time.monotonic()
+        await K.spin(long_blocks, BLOCK_S)
+        took["long"] = time.monotonic() - t0
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long)
+        await anyio.sleep(0.01)
+        t0 = time.monotonic()
+        with gf.latency_class(**short_class):
+            await K.spin(1, SHORT_S)
+        took["short"] = time.monotonic() - t0
+    return took["short"], took["long"]
+
+
+@pytest.mark.sim_only
+def test_the_sim_runs_a_grid_in_waves_of_its_sms() -> None:
+    small_device(8)
+    sms = gf.lowlevel.current_backend_object().device_state(0).sms
+    K.spin(1, 0.0).sync()  # (compiled and loaded before anything is timed)
+    for blocks, waves in [(8, 1), (16, 2), (17, 3)]:
+        t0 = time.monotonic()
+        K.spin(blocks, BLOCK_S).sync()
+        took = time.monotonic() - t0
+        assert waves * BLOCK_S <= took < waves * BLOCK_S + 0.04, (blocks, took)
+    before = sms.blocks_run
+    t0 = time.monotonic()
+    x = gf.zeros(1 << 16, np.float32).sync()
+    K.module().scale(K.cfg(x.size), x, 2.0, x.size).sync()  # no block time: none taken
+    assert time.monotonic() - t0 < 0.04
+    assert sms.blocks_run - before == K.cfg(x.size).grid[0]
+
+
+@pytest.mark.sim_only
+@pytest.mark.anyio
+async def test_an_urgent_kernel_behind_a_saturating_one_starts_within_one_block() -> None:
+    small_device(8)
+    short, long = await short_behind_long(8 * 4, priority=1)
+    # the first SM to free up (within one block) goes to the urgent block
+    assert short < BLOCK_S + SHORT_S + 0.03, short
+    assert long >= 4 * BLOCK_S and short < long - 2 * BLOCK_S, (short, long)
+    # of the same priority, it starts only once every block launched before it has
+    short, long = await short_behind_long(8 * 4)
+    assert short >= 4 * BLOCK_S - 0.01 - 0.005, (short, long)
+
+
+@pytest.mark.sim_only
+@pytest.mark.anyio
+async def test_reserved_sms_serve_their_class_alone() -> None:
+    small_device(16, reserve_sms={"interactive": 8})
+    # the other work runs on the 8 SMs left: three waves of 8, not 1.5 of 16
+    short, long = await short_behind_long(8 * 3, sms="interactive")
+    assert short < SHORT_S + 0.03, short  # its own SMs were free
+    assert long >= 3 * BLOCK_S, long
+    short, long = await short_behind_long(8 * 3)  # in the default class: behind the batch
+    assert short >= 3 * BLOCK_S - 0.015, (short, long)
+    # the other ways in: a lease, a stream of its own
+    async with gf.open_stream_lease(sms="interactive", priority=2) as lease:
+        stream = lease.stream
+        assert (lease.sms, stream.sms, stream.priority) == ("interactive", "interactive", 2)
+    assert gf.new_stream(sms="interactive").sms == "interactive"
+    assert gf.new_stream().sms is None
+
+
+@pytest.mark.anyio
+async def test_a_class_takes_its_own_level_and_nests() -> None:
+    reserve = gf.current_backend() == "sim"
+    if reserve:  # (on cuda, the fixture's runtime reserves nothing)
+        gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"interactive": 8})
+    seen: list[gf.Stream] = []
+
+    def probe() -> gf.DeviceOperation[None]:
+        return gf.with_context(lambda ctx: seen.append(ctx.stream) or gf.value(None))
+
+    assert gf.current_latency_class() == gf.LatencyClass(0, None, None)
+    sms = "interactive" if reserve else None
+    with gf.latency_class(priority=2, sms=sms, busy_poll_us=50) as outer:
+        assert outer == gf.LatencyClass(2, sms, 50) == gf.current_latency_class()
+        await probe()
+        with gf.latency_class(priority=1) as inner:  # what it leaves out is the outer's
+            assert inner == gf.LatencyClass(1, sms, 50)
+            await probe()
+        await gf.zip(probe(), probe())
+    await probe()
+    want = [(2, sms), (1, sms), (2, sms), (2, sms), (0, None)]
+    assert [(s.priority, s.sms) for s in seen] == want
+    assert gf.current_latency_class() == gf.LatencyClass()
+
+
+@pytest.mark.anyio
+async def test_a_class_sets_its_own_busy_poll() -> None:
+    reinit(busy_poll_us=200)  # the runtime's: shorter than the kernel
+    x = await gf.zeros(64, np.float32)
+    stats = gf.lowlevel.current_completion_statistics
+    before = stats()
+    with gf.latency_class(busy_poll_us=2_000_000):  # interactive: polls until it is done
+        await K.slow_fill(x, 1.0, 0.03)
+    after = stats()
+    assert after.spun + after.polled - before.spun - before.polled == 1, (before, after)
+    assert after.pipes_armed == before.pipes_armed  # it never slept
+    reinit(busy_poll_us=2_000_000)  # the runtime's: longer than the kernel
+    x = await gf.zeros(64, np.float32)
+    before = stats()
+    with gf.latency_class(busy_poll_us=0):  # batch: sleeps at once, the GPU wakes it
+        await K.slow_fill(x, 2.0, 0.03)
+        async with gf.open_stream_lease() as lease:  # (and a run started now, awaited later)
+            run = lease.start_run(K.slow_fill(x, 3.0, 0.03))
+            await run
+    after = stats()
+    # each of the two slept at once, where the runtime's budget would have polled
+    assert after.pipes_armed - before.pipes_armed == 2, (before, after)
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 3.0, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("reserve", "error", "match"),
+    [
+        ({"a": 0}, gf.UsageError, r"reserve_sms\['a'\] must be a number of SMs \(an int of 1"),
+        ({"a": "8"}, gf.UsageError, r"reserve_sms\['a'\] must be a number of SMs"),
+        ({"": 8}, gf.UsageError, r"a name of reserved SMs must be a str, got ''"),
+        ([("a", 8)], gf.UsageTypeError, r"reserve_sms must map names to numbers of SMs"),
+    ],
+)
+def test_reserve_sms_checks_its_argument_before_any_backend_starts(
+    reserve: Any, error: type[Exception], match: str
+) -> None:
+    old = CURRENT.runtime
+    with pytest.raises(error, match=match):
+        gf.init_device_contexts(backend="sim", reserve_sms=reserve)
+    assert CURRENT.runtime is old  # nothing replaced
+
+
+@pytest.mark.sim_only
+def test_more_sms_than_the_device_has_is_refused_at_set_up() -> None:
+    old = CURRENT.runtime
+    with pytest.raises(
+        gf.UsageError,
+        match=r"cannot reserve SMs on sim device 0: 16 SMs \(rounded up to multiples of 8\) "
+        r"and at least 8 left for the rest do not fit in the device's 16",
+    ):
+        small_device(16, reserve_sms={"interactive": 12})
+    assert CURRENT.runtime is old
+
+
+@pytest.mark.sim_only
+def test_a_backend_without_partitions_refuses_to_reserve_sms() -> None:
+    class NoPartitions(SimBackend):
+        partition_sms = Backend.partition_sms  # (the interface's default)
+
+    with pytest.raises(gf.UsageError, match=r"the sim backend cannot reserve SMs \(reserve_sms\)"):
+        gf.init_device_contexts(backend=NoPartitions(1), reserve_sms={"interactive": 8})
+
+
+@pytest.mark.anyio
+async def test_a_class_names_only_reserved_sms_and_checks_before_anything_runs() -> None:
+    with pytest.raises(gf.UsageError, match=r"no SMs named 'fast' are reserved on device 0 \(none"):
+        with gf.latency_class(sms="fast"):
+            raise AssertionError("entered")
+    with pytest.raises(gf.UsageTypeError, match="sms must be the name of reserved SMs"):
+        with gf.latency_class(sms=8):  # type: ignore[arg-type]
+            raise AssertionError("entered")
+    with pytest.raises(gf.UsageError, match=r"busy_poll_us must be 0 \(no polling\) or more"):
+        with gf.latency_class(busy_poll_us=-1):
+            raise AssertionError("entered")
+    with pytest.raises(gf.UsageError, match="no SMs named 'fast'"):
+        gf.new_stream(sms="fast")
+    with pytest.raises(gf.UsageError, match="no SMs named 'fast'"):
+        async with gf.open_stream_lease(sms="fast"):
+            raise AssertionError("entered")
+    if gf.current_backend() == "sim":
+        gf.init_device_contexts(backend="sim", reserve_sms={"interactive": 8, "bulk": 8})
+        with pytest.raises(gf.UsageError, match=r"\(reserved: 'interactive', 'bulk'\)"):
+            gf.new_stream(sms="fast")
+
+
+@pytest.mark.sim_only
+def test_the_trace_says_each_runs_class(tmp_path: Path) -> None:
+    small_device(16, reserve_sms={"interactive": 8})
+    path = tmp_path / "trace.json"
+    with gf.trace(path):
+        with gf.latency_class(priority=3, sms="interactive"):
+            K.spin(1, 0.0).sync()
+        K.spin(1, 0.0).sync()
+    events = json.loads(path.read_text())["traceEvents"]
+    runs = [e["args"] for e in events if e.get("cat") == "gpuflow.run"]
+    assert [(a["priority"], a.get("sms")) for a in runs] == [(3, "interactive"), (0, None)]
