@@ -228,3 +228,26 @@ def test_the_trace_says_each_runs_class(tmp_path: Path) -> None:
     events = json.loads(path.read_text())["traceEvents"]
     runs = [e["args"] for e in events if e.get("cat") == "gpuflow.run"]
     assert [(a["priority"], a.get("sms")) for a in runs] == [(3, "interactive"), (0, None)]
+
+
+@pytest.mark.sim_only
+def test_a_kernel_waiting_for_sms_ends_with_its_devices_context() -> None:
+    small_device(8)
+    ran: list[int] = []
+
+    @gf.testing.block_time(BLOCK_S)
+    def record(ns: int) -> None:
+        ran.append(ns)
+
+    mod = gf.compile(K.SOURCE, references={**K.REFERENCES, "spin": record})
+    stream = gf.new_stream()
+    mod.spin(gf.LaunchConfig(8 * 20, 32), 1).enqueue_on(stream)  # twenty waves: a second
+    time.sleep(BLOCK_S * 1.5)
+    t0 = time.monotonic()
+    gf.reset_device(0)  # what was queued is gone with the context, as on CUDA
+    be = gf.lowlevel.current_backend_object()
+    while not be.query(stream.raw):
+        assert time.monotonic() - t0 < 0.5, "the kernel went on waiting for SMs"
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 0.03  # at once (woken), not at its next wave
+    assert ran == []  # and it computed nothing on the new context

@@ -488,4 +488,12 @@ MUTATIONS = [
         "    if False:\n",
         ("tests/backends/test_cuda_stand_in.py::test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
     ),
+    Mutation(
+        "L18",
+        "a kernel waiting for sim's SMs goes on waiting after its device's context is reset",
+        "_backends/_sim/_sms.py",
+        "                    if abandoned():\n",
+        "                    if False:\n",
+        ("tests/core/test_latency_classes.py::test_a_kernel_waiting_for_sms_ends_with_its_devices_context",),
+    ),
 ]

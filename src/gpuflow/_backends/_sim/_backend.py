@@ -786,11 +786,11 @@ class SimBackend(Backend):
             seconds = block_s(*values) if callable(block_s) else block_s or 0.0
             on = getattr(_worker, "stream", stream)
             generation = dev.generation
-            dev.sms.run(
+            if dev.sms.run(
                 blocks, float(seconds), on.priority, on.partition,
                 lambda: dev.fault is not None or dev.generation != generation,
-            )  # fmt: skip
-            kernel.reference(*values)
+            ):  # fmt: skip
+                kernel.reference(*values)  # (not on a device that faulted or was reset meanwhile)
             for a in args:
                 if isinstance(a, PointerArg):
                     self.check_buffer(a.buffer)  # type: ignore[arg-type]

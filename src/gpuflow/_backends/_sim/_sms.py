@@ -123,10 +123,11 @@ class SimSMs:
         priority: int,
         partition: SimPartition | None,
         abandoned: Callable[[], bool],
-    ) -> None:
-        """Run ``blocks`` blocks of ``block_s`` seconds each: return once the
-        last is done, or once ``abandoned()`` (the device faulted or was
-        reset; the blocks on SMs keep them until their time is up)."""
+    ) -> bool:
+        """Run ``blocks`` blocks of ``block_s`` seconds each: True once the
+        last is done, False once ``abandoned()`` (the device faulted or was
+        reset: the kernel runs no further; the blocks on SMs keep them until
+        their time is up)."""
         allowed = None if partition is None else partition.sms
         cond = self._cond
         with cond:
@@ -135,7 +136,7 @@ class SimSMs:
                 for sm, held in enumerate(self._busy):
                     if held is None and (allowed is None or sm in allowed):
                         self.blocks_run += blocks
-                        return
+                        return True
             now = time.monotonic()
             launch = _Launch(next(self._seq), priority, allowed, blocks, block_s, now)
             self._waiting.append(launch)
@@ -143,12 +144,13 @@ class SimSMs:
             try:
                 while launch.dispatch or launch.running:
                     if abandoned():
-                        return
+                        return False
                     cond.wait(self._next_free() - time.monotonic())
                     self._schedule(time.monotonic())
             finally:
                 if launch in self._waiting:
                     self._waiting.remove(launch)
+            return True
 
     def wake(self) -> None:
         """Wake the waiters to look again (a fault, a reset: they may be abandoned)."""
