@@ -251,3 +251,19 @@ def test_a_kernel_waiting_for_sms_ends_with_its_devices_context() -> None:
         time.sleep(0.005)
     assert time.monotonic() - t0 < 0.03  # at once (woken), not at its next wave
     assert ran == []  # and it computed nothing on the new context
+
+
+@pytest.mark.sim_only
+@pytest.mark.anyio
+async def test_a_runs_part_on_another_device_keeps_its_class() -> None:
+    gf.init_device_contexts(backend="sim", num_devices=2)
+    x = await gf.full(4, 1.0, np.float32).run(gf.SingleStream(device=1))
+    be = gf.lowlevel.current_backend_object()
+    with gf.testing.record_activity() as record:
+        with gf.latency_class(priority=3):
+            out = await gf.to_host(x)  # a run of device 0, its copy on device 1
+    np.testing.assert_array_equal(out, np.ones(4, np.float32))
+    (copy,) = [a for a in record if a.what.startswith("copy from")]
+    assert copy.device == 1
+    level = {be.activity_stream_id(s.raw) for s in CURRENT.runtime.streams(1, 3)}  # type: ignore[union-attr]
+    assert copy.stream in level, "the copy on device 1 left its class"

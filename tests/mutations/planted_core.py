@@ -812,4 +812,12 @@ MUTATIONS = [
         "        if False:\n",
         ("tests/core/test_latency_classes.py",),
     ),
+    Mutation(
+        "L19",
+        "a run's part on another device (a copy, a collective's rank) leaves its latency class",
+        "_core/_policy.py",
+        "    cls = current_class_var.get()\n    if cls is None:\n        return DEFAULT_POLICY",
+        "    cls = current_class_var.get()\n    if True:\n        return DEFAULT_POLICY",
+        ("tests/core/test_latency_classes.py::test_a_runs_part_on_another_device_keeps_its_class",),
+    ),
 ]

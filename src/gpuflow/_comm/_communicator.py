@@ -51,7 +51,6 @@ import numpy as np
 
 from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall
 from .._core import (
-    DEFAULT_POLICY,
     DeviceOperation,
     Point,
     Run,
@@ -61,6 +60,7 @@ from .._core import (
     ensure_runtime,
     hazard_lock,
     order_after,
+    stream_elsewhere,
 )
 from .._errors import CommunicatorError, UsageError, UsageTypeError
 from .._memory import DeviceArray, allocate, as_dtype, as_shape, resolve_array
@@ -822,7 +822,7 @@ class _Collective(DeviceOperation[Any]):
             dev = comm.devices[i]
             if dev == ctx.device:
                 stream = ctx.stream
-            else:  # another device's part: on a stream the default policy gives
+            else:  # another device's part: on a stream the default policy gives, in the class
                 stream = _part_stream(comm, i, dev)
             if o is None and what == "recv":
                 assert self._like is not None
@@ -914,7 +914,7 @@ def _part_stream(comm: Communicator, i: int, dev: int) -> Stream:
     the default policy gives a collective its stream (its rank's previous
     collective's, where that is idle)."""
     tail = comm._tails.get(i)
-    return DEFAULT_POLICY.next_stream(dev, None if tail is None else tail[0])
+    return stream_elsewhere(dev, None if tail is None else tail[0])
 
 
 class _Group(DeviceOperation[tuple[Any, ...]]):

@@ -50,6 +50,7 @@ from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
 from ._policy import StreamPoolRoundRobin as StreamPoolRoundRobin
 from ._policy import current_latency_class as current_latency_class
 from ._policy import latency_class as latency_class
+from ._policy import stream_elsewhere as stream_elsewhere
 from ._run import Run as Run
 from ._run import ended_by as ended_by
 from ._run import enter_scope as enter_scope
@@ -127,6 +128,7 @@ __all__ = [
     "order_after",
     "post",
     "latency_class",
+    "stream_elsewhere",
     "refuse_blocking",
     "reset_device",
     "resolve",

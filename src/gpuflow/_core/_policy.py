@@ -344,6 +344,10 @@ current_class_var: ContextVar[LatencyClass | None] = ContextVar(
     "gpuflow_latency_class", default=None
 )
 
+#: The busy-poll budget in seconds of that class (None: the runtime's), as
+#: each run started takes it
+current_poll_var: ContextVar[float | None] = ContextVar("gpuflow_poll_s", default=None)
+
 
 class AtLevel:
     """``policy`` (the default policy) at one level: what a run's ``zip``
@@ -364,7 +368,14 @@ class AtLevel:
         return f"{self._policy!r} at priority {self._priority}{sms}"
 
 
-_UNSET: Any = object()
+class _Enclosing:
+    """What a :func:`latency_class` argument left out is: the enclosing class's."""
+
+    def __repr__(self) -> str:
+        return "<the enclosing class's>"
+
+
+_UNSET: Any = _Enclosing()
 
 
 @contextmanager
@@ -412,6 +423,9 @@ def latency_class(
     busy_poll_us
         0 or more microseconds, or None (the runtime's budget).
 
+    Each one left out is the enclosing class's: outside any, priority 0,
+    no reserved SMs and the runtime's budget.
+
     Returns
     -------
     contextlib.AbstractContextManager[LatencyClass]
@@ -448,9 +462,17 @@ def latency_class(
         current_class_var.reset(token)
 
 
-#: The busy-poll budget in seconds of the class of the runs the current task
-#: starts (None: the runtime's)
-current_poll_var: ContextVar[float | None] = ContextVar("gpuflow_poll_s", default=None)
+def stream_elsewhere(device: int, prefer: Stream | None = None) -> Stream:
+    """A stream of ``device`` for a part of a run on another device (a copy
+    from an array there, a collective's rank there): the default policy's,
+    at the level of the current latency class (an idle one where it can),
+    so that the part queues behind no unrelated work there and keeps its
+    class (the run's own policy may be bound to its device, or to a stream
+    lease of it).  ``prefer``: a stream to look at first."""
+    cls = current_class_var.get()
+    if cls is None:
+        return DEFAULT_POLICY.next_stream(device, prefer)
+    return DEFAULT_POLICY.next_stream(device, prefer, cls.priority, cls.sms)
 
 
 def current_latency_class() -> LatencyClass:

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, cast
 
 import numpy as np
 
-from .._core import DEFAULT_POLICY, Allocation, DeviceOperation, PendingHost, hazard_lock
+from .._core import (
+    Allocation,
+    DeviceOperation,
+    PendingHost,
+    hazard_lock,
+    stream_elsewhere,
+)
 from .._errors import UsageError, UsageTypeError
 from . import _export
 
@@ -529,7 +535,7 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
         out = np.empty(a.shape, a.dtype)
         if a.nbytes:
             # the copy runs on the array's device; a run on another device joins it
-            stream = ctx.stream if a.device == ctx.device else _stream_on(a.device)
+            stream = ctx.stream if a.device == ctx.device else stream_elsewhere(a.device)
             with hazard_lock:
                 a.allocation.before_read(stream, ctx.run)
                 ctx.backend.copy_to_host(out, a.allocation.buffer, stream.raw)
@@ -545,14 +551,6 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
 
     def kind(self) -> str:
         return "copy"
-
-
-def _stream_on(device: int) -> Stream:
-    """A stream of ``device`` for a part of a run on another device: the
-    default policy's (an idle one where it can), so that the part queues
-    behind no unrelated work there (the run's own policy may be bound to
-    its device, or to a stream lease of it)."""
-    return DEFAULT_POLICY.next_stream(device)
 
 
 def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np.ndarray[Any, Any]]:
@@ -606,7 +604,7 @@ class _Copy(DeviceOperation[DeviceArray]):
         nbytes = self._known
         if out is None:
             dev = ctx.device if self._device is None else ctx.runtime.check_device(self._device)
-            stream = ctx.stream if dev == ctx.device else _stream_on(dev)
+            stream = ctx.stream if dev == ctx.device else stream_elsewhere(dev)
             dst = allocate(ctx, src.shape, src.dtype, stream)
         else:
             dst = resolve_array(out, ctx, "copy() out")
@@ -621,7 +619,7 @@ class _Copy(DeviceOperation[DeviceArray]):
         # the run's stream joins it
         stream = ctx.stream
         if dst.allocation.buffer.device != stream.device:
-            stream = _stream_on(dst.device)
+            stream = stream_elsewhere(dst.device)
         with hazard_lock:
             src.allocation.before_read(stream, ctx.run)
             dst.allocation.before_write(stream, ctx.run)
