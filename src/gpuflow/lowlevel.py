@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._backends import Backend as Backend
 from ._backends import CollectiveCall as CollectiveCall
 from ._backends import PointerArg as PointerArg
+from ._backends import SimBackend
 from ._backends import cuda_probe as cuda_probe
 from ._backends import load_backend as load_backend
 from ._backends import register_backend as register_backend
@@ -23,11 +24,45 @@ from ._interop import register_stream_adapter as register_stream_adapter
 
 __all__ = [
     "Backend", "CollectiveCall", "PointerArg", "register_backend", "load_backend", "cuda_probe",
+    "new_sim_backend",
     "current_backend_object",
     "ExecutionContext", "Run", "pool_streams", "graph_exec_handle",
     "ImportedAllocation", "StreamAdapter", "register_stream_adapter",
     "current_completion_statistics", "CompletionStatistics",
 ]
+
+
+def new_sim_backend(
+    num_devices: int | None = None, *, memory_bytes: int = 2 << 30, sms: int = 132
+) -> Backend:
+    """A ``sim`` backend of the sizes given: what ``init_device_contexts(backend="sim")``
+    makes with the defaults.
+
+    ``gf.init_device_contexts(backend=gf.lowlevel.new_sim_backend(2, sms=16))``
+    simulates two devices of 16 SMs each: a small device, whose SMs a few
+    blocks fill (see :func:`gpuflow.testing.block_time`).  The runtime that
+    takes it closes it.  Any thread.
+
+    Parameters
+    ----------
+    num_devices
+        How many devices (None: 1).
+    memory_bytes
+        Each device's memory (2 GiB by default); an allocation past it is an
+        out-of-memory error, as on a GPU.
+    sms
+        Each device's SMs (132 by default, an H200's).
+
+    Returns
+    -------
+    Backend
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``sms`` is not a positive int.
+    """
+    return SimBackend(num_devices, memory_bytes=memory_bytes, sms=sms)
 
 
 def current_backend_object() -> Backend:

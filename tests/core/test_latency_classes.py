@@ -22,7 +22,6 @@ from helpers.completion import reinit
 
 import gpuflow as gf
 from gpuflow._backends import Backend
-from gpuflow._backends._sim._backend import SimBackend  # the model under test
 from gpuflow._core._runtime import CURRENT  # (to see that a refused set-up replaced nothing)
 
 #: one block's time on the small simulated device: long against a thread's
@@ -33,7 +32,7 @@ SHORT_S = 0.005
 
 
 def small_device(sms: int = 8, **kwargs: Any) -> None:
-    gf.init_device_contexts(backend=SimBackend(1, sms=sms), **kwargs)
+    gf.init_device_contexts(backend=gf.lowlevel.new_sim_backend(1, sms=sms), **kwargs)
 
 
 async def short_behind_long(long_blocks: int, **short_class: Any) -> tuple[float, float]:
@@ -188,6 +187,8 @@ def test_more_sms_than_the_device_has_is_refused_at_set_up() -> None:
 
 @pytest.mark.sim_only
 def test_a_backend_without_partitions_refuses_to_reserve_sms() -> None:
+    from gpuflow._backends._sim._backend import SimBackend  # (a variant of it)
+
     class NoPartitions(SimBackend):
         partition_sms = Backend.partition_sms  # (the interface's default)
 

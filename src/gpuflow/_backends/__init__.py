@@ -32,11 +32,12 @@ from ._records import CollectiveCall as CollectiveCall
 from ._records import PointerArg as PointerArg
 from ._records import RawBuffer as RawBuffer
 from ._records import activity_tag as activity_tag
-from ._sim import SimBackend
+from ._sim import SimBackend as SimBackend
 
 __all__ = [
     "BACKEND_ENV", "BLOCK_TIME_ATTR", "CHECK_ARCH", "COMM_DTYPES", "REDUCTIONS", "Activity",
-    "Backend", "BackendFactory", "CollectiveCall", "PointerArg", "RawBuffer", "activity_tag",
+    "Backend", "BackendFactory", "SimBackend", "CollectiveCall", "PointerArg", "RawBuffer",
+    "activity_tag",
     "backend_names", "compile_source", "cuda_probe", "load_backend", "register_backend",
 ]
 

@@ -331,7 +331,8 @@ class Bounded(np.ndarray):
 
 class SimBackend(Backend):
     """A CPU simulation of ``num_devices`` devices (default 1), each with
-    ``memory_bytes`` of memory and ``sms`` SMs (an H200's 132 by default)."""
+    ``memory_bytes`` of memory and ``sms`` SMs (an H200's 132 by default):
+    made by :func:`gpuflow.lowlevel.new_sim_backend`."""
 
     name = "sim"
 
