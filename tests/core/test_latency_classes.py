@@ -268,3 +268,29 @@ async def test_a_runs_part_on_another_device_keeps_its_class() -> None:
     assert copy.device == 1
     level = {be.activity_stream_id(s.raw) for s in CURRENT.runtime.streams(1, 3)}  # type: ignore[union-attr]
     assert copy.stream in level, "the copy on device 1 left its class"
+
+
+@pytest.mark.anyio
+async def test_a_pipeline_runs_whole_on_reserved_sms_and_on_the_sms_left() -> None:
+    be = gf.lowlevel.current_backend_object()
+    gf.init_device_contexts(
+        backend=be, num_devices=gf.device_count(), reserve_sms={"interactive": 8}
+    )
+    n = 1000
+    host = np.arange(n, dtype=np.float32)
+
+    async def pipeline() -> np.ndarray:
+        x = await gf.from_host(host)  # a copy in
+        y = await gf.full(n, 2.0, np.float32)  # a fill
+        z = await gf.arange(n, dtype=np.float32)  # a built-in kernel
+        await K.module().saxpy(K.cfg(n), 3.0, x, y, n)  # a kernel: y = 3x + 2
+        await K.module().vadd(K.cfg(n), y, z, y, n)  # y = 4x + 2, read and written
+        return await gf.to_host(gf.copy(y))  # a copy on the device, a copy out
+
+    want = 4 * host + 2
+    with gf.latency_class(priority=1, sms="interactive"):
+        np.testing.assert_array_equal(await pipeline(), want)
+    np.testing.assert_array_equal(await pipeline(), want)  # on the SMs left
+    async with gf.open_stream_lease(sms="interactive") as lease:
+        assert lease.stream.sms == "interactive"
+        lease.start_run(K.spin(4, 0.001))  # (waited for at the exit)
