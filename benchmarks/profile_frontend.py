@@ -106,7 +106,7 @@ class NullBackend(_base.Backend):
     def device_name(self, device: int) -> str:
         return "null"
 
-    def create_stream(self, device: int, priority: int = 0) -> NullStream:
+    def create_stream(self, device: int, priority: int = 0, partition: Any = None) -> NullStream:
         return NullStream(device)
 
     def destroy_stream(self, stream: Any) -> None:
@@ -219,7 +219,9 @@ class ModelBackend(NullBackend):
         super().__init__()
         self.exec_s = exec_s
 
-    def create_stream(self, device: int, priority: int = 0) -> ModelStream:
+    def create_stream(
+        self, device: int, priority: int = 0, partition: Any = None
+    ) -> ModelStream:
         return ModelStream(device)
 
     def mark(self, stream: Any, polled: bool = True) -> int:

@@ -59,7 +59,8 @@ async def short_behind_long(long_blocks: int, **short_class: Any) -> tuple[float
 @pytest.mark.sim_only
 def test_the_sim_runs_a_grid_in_waves_of_its_sms() -> None:
     small_device(8)
-    sms = gf.lowlevel.current_backend_object().device_state(0).sms
+    device: Any = gf.lowlevel.current_backend_object().device_state(0)
+    sms = device.sms  # (the simulated device's SMs)
     K.spin(1, 0.0).sync()  # (compiled and loaded before anything is timed)
     for blocks, waves in [(8, 1), (16, 2), (17, 3)]:
         t0 = time.monotonic()
@@ -112,8 +113,12 @@ async def test_a_class_takes_its_own_level_and_nests() -> None:
         gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"interactive": 8})
     seen: list[gf.Stream] = []
 
+    def see(ctx: gf.ExecutionContext) -> gf.DeviceOperation[None]:
+        seen.append(ctx.stream)
+        return gf.value(None)
+
     def probe() -> gf.DeviceOperation[None]:
-        return gf.with_context(lambda ctx: seen.append(ctx.stream) or gf.value(None))
+        return gf.with_context(see)
 
     assert gf.current_latency_class() == gf.LatencyClass(0, None, None)
     sms = "interactive" if reserve else None

@@ -172,12 +172,12 @@ assert backend.sm_count(0) == 132
 made = green_streams.value
 fast = gf.new_stream(sms="interactive", priority=2)
 assert green_streams.value == made + 1 and green_sms.value == 16 and made_with.value == -2
-before = modules.value
+loaded = modules.value
 with gf.latency_class(sms="interactive"):
     z = gf.arange(64, dtype=np.float32).sync()  # the built-in kernels, loaded there
     mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()
     mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()  # (loaded once)
-assert green_sms.value == 16 and modules.value - before == 2, modules.value - before
+assert green_sms.value == 16 and modules.value - loaded == 2, modules.value - loaded
 for reserve, words in [
     ({"interactive": 126}, "128 SMs (rounded up to multiples of 8, at least 8 a partition) and at "
      "least 8 left for the rest do not fit in the device's 132"),
