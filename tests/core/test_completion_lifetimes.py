@@ -524,6 +524,47 @@ async def test_the_loop_adapter_is_the_running_loops(
 
 
 @pytest.mark.anyio
+async def test_a_park_woken_before_its_task_yields_leaves_the_loop_sound(
+    anyio_backend_name: str, anyio_backend_options: dict[str, Any]
+) -> None:
+    """What completes a run may wake its park in the same step of the task
+    that made it, before the task yields: a completion read inline, a fault
+    while the run's mark is enqueued (a run whose task then raises and ends
+    without awaiting the park).  Woken first, the await returns at once; a
+    park woken and never awaited leaves its task free to end, and the loop
+    runs on (on Trio, a task rescheduled while it ran was queued to run
+    again after it had ended: Trio's run failed with an internal error).
+    Run in a loop of its own, so that a loop broken by it fails here."""
+
+    async def program() -> int:
+        loop = current_loop()
+        park = loop.park()
+        loop.wake(park)
+        assert park.done()
+        with anyio.fail_after(5):
+            await park  # at once: nothing would wake it again
+        ended = 0
+
+        async def woken_then_ends() -> None:
+            nonlocal ended
+            loop.wake(loop.park())
+            ended += 1
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(woken_then_ends)
+        for _ in range(5):  # turns of the loop after those tasks ended
+            await anyio.sleep(0)
+        return ended
+
+    def in_a_loop_of_its_own() -> int:
+        return anyio.run(program, backend=anyio_backend_name, backend_options=anyio_backend_options)
+
+    ended = await anyio.to_thread.run_sync(in_a_loop_of_its_own)
+    assert ended == 5
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("ended_by", ["the GPU", "a finish by hand"])
 async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
     ended_by: str, anyio_backend_name: str, anyio_backend_options: dict[str, Any]

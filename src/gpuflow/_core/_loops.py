@@ -366,35 +366,54 @@ class _Asyncio:
         return asyncio._get_running_loop() is self._loop
 
 
-class _TrioPark:
-    """A Trio task parked until :meth:`wake` (or its cancellation)."""
+#: A Trio park's states: made (its task has not yielded yet), waiting in
+#: Trio's trap, woken (or its task cancelled)
+_MADE, _WAITING, _WOKEN = "made", "waiting", "woken"
 
-    __slots__ = ("lowlevel", "parked", "task", "trap")
+
+class _TrioPark:
+    """A Trio task parked until :meth:`wake` (or its cancellation).
+
+    A park is made before its task yields to Trio, and whatever completes
+    the run may wake it in between, in the same step of the same task (a
+    completion read inline, a fault while enqueueing the run's mark).  Trio
+    must be asked to reschedule a task only while it waits in the park's
+    trap: a task rescheduled while it runs is queued to run again after it
+    may have ended, and Trio's run then fails with an internal error.  So a
+    wake-up before the await only marks the park woken, and the await then
+    returns at once, as an asyncio future's does once it has a result."""
+
+    __slots__ = ("lowlevel", "state", "task", "trap")
 
     def __init__(self, lowlevel: Any, trap: Callable[[Any], object] | None) -> None:
         self.lowlevel = lowlevel
         self.task = lowlevel.current_task()
-        self.parked = True
+        self.state = _MADE
         self.trap = trap
 
     def wake(self) -> None:  # in Trio's thread, through run_sync_soon
-        if self.parked:
-            self.parked = False
-            self.lowlevel.reschedule(self.task)
+        state = self.state
+        if state is not _WOKEN:
+            self.state = _WOKEN
+            if state is _WAITING:
+                self.lowlevel.reschedule(self.task)
 
     # (what a woken park and an asyncio future have in common: whoever
     # completes a run in the loop's thread wakes either the same way)
     def done(self) -> bool:
-        return not self.parked
+        return self.state is _WOKEN
 
     def set_result(self, _value: None) -> None:
         self.wake()
 
     def _abort(self, _raise_cancel: Any) -> Any:
-        self.parked = False  # cancelled: a later wake-up must not reschedule
+        self.state = _WOKEN  # cancelled: a later wake-up must not reschedule
         return self.lowlevel.Abort.SUCCEEDED
 
     def __await__(self) -> Generator[Any, Any, None]:
+        if self.state is _WOKEN:  # woken before its task yielded
+            return
+        self.state = _WAITING
         trap = self.trap
         if trap is None:
             yield from self.lowlevel.wait_task_rescheduled(self._abort).__await__()
