@@ -670,7 +670,7 @@ MUTATIONS = [
         "N8",
         "a Trio await cancelled in flight is rescheduled when its run completes",
         "_core/_loops.py",
-        "        self.parked = False  # cancelled: a later wake-up must not reschedule\n",
+        "        self.state = _WOKEN  # cancelled: a later wake-up must not reschedule\n",
         "        pass\n",
         ("tests/core/test_cancellation.py::test_an_await_cancelled_in_flight_is_not_woken_when_its_run_completes",),
     ),
@@ -819,5 +819,12 @@ MUTATIONS = [
         "    cls = current_class_var.get()\n    if cls is None:\n        return DEFAULT_POLICY",
         "    cls = current_class_var.get()\n    if True:\n        return DEFAULT_POLICY",
         ("tests/core/test_latency_classes.py::test_a_runs_part_on_another_device_keeps_its_class",),
+    ),    Mutation(
+        "L20",
+        "a Trio park woken before its task yields reschedules the task while it runs",
+        "_core/_loops.py",
+        "            if state is _WAITING:\n",
+        "            if True:\n",
+        ("tests/core/test_completion_lifetimes.py::test_a_park_woken_before_its_task_yields_leaves_the_loop_sound",),
     ),
 ]
