@@ -826,5 +826,20 @@ MUTATIONS = [
         "            if state is _WAITING:\n",
         "            if True:\n",
         ("tests/core/test_completion_lifetimes.py::test_a_park_woken_before_its_task_yields_leaves_the_loop_sound",),
+    ),    Mutation(
+        "L21",
+        "reserving a second partition of SMs splits the first split's output (the driver refuses)",
+        "_backends/_cuda/_green.py",
+        "            if i:\n",
+        "            if False:\n",
+        ("tests/backends/test_cuda_stand_in.py",),
+    ),
+    Mutation(
+        "L22",
+        "green contexts made before one the driver cannot make are left behind",
+        "_backends/_cuda/_green.py",
+        "        _destroy(cu, dev, made)  # (nothing made is left behind)\n",
+        "        pass\n",
+        ("tests/backends/test_cuda_stand_in.py",),
     ),
 ]

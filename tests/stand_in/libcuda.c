@@ -51,19 +51,27 @@ static int n_desc = 0;
 CUresult cuDeviceGetDevResource(int d, Resource *r, int type) {
     memset(r, 0, sizeof *r); r->type = 1;
     r->u.sm[0] = 132; r->u.sm[1] = 8; r->u.sm[2] = 8; return 0; }
+/* as the driver's, a split's outputs (marked in pad[0]) cannot be split
+ * again: only a green context's resources (cuGreenCtxGetDevResource) can */
 CUresult cuDevSmResourceSplitByCount(Resource *result, unsigned *nb, const Resource *in,
                                      Resource *left, unsigned flags, unsigned min) {
     unsigned n = (min + 7) / 8 * 8;
-    if (n > in->u.sm[0]) return 914;  /* CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION */
-    *left = *in; left->u.sm[0] = in->u.sm[0] - n;
-    if (result) { result[0] = *in; result[0].u.sm[0] = n; }
+    if (in->pad[0] || n > in->u.sm[0]) return 915;  /* CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION */
+    *left = *in; left->u.sm[0] = in->u.sm[0] - n; left->pad[0] = 1;
+    if (result) { result[0] = *in; result[0].u.sm[0] = n; result[0].pad[0] = 1; }
     *nb = 1; return 0; }
 CUresult cuDevResourceGenerateDesc(void **desc, Resource *res, unsigned n) {
     if (n_desc == 64) return 2;
     desc_sms[n_desc] = res[0].u.sm[0];
     *desc = (void *)(uintptr_t)(0x7000 + 16 * n_desc++); return 0; }
+int standin_green_fail_after = -1;  /* >= 0: that many more succeed, then one fails */
 CUresult cuGreenCtxCreate(void **g, void *desc, int d, unsigned flags) {
+    if (standin_green_fail_after == 0) { standin_green_fail_after = -1; return 2; }
+    if (standin_green_fail_after > 0) standin_green_fail_after--;
     standin_green_contexts++; *g = (void *)((uintptr_t)desc + 0x1000); return 0; }
+CUresult cuGreenCtxGetDevResource(void *g, Resource *r, int type) {
+    cuDeviceGetDevResource(0, r, type);
+    r->u.sm[0] = desc_sms[((uintptr_t)g - 0x8000) / 16]; return 0; }
 CUresult cuCtxFromGreenCtx(void **ctx, void *g) { *ctx = (void *)((uintptr_t)g + 0x1000); return 0; }
 CUresult cuGreenCtxStreamCreate(void **s, void *g, unsigned f, int p) {
     standin_green_streams++; standin_priority = p;
@@ -124,7 +132,7 @@ CUresult cuStreamIsCapturing(void *s, int *status) { *status = 0; return 0; }
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, u64 flags, int *status) {
     ROUTE(cuDeviceGetDevResource) ROUTE(cuDevSmResourceSplitByCount)
     ROUTE(cuDevResourceGenerateDesc) ROUTE(cuGreenCtxCreate) ROUTE(cuCtxFromGreenCtx)
-    ROUTE(cuGreenCtxStreamCreate) ROUTE(cuGreenCtxDestroy) ROUTE(cuCtxPushCurrent)
+    ROUTE(cuGreenCtxStreamCreate) ROUTE(cuGreenCtxDestroy) ROUTE(cuGreenCtxGetDevResource) ROUTE(cuCtxPushCurrent)
     ROUTE(cuCtxPopCurrent)
     ROUTE(cuInit) ROUTE(cuDriverGetVersion) ROUTE(cuDeviceGetCount) ROUTE(cuDeviceGet)
     ROUTE(cuDeviceGetName) ROUTE(cuDeviceGetAttribute) ROUTE(cuDeviceTotalMem)

@@ -178,6 +178,13 @@ with gf.latency_class(sms="interactive"):
     mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()
     mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()  # (loaded once)
 assert green_sms.value == 16 and modules.value - loaded == 2, modules.value - loaded
+# two partitions: the second split off a green context of what the first
+# left (the driver splits no split's output), that context destroyed after
+gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 12, "bulk": 8})
+assert green.value == 3 and green_sms.value == 108, (green.value, green_sms.value)
+for name, sms in [("bulk", 8), ("interactive", 16)]:
+    gf.new_stream(sms=name)
+    assert green_sms.value == sms, (name, green_sms.value)
 for reserve, words in [
     ({"interactive": 126}, "128 SMs (rounded up to multiples of 8, at least 8 a partition) and at "
      "least 8 left for the rest do not fit in the device's 132"),
@@ -194,6 +201,16 @@ try:
 except gf.UsageError as exc:
     assert "need a driver of CUDA 12.4 or later" in str(exc) and "CUDA 12.3" in str(exc), exc
 ctypes.c_int.in_dll(standin, "standin_driver_version").value = 13000
+# a green context the driver cannot make: those made before it are destroyed
+gf.init_device_contexts(backend="cuda")
+assert green.value == 0, green.value
+ctypes.c_int.in_dll(standin, "standin_green_fail_after").value = 2
+try:
+    gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 12, "bulk": 8})
+    raise AssertionError("a green context that failed was taken")
+except gf.DeviceError as exc:
+    assert "cuGreenCtxCreate" in str(exc), exc
+assert green.value == 0, green.value
 gf.init_device_contexts(backend="cuda")
 assert green.value == 0, green.value  # destroyed with the backend that made them
 testing.assert_quiescent(timeout=5.0)

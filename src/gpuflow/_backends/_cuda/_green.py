@@ -98,26 +98,45 @@ def partition_sms(cu: Any, call: Call, dev: Dev, sizes: Sequence[int]) -> list[C
             f"{align}, at least {least} a partition) and at least {least} left for the rest "
             f"do not fit in the device's {total}"
         )
-    resources = []
-    left = whole
-    for n in rounded:
-        got, _count, left = call(
-            dev, "cuDevSmResourceSplitByCount", cu.cuDevSmResourceSplitByCount, 1, left, 0, n
-        )
-        resources.append(got[0])
-    resources.append(left)
-    parts = []
-    for resource, asked in zip(resources, [*sizes, 0], strict=True):
-        (desc,) = call(
-            dev, "cuDevResourceGenerateDesc", cu.cuDevResourceGenerateDesc, [resource], 1
-        )
-        (green,) = call(
-            dev, "cuGreenCtxCreate", cu.cuGreenCtxCreate, desc, dev.cudev,
-            cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM,
-        )  # fmt: skip
-        (ctx,) = call(dev, "cuCtxFromGreenCtx", cu.cuCtxFromGreenCtx, green)
-        parts.append(CudaPartition(dev, green, ctx, int(resource.sm.smCount), asked))
+    # the driver splits no split's output: what is left after a split is
+    # split again from a green context made of it, one destroyed once every
+    # partition has its own
+    made: list[Any] = []  # green contexts: the partitions', then those only to split
+    try:
+        resources = []
+        left = whole
+        for i, n in enumerate(rounded):
+            source = whole
+            if i:
+                green = _green_context(cu, call, dev, left, made)
+                (source,) = call(dev, "cuGreenCtxGetDevResource", cu.cuGreenCtxGetDevResource,
+                                 green, sm_type)  # fmt: skip
+            got, _count, left = call(dev, "cuDevSmResourceSplitByCount",
+                                     cu.cuDevSmResourceSplitByCount, 1, source, 0, n)  # fmt: skip
+            resources.append(got[0])
+        resources.append(left)
+        only_to_split = len(made)
+        parts = []
+        for resource, asked in zip(resources, [*sizes, 0], strict=True):
+            green = _green_context(cu, call, dev, resource, made)
+            (ctx,) = call(dev, "cuCtxFromGreenCtx", cu.cuCtxFromGreenCtx, green)
+            parts.append(CudaPartition(dev, green, ctx, int(resource.sm.smCount), asked))
+    except BaseException:
+        _destroy(cu, dev, made)  # (nothing made is left behind)
+        raise
+    _destroy(cu, dev, made[:only_to_split])
     return parts
+
+
+def _green_context(cu: Any, call: Call, dev: Dev, resource: Any, made: list[Any]) -> Any:
+    """A green context of ``resource``'s SMs, kept in ``made``."""
+    (desc,) = call(dev, "cuDevResourceGenerateDesc", cu.cuDevResourceGenerateDesc, [resource], 1)
+    (green,) = call(
+        dev, "cuGreenCtxCreate", cu.cuGreenCtxCreate, desc, dev.cudev,
+        cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM,
+    )  # fmt: skip
+    made.append(green)
+    return green
 
 
 def create_stream(cu: Any, call: Call, part: CudaPartition, cuda_priority: int) -> Any:
@@ -156,7 +175,15 @@ def destroy(cu: Any, parts: Sequence[CudaPartition]) -> None:
     """Destroy the green contexts (their streams are gone already); a
     failure is a warning, as any release's."""
     for part in parts:
+        _destroy(cu, part.dev, [part.green])
+
+
+def _destroy(cu: Any, dev: Dev, greens: Sequence[Any]) -> None:
+    for green in greens:
         try:
-            check(cu.cuGreenCtxDestroy(part.green), "cuGreenCtxDestroy", part.dev)
+            check(cu.cuGreenCtxDestroy(green), "cuGreenCtxDestroy", dev)
         except Exception as exc:
-            warnings.warn(f"gpuflow: destroying {part!r} failed: {exc!r}", stacklevel=2)
+            warnings.warn(
+                f"gpuflow: destroying a green context on cuda device {dev.index} failed: "
+                f"{exc!r}", stacklevel=3,
+            )  # fmt: skip
