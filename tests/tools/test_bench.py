@@ -147,6 +147,31 @@ def test_bench_lease_exit_is_never_negative_and_rows_keep_their_loops(
         assert not any(lib in r["target"] for lib in others), r
 
 
+def test_the_class_and_overlap_rows_stand_beside_their_own_baselines(
+    device_backend: str, tmp_path: Path
+) -> None:
+    """Each class row is measured against the no-class row of the same run
+    (and that one against an idle device), p50 and p99, the reserved-SM
+    rows too (sim and a driver of CUDA 12.4 or later reserve SMs); the
+    overlap row runs on every loop.  What the rows measure is the bench's to say, not asserted
+    here."""
+    assert bench_main(["--backend", device_backend, "--quick", "--only", "classes",
+                       "--only", "overlap", "--json", str(tmp_path / "rows.json")]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    top = gf.lowlevel.current_backend_object().stream_priorities(0)
+    for q in ("p50", "p99"):
+        plain = rows[f"short {q}, no class, every SM busy"]
+        assert plain["base_name"] == f"short {q}, idle device" and plain["base"] > 0
+        classes = [f"short {q}, priority {top}", f"short {q}, 8 reserved SMs"]
+        for name in classes:
+            assert rows[name]["base"] == plain["value"], rows[name]
+            assert rows[name]["base_name"] == f"short {q}, no class" and rows[name]["value"] > 0
+    loops = ["asyncio"] + [m for m in ("uvloop", "trio") if find_spec(m)]
+    overlap = [r for r in rows.values() if r["name"].startswith("run started first")]
+    assert [r["loop"] for r in overlap] == loops
+    assert all(r["base_name"] == "awaited, then host work" for r in overlap)
+
+
 @pytest.mark.sim_only  # no backend involved
 @pytest.mark.usefixtures("fresh_rows")
 def test_a_row_refuses_a_target_set_for_another_loop(capsys: pytest.CaptureFixture[str]) -> None:
