@@ -819,14 +819,16 @@ MUTATIONS = [
         "    cls = current_class_var.get()\n    if cls is None:\n        return DEFAULT_POLICY",
         "    cls = current_class_var.get()\n    if True:\n        return DEFAULT_POLICY",
         ("tests/core/test_latency_classes.py::test_a_runs_part_on_another_device_keeps_its_class",),
-    ),    Mutation(
+    ),
+    Mutation(
         "L20",
         "a Trio park woken before its task yields reschedules the task while it runs",
         "_core/_loops.py",
         "            if state is _WAITING:\n",
         "            if True:\n",
         ("tests/core/test_completion_lifetimes.py::test_a_park_woken_before_its_task_yields_leaves_the_loop_sound",),
-    ),    Mutation(
+    ),
+    Mutation(
         "L21",
         "reserving a second partition of SMs splits the first split's output (the driver refuses)",
         "_backends/_cuda/_green.py",
@@ -838,7 +840,7 @@ MUTATIONS = [
         "L22",
         "green contexts made before one the driver cannot make are left behind",
         "_backends/_cuda/_green.py",
-        "        _destroy(cu, dev, made)  # (nothing made is left behind)\n",
+        "        _destroy(cu, dev, greens)  # (nothing made is left behind)\n",
         "        pass\n",
         ("tests/backends/test_cuda_stand_in.py",),
     ),

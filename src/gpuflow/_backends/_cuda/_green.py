@@ -99,32 +99,32 @@ def partition_sms(cu: Any, call: Call, dev: Dev, sizes: Sequence[int]) -> list[C
             f"do not fit in the device's {total}"
         )
     # the driver splits no split's output: what is left after a split is
-    # split again from a green context made of it, one destroyed once every
+    # split again from a green context made of it, destroyed once every
     # partition has its own
-    made: list[Any] = []  # green contexts: the partitions', then those only to split
+    splitters: list[Any] = []  # green contexts made only to split what is left
+    greens: list[Any] = []  # the partitions'
     try:
         resources = []
-        left = whole
+        source = left = whole
         for i, n in enumerate(rounded):
-            source = whole
             if i:
-                green = _green_context(cu, call, dev, left, made)
+                green = _green_context(cu, call, dev, left, splitters)
                 (source,) = call(dev, "cuGreenCtxGetDevResource", cu.cuGreenCtxGetDevResource,
                                  green, sm_type)  # fmt: skip
             got, _count, left = call(dev, "cuDevSmResourceSplitByCount",
                                      cu.cuDevSmResourceSplitByCount, 1, source, 0, n)  # fmt: skip
             resources.append(got[0])
         resources.append(left)
-        only_to_split = len(made)
         parts = []
         for resource, asked in zip(resources, [*sizes, 0], strict=True):
-            green = _green_context(cu, call, dev, resource, made)
+            green = _green_context(cu, call, dev, resource, greens)
             (ctx,) = call(dev, "cuCtxFromGreenCtx", cu.cuCtxFromGreenCtx, green)
             parts.append(CudaPartition(dev, green, ctx, int(resource.sm.smCount), asked))
     except BaseException:
-        _destroy(cu, dev, made)  # (nothing made is left behind)
+        _destroy(cu, dev, greens)  # (nothing made is left behind)
         raise
-    _destroy(cu, dev, made[:only_to_split])
+    finally:
+        _destroy(cu, dev, splitters)
     return parts
 
 
