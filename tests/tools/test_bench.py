@@ -18,7 +18,7 @@ from helpers.child import run_child
 
 import gpuflow as gf
 from gpuflow.__main__ import main as gpuflow_main
-from gpuflow._tools import _bench_rows
+from gpuflow._tools import _bench, _bench_rows
 from gpuflow._tools._bench import main as bench_main
 from gpuflow._tools._demo import main as demo_main
 from gpuflow._tools._demo import run_fan_out
@@ -223,6 +223,64 @@ def test_a_row_with_an_aim_says_whether_it_met_it(capsys: pytest.CaptureFixture[
         row("poller turn", 1.0, "us", target="<= 2 ms")
 
 
+@pytest.mark.sim_only  # no backend involved
+@pytest.mark.usefixtures("fresh_rows")
+def test_a_gpus_aim_is_not_judged_on_sim(capsys: pytest.CaptureFixture[str]) -> None:
+    row = _bench_rows.row
+    try:
+        _bench_rows.measured_on("sim")
+        row("device group speed-up (2 devices)", 1.1, "x", target=">= 1.9x", gpu_aim=True)
+        # no baseline on sim: the aim is read, and not judged
+        row("fault -> DeviceFaultError", 1.0, "ms", target="<= driver's first report + 20 ms",
+            gpu_aim=True)
+        row("graph replay awaited", 5.0, "us", "sync after every kernel", 100.0, "<= 0.1x")
+        # a target that cannot be read is the bench's bug wherever it runs
+        with pytest.raises(ValueError, match="cannot read the aim 'well inside"):
+            row("latency, 99th percentile", 1.0, "ms", "a deadline", 200.0,
+                "well inside (<= 0.5x)", gpu_aim=True)
+        assert [r["verdict"] for r in _bench_rows.ROWS] == ["not judged", "not judged", "met"]
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].endswith(">= 1.9x: not judged on sim (a GPU's aim)")
+        assert _bench_rows.summary() == (
+            "3 row(s) with an aim: 1 met, 0 missed, 2 not judged on sim (a GPU's aim)"
+        )
+        _bench_rows.measured_on("cuda")  # the same rows on a GPU are judged
+        row("device group speed-up (2 devices)", 1.1, "x", target=">= 1.9x", gpu_aim=True)
+        assert _bench_rows.ROWS[-1]["verdict"] == "missed"
+    finally:
+        _bench_rows.measured_on("cuda")
+
+
+def test_every_name_only_takes_runs_a_bench() -> None:
+    assert list(_bench._RUNS) == list(_bench.BENCHES)
+
+
+@pytest.mark.sim_only  # each row as the plain command runs it on sim
+@pytest.mark.usefixtures("fresh_rows")
+@pytest.mark.parametrize("name", list(_bench.BENCHES))
+def test_every_row_runs_on_sim(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``python -m gpuflow bench`` runs with no ``--only``, row by row
+    (two simulated devices, so that the two-device row runs too): each
+    finishes, each row with an aim says met, missed or not judged, and no
+    row whose aim is a GPU's says it missed on sim."""
+    path = tmp_path / "rows.json"
+    assert bench_main(["--backend", "sim", "--quick", "--devices", "2", "--only", name,
+                       "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["rows"]
+    if name in ("hold", "torch", "nccl"):  # the GPU's rows alone: it says why none ran
+        assert rows == [] and "needs a CUDA device" in out, out
+    else:
+        assert rows, out
+    for r in rows:
+        assert r["verdict"] in (None, "met", "missed", "not judged"), r
+        assert not (r["gpu_aim"] and r["verdict"] == "missed"), r
+    assert out.splitlines()[-1].startswith(f"{len(rows) - sum(r['verdict'] is None for r in rows)} "
+                                           "row(s) with an aim: ")
+
+
 @pytest.mark.sim_only  # the simulation's devices, as many as asked for
 @pytest.mark.usefixtures("fresh_rows")
 def test_devices_lets_the_two_device_row_run_on_sim(
@@ -235,8 +293,9 @@ def test_devices_lets_the_two_device_row_run_on_sim(
     assert "sim device 0, sim device 1" in out.splitlines()[0] or ", " in out.splitlines()[0]
     rows = json.loads(path.read_text())["rows"]
     assert [r["name"] for r in rows] == ["device group speed-up (2 devices)"]
-    assert rows[0]["verdict"] in ("met", "missed")
-    assert out.splitlines()[-1].startswith("1 row(s) with an aim: ")
+    assert rows[0]["verdict"] == "not judged"  # (a GPU's aim: sim's devices share its cores)
+    assert out.splitlines()[-1] == (
+        "1 row(s) with an aim: 0 met, 0 missed, 1 not judged on sim (a GPU's aim)")
     with pytest.raises(SystemExit):
         bench_main(["--devices", "0"])
     assert "a positive number of devices, not '0'" in capsys.readouterr().err

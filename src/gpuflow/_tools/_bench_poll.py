@@ -125,7 +125,7 @@ def mlp_forward() -> Callable[[], Any]:
 def bench_torch_requests(quick: bool, cuda: bool) -> None:
     """A PyTorch service: a 4-layer bf16 MLP forward per request, awaited."""
     if not cuda or importlib.util.find_spec("torch") is None:
-        print("PyTorch requests: needs PyTorch and a CUDA device")
+        print("PyTorch requests: needs a CUDA device and PyTorch")
         return
     import torch
 
@@ -249,4 +249,4 @@ def bench_in_flight(mod: gf.Module, quick: bool, cuda: bool) -> None:
         "8 in flight", statistics.median(walls8) * 1e3, "<= 1.0x")
     took.sort()
     row("a request's latency at 32 in flight, 99th percentile", took[len(took) * 99 // 100] * 1e3,
-        "ms", "a 200 ms deadline", 200.0, "well inside (<= 0.5x)")
+        "ms", "a 200 ms deadline", 200.0, "<= 0.5x (well inside)")

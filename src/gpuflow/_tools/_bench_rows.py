@@ -34,21 +34,54 @@ _AIM = re.compile(
 )
 
 
-def verdict(target: str, value: float, unit: str, base: float | None) -> str | None:
-    """``"met"`` or ``"missed"`` for a row with an aim (every condition of
-    ``target``, comma-separated, holds), None for a row without one (no
-    condition, or a target in parentheses: a note on a row with no aim).
+#: The verdict of a row whose aim is a GPU's, measured on another backend.
+NOT_JUDGED = "not judged"
 
-    A condition that the row's figures cannot decide (a ratio with no
-    baseline, another unit than the row's) is a bug of the bench, refused."""
+#: The backend the rows are measured on (:func:`measured_on`): an aim set for
+#: a GPU (``row(..., gpu_aim=True)``) is judged on ``cuda`` only.
+_backend = "cuda"
+
+
+def measured_on(backend: str) -> None:
+    """Say which backend the rows that follow are measured on."""
+    global _backend
+    _backend = backend
+
+
+def _clauses(target: str) -> list[re.Match[str]] | None:
+    """The conditions of ``target``, read (None for a row without an aim);
+    a condition that cannot be read is a bug of the bench, refused."""
     text = target.strip()
     if not text or text.startswith("("):
         return None
-    met = True
+    read = []
     for clause in re.split(r",\s*(?=[<>]=)", text):
         m = _AIM.match(clause.strip())
         if m is None:
             raise ValueError(f"bench target {target!r}: cannot read the aim {clause!r}")
+        read.append(m)
+    return read
+
+
+def verdict(
+    target: str, value: float, unit: str, base: float | None, judged: bool = True
+) -> str | None:
+    """``"met"`` or ``"missed"`` for a row with an aim (every condition of
+    ``target``, comma-separated, holds), None for a row without one (no
+    condition, or a target in parentheses: a note on a row with no aim).
+    A row whose aim is not ``judged`` where it ran (a GPU's aim, on sim)
+    gets :data:`NOT_JUDGED`; its target is still read.
+
+    A condition that cannot be read, or that the row's figures cannot decide
+    (a ratio with no baseline, another unit than the row's), is a bug of the
+    bench, refused."""
+    clauses = _clauses(target)
+    if clauses is None:
+        return None
+    if not judged:
+        return NOT_JUDGED
+    met = True
+    for m in clauses:
         number = float(m["number"].replace(",", ""))
         aim_unit = m["unit"]
         if m["base"]:  # "<= the baseline + N unit"
@@ -68,8 +101,12 @@ def verdict(target: str, value: float, unit: str, base: float | None) -> str | N
 
 
 def row(name: str, value: float, unit: str, base_name: str = "", base: float | None = None,
-        target: str = "", lower_is_better: bool = True) -> None:
+        target: str = "", lower_is_better: bool = True, gpu_aim: bool = False) -> None:
     """Print and keep one row, and say whether it met its aim (:func:`verdict`).
+
+    ``gpu_aim``: the aim is a GPU's (what a device does, not what gpuflow's
+    Python does), judged on ``cuda`` only; elsewhere the row says so
+    (:data:`NOT_JUDGED`) rather than met or missed.
 
     A row measured under one event loop names it (``"... (uvloop)"``), and
     a target set for one loop names that loop (``">= 70,000 (asyncio)"``):
@@ -86,22 +123,29 @@ def row(name: str, value: float, unit: str, base_name: str = "", base: float | N
             f"not for the loop it was measured under ({loop or 'none named'})"
         )
     ratio = None if base is None or base == 0 else value / base
-    met = verdict(target, value, unit, base)
+    met = verdict(target, value, unit, base, judged=not gpu_aim or _backend == "cuda")
     ROWS.append(dict(name=name, value=value, unit=unit, base_name=base_name, base=base,
-                     ratio=ratio, target=target, loop=loop, verdict=met))
+                     ratio=ratio, target=target, loop=loop, verdict=met, gpu_aim=gpu_aim))
     digits = 3 if unit == "ms" else 1
     b = "" if base is None else f"{base:10.{digits}f} {unit} ({base_name})"
     r = "" if ratio is None else f"{ratio:6.2f}x"
     said = "" if met is None else f": {met}"
+    if met == NOT_JUDGED:
+        said += f" on {_backend} (a GPU's aim)"
     print(f"  {name:<46}{value:10.{digits}f} {unit:<6} {b:<44} {r:>8}  {target}{said}",
           flush=True)
 
 
 def summary() -> str:
-    """The rows with an aim: how many met it, and the names of those that missed."""
+    """The rows with an aim: how many met it, how many were not judged where
+    they ran, and the names of those that missed."""
     aimed = [r for r in ROWS if r["verdict"] is not None]
     missed = [r["name"] for r in aimed if r["verdict"] == "missed"]
-    text = f"{len(aimed)} row(s) with an aim: {len(aimed) - len(missed)} met, {len(missed)} missed"
+    unjudged = sum(r["verdict"] == NOT_JUDGED for r in aimed)
+    met = len(aimed) - len(missed) - unjudged
+    text = f"{len(aimed)} row(s) with an aim: {met} met, {len(missed)} missed"
+    if unjudged:
+        text += f", {unjudged} not judged on {_backend} (a GPU's aim)"
     return text + (": " + "; ".join(missed) if missed else "")
 
 
