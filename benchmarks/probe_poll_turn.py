@@ -46,12 +46,12 @@ def main() -> None:
                     tg.start_soon(spin.run, policy)
                 else:
                     spin.enqueue_on(s)
-            while not all(s.lane is not None and s.lane.runs for s in streams):
+            while not all(s._lane is not None and s._lane.runs for s in streams):
                 await anyio.sleep(0.001)  # (the awaits submitted)
             poller = Poller(ensure_runtime().completer, current_loop())
             for s in streams:
-                assert s.lane is not None
-                poller.lanes[s.lane] = None
+                assert s._lane is not None
+                poller.lanes[s._lane] = None
             poller.busy.deadline = time.monotonic() + 60  # (it polls as long as it is called)
             t0 = time.perf_counter()
             for _ in range(n):

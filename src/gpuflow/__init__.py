@@ -11,12 +11,13 @@ copies.
 The API by topic (help(gpuflow.NAME) tells more of each):
 
   operations     DeviceOperation, SharedOperation, Graph, value, with_context, zip
-  arrays         DeviceArray, zeros, ones, full, arange, from_host, to_host, copy,
+  arrays         DeviceArray, zeros, ones, full, empty, zeros_like, ones_like,
+                 full_like, empty_like, arange, from_host, to_host, copy,
                  memory_stats, MemoryStats
   kernels        compile, Module, Kernel, LaunchConfig
   devices        init_device_contexts, current_backend, current_device,
-                 device_count, use_device, new_stream, reset_device, Stream,
-                 ExecutionContext
+                 device_count, device_info, DeviceInfo, use_device, new_stream,
+                 reset_device, Stream, ExecutionContext
   scheduling     SchedulingPolicy, StreamPoolLeastLoaded, StreamPoolRoundRobin,
                  SingleStream, latency_class, LatencyClass, current_latency_class
   scopes         open_stream_lease, StreamLease, open_device_group, DeviceGroup,
@@ -29,7 +30,8 @@ The API by topic (help(gpuflow.NAME) tells more of each):
                  GpuflowError > DeviceError > DeviceFaultError,
                  OutOfMemoryError, LaunchError, CommunicatorError;
                  GpuflowError > CompileError
-  timelines      trace
+  diagnostics    trace (a timeline of the runs), in_flight (what runs now, and
+                 what each waits for), RunInFlight
   submodules     gpuflow.lowlevel (new kinds of operations, backends, raw
                  handles), gpuflow.testing (checks for test suites)
 
@@ -45,11 +47,13 @@ from ._comm import bootstrap_mpi as bootstrap_mpi
 from ._comm import new_unique_id as new_unique_id
 from ._comm import open_communicator as open_communicator
 from ._comm import spawn_ranks as spawn_ranks
+from ._core import DeviceInfo as DeviceInfo
 from ._core import DeviceOperation as DeviceOperation
 from ._core import ExecutionContext as ExecutionContext
 from ._core import Graph as Graph
 from ._core import LatencyClass as LatencyClass
 from ._core import MemoryStats as MemoryStats
+from ._core import RunInFlight as RunInFlight
 from ._core import SchedulingPolicy as SchedulingPolicy
 from ._core import SharedOperation as SharedOperation
 from ._core import SingleStream as SingleStream
@@ -60,6 +64,8 @@ from ._core import current_backend as current_backend
 from ._core import current_device as current_device
 from ._core import current_latency_class as current_latency_class
 from ._core import device_count as device_count
+from ._core import device_info as device_info
+from ._core import in_flight as in_flight
 from ._core import init_device_contexts as init_device_contexts
 from ._core import latency_class as latency_class
 from ._core import memory_stats as memory_stats
@@ -89,11 +95,16 @@ from ._kernels import compile as compile
 from ._memory import DeviceArray as DeviceArray
 from ._memory import arange as arange
 from ._memory import copy as copy
+from ._memory import empty as empty
+from ._memory import empty_like as empty_like
 from ._memory import from_host as from_host
 from ._memory import full as full
+from ._memory import full_like as full_like
 from ._memory import ones as ones
+from ._memory import ones_like as ones_like
 from ._memory import to_host as to_host
 from ._memory import zeros as zeros
+from ._memory import zeros_like as zeros_like
 from ._scopes import DeviceGroup as DeviceGroup
 from ._scopes import StartedRun as StartedRun
 from ._scopes import StreamLease as StreamLease
@@ -106,13 +117,14 @@ __all__ = [
     # operations and running them
     "DeviceOperation", "SharedOperation", "Graph", "value", "with_context", "zip",
     # arrays
-    "DeviceArray", "zeros", "ones", "full", "arange", "from_host", "to_host", "copy",
-    "memory_stats", "MemoryStats",
+    "DeviceArray", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like",
+    "empty_like", "arange", "from_host", "to_host", "copy", "memory_stats", "MemoryStats",
     # kernels
     "compile", "Module", "Kernel", "LaunchConfig",
     # devices, streams, scheduling, scopes
     "init_device_contexts", "current_backend", "current_device", "device_count",
-    "use_device", "new_stream", "reset_device", "Stream", "ExecutionContext",
+    "device_info", "DeviceInfo", "use_device", "new_stream", "reset_device", "Stream",
+    "ExecutionContext",
     "SchedulingPolicy", "StreamPoolLeastLoaded", "StreamPoolRoundRobin", "SingleStream",
     "latency_class", "LatencyClass", "current_latency_class",
     "open_stream_lease", "StreamLease", "open_device_group", "DeviceGroup", "StartedRun",
@@ -124,8 +136,8 @@ __all__ = [
     # errors
     "GpuflowError", "UsageError", "UsageTypeError", "DeviceError", "DeviceFaultError",
     "OutOfMemoryError", "LaunchError", "CommunicatorError", "CompileError",
-    # a timeline of the runs
-    "trace",
+    # a timeline of the runs, and what is in flight now
+    "trace", "in_flight", "RunInFlight",
 ]
 
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,14 +201,14 @@ async def test_a_collective_awaited_over_a_pools_streams_is_checked_once_a_strea
         blank = await put(np.full(6, -1, F32), 0)
         op = comm.all_reduce([x], "max", out=[y])
         checked: list[gf.Stream] = []
-        real = gf.DeviceArray.check_usable
+        real = gf.DeviceArray._check_usable
 
         def counted(self: gf.DeviceArray, ctx: Any, what: str) -> None:
             if what == "all_reduce":  # (not the copy's)
                 checked.append(ctx.stream)
             real(self, ctx, what)
 
-        monkeypatch.setattr(gf.DeviceArray, "check_usable", counted)
+        monkeypatch.setattr(gf.DeviceArray, "_check_usable", counted)
         runs = 24
         spread = gf.StreamPoolRoundRobin()
         for k in range(runs):
@@ -542,6 +543,28 @@ async def test_a_peer_that_never_calls_is_a_hang_that_the_deadline_ends() -> Non
                 assert refused.value is comm.error
         assert left.value is comm.error  # leaving the scope reports the abort
     await testing.assert_quiescent_async()  # the aborted collective returned: nothing in flight
+
+
+async def test_in_flight_says_a_collective_waits_for_its_peers() -> None:
+    seen: list[gf.RunInFlight] = []
+    async with lonely_rank0() as opened:
+        with pytest.raises(gf.CommunicatorError):
+            async with opened as comm:
+                x = await gf.from_host(np.ones(3, F32))
+
+                async def waits() -> None:
+                    await comm.all_reduce(x)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waits, name="all-reduce")
+                    deadline = time.monotonic() + 5
+                    while not (seen := [r for r in gf.in_flight() if r.task == "all-reduce"]):
+                        assert time.monotonic() < deadline, "the collective's run"
+                        await anyio.sleep(0.01)
+                    tg.cancel_scope.cancel()
+    (run,) = seen
+    assert "all_reduce" in run.operation
+    assert run.waits_for == "its collective's peers (<gpuflow.Communicator ranks [0] of 2 (open)>)"
 
 
 async def test_leaving_the_scope_with_an_error_aborts_collectives_left_pending() -> None:

@@ -158,13 +158,13 @@ def record_posts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 def completing_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen_on: list[int] = []
-    complete = Run.complete
+    complete = Run._complete
 
     def noted(run: Run, err: BaseException | None, here: Any, posts: Any) -> None:
         seen_on.append(threading.get_ident())
         complete(run, err, here, posts)
 
-    monkeypatch.setattr(Run, "complete", noted)
+    monkeypatch.setattr(Run, "_complete", noted)
     return seen_on
 
 
@@ -321,7 +321,7 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
     def spin_once_done(run: Any, loop: Any, lane: Any) -> bool:
         # sim's device is a thread of this process: the spin, holding the
         # GIL, would see it done only by chance; here it always does
-        while lane.read() < run.number:
+        while lane.read() < run._number:
             time.sleep(1e-4)
         return real_spin(run, loop, lane)
 
@@ -748,7 +748,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
             if behind == "marked":
                 K.slow_fill(y, 2.0, 1.5).enqueue_on(one.stream)
             else:
-                lane = one.stream.lane
+                lane = one.stream._lane
                 assert lane is not None
                 with monkeypatch.context() as m:
 

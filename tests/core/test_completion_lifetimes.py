@@ -47,6 +47,7 @@ class _StoppedLoop:
         self.checkpoint_if_cancelled: Any = anyio.lowlevel.checkpoint_if_cancelled
         self.checkpoint: Any = anyio.lowlevel.checkpoint
         self.may_be_cancelled: Any = lambda: True
+        self.current_task: Any = lambda: None
         self.ready_check_s = 0.0
         self.target: Any = self
         self.poller: Any = None
@@ -128,11 +129,11 @@ def test_a_loop_that_never_runs_again_has_its_runs_completed_all_the_same(
     be = ensure_runtime().backend
     be.wait_event(stream.raw, be.record_event(other.raw))
     completer.submit(stream.raw, sub)
-    assert sub.lane is not None
-    completer.poll_on(stopped, sub.lane)  # what an await does before it parks
+    assert sub._lane is not None
+    completer.poll_on(stopped, sub._lane)  # what an await does before it parks
     assert len(stopped.watched) == 1  # the loop was given its epoll set
     if busy_poll_us == 0:
-        assert sub.lane.wake_for == sub.number  # a pipe was armed, on the run's stream
+        assert sub._lane.wake_for == sub._number  # a pipe was armed, on the run's stream
     assert alive() is not None and not sub.done
     _wait_done(sub)
     assert sub.error is None and alive() is None
@@ -210,7 +211,7 @@ async def test_silent_marks_and_marks_a_loop_reads_share_a_stream(
     kinds: list[bool] = []
     one = gf.SingleStream()
     stream = one.stream
-    lane: Any = stream.lane
+    lane: Any = stream._lane
     mark = lane.mark  # (the stream's marks, made once)
 
     def spy(polled: bool = True) -> int:
@@ -260,7 +261,7 @@ def _submit_owing(raw: Any, sub: Run) -> None:
         raise AssertionError("the refused mark was not raised")
     finally:
         lane.mark = mark
-    assert sub.lane is not None and sub.lane.raw is raw and sub.lane.unmarked
+    assert sub._lane is not None and sub._lane.raw is raw and sub._lane.unmarked
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["alone", "beside another await"])
@@ -272,7 +273,7 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
     out and the loop arms a wake-up."""
     reinit(busy_poll_us=2_000_000)
     stream = gf.new_stream()
-    lane = stream.lane
+    lane = stream._lane
     assert lane is not None
     x = await gf.zeros(16, F32)
     y = await gf.zeros(16, F32)
@@ -304,14 +305,14 @@ async def test_an_await_of_a_run_that_owes_its_mark_enqueues_it(alone: bool) -> 
 
 def test_runs_no_loop_awaits_have_their_owed_mark_enqueued_by_the_completer_thread() -> None:
     stream = gf.new_stream()
-    lane = stream.lane
+    lane = stream._lane
     assert lane is not None
     x = gf.zeros(16, F32).sync()
     K.slow_fill(x, 1.0, 0.01).enqueue_on(stream)  # marked at once: the stream was idle
     sub = Run(0)
     K.slow_fill(x, 2.0, 0.05).enqueue_on(stream)
     _submit_owing(stream.raw, sub)
-    assert sub.number == lane.issued + 1
+    assert sub._number == lane.issued + 1
     _wait_done(sub)  # nothing else here enqueues the mark it owes
     np.testing.assert_array_equal(gf.to_host(x).sync(), np.full(16, 2.0, F32))
 
@@ -320,7 +321,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
     """After ``stream.synchronize()`` every run enqueued on the stream before
     it is seen done at the next read of its word, owed mark or not."""
     stream = gf.new_stream()
-    lane = stream.lane
+    lane = stream._lane
     assert lane is not None
     x = gf.zeros(16, F32).sync()
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
@@ -339,7 +340,7 @@ def test_a_synchronize_enqueues_the_mark_its_streams_runs_owe() -> None:
 def test_a_stream_dropped_with_a_mark_owed_enqueues_it_first() -> None:
     x = gf.zeros(16, F32).sync()
     stream = gf.new_stream()
-    lane = stream.lane
+    lane = stream._lane
     assert lane is not None
     K.slow_fill(x, 1.0, 0.02).enqueue_on(stream)
     lane.polled_until = time.monotonic() + 60  # (keeps the completer thread from the lane)
@@ -458,7 +459,7 @@ print("exiting", flush=True)
 def test_the_busy_poll_budget_comes_from_the_argument_or_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuflow._core._runtime import DEFAULT_BUSY_POLL_US  # the documented default
+    from gpuflow._core._latency import DEFAULT_BUSY_POLL_US  # the documented default
 
     backend = gf.current_backend()
     monkeypatch.delenv("GPUFLOW_BUSY_POLL_US", raising=False)
@@ -583,8 +584,8 @@ async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
     woken: list[str] = []
 
     def parked() -> int:
-        extra = sub.more_parked
-        return (sub.parked is not None) + (len(extra) if extra else 0)
+        extra = sub._more_parked
+        return (sub._parked is not None) + (len(extra) if extra else 0)
 
     async def wait(name: str) -> None:
         await sub.wait()
@@ -630,7 +631,7 @@ async def test_a_task_does_not_park_on_a_run_finished_as_it_parks(
     monkeypatch.setattr(type(loop), "park", finishing_park)
     with anyio.fail_after(5):
         await sub.wait()
-    assert sub.done and sub.parked is None
+    assert sub.done and sub._parked is None
 
 
 @pytest.mark.anyio
@@ -689,7 +690,7 @@ def test_a_run_submitted_on_a_destroyed_stream_is_refused_not_left_pending() -> 
     sub = Run(0)
     with pytest.raises(gf.UsageError, match="destroyed"):
         rt.completer.submit(raw, sub)
-    assert rt.completer.pending == before and sub.lane is None
+    assert rt.completer.pending == before and sub._lane is None
     gf.testing.assert_quiescent(timeout=1.0)
 
 

@@ -260,3 +260,55 @@ def test_gpuflow_backend_chooses_what_auto_stands_for(
         gf.init_device_contexts()
     # a backend named in the call is the program's choice: the variable is not read
     assert gf.init_device_contexts(backend="sim", num_devices=2) == "sim"
+
+
+@pytest.mark.anyio
+async def test_a_new_runtime_is_refused_while_runs_are_in_flight(device_backend: str) -> None:
+    from helpers import kernels as K
+
+    x = await gf.zeros(64, np.float32)
+    before = gf.lowlevel.current_backend_object()
+    async with gf.open_stream_lease() as lease:
+        started = lease.start_run(K.slow_fill(x, 1.0, 0.2))
+        with pytest.raises(gf.UsageError, match=re.escape(
+            "init_device_contexts() with 1 run(s) of the current runtime still in flight: "
+            "its streams and memory go with it. Await them, or leave the scopes that "
+            "started them, first"
+        )):
+            gf.init_device_contexts(backend=device_backend)
+        await started
+    # nothing was replaced: the array and its runtime serve on
+    assert gf.lowlevel.current_backend_object() is before
+    np.testing.assert_array_equal(await gf.to_host(x), np.ones(64, np.float32))
+    # at rest, a new runtime is made
+    gf.init_device_contexts(backend=before, num_devices=gf.device_count())
+
+
+def test_device_info_gives_a_devices_facts(device_backend: str) -> None:
+    be = gf.lowlevel.current_backend_object()
+    info = gf.device_info()
+    assert info.device == gf.current_device() and info.backend == device_backend
+    desc = be.describe_device(info.device)
+    assert (info.name, info.compute_capability, info.total_memory) == (
+        desc.name, desc.compute_capability, desc.total_memory)
+    assert info.sms == be.sm_count(info.device) and info.sms is not None and info.sms > 0
+    assert info.max_priority == be.stream_priorities(info.device)
+    assert info.reserved_sms == {} and info.other_sms is None
+    assert info.launch_limits.max_threads_per_block >= 1024
+    if device_backend == "sim":  # as an H100 (or H200) reports
+        assert info.compute_capability is None and info.sms == 132 and info.max_priority == 5
+        assert info.launch_limits.max_grid == (2**31 - 1, 65535, 65535)
+    with pytest.raises(gf.UsageError, match="device 99 is not initialised"):
+        gf.device_info(99)
+
+
+@pytest.mark.sim_only  # (reserves SMs on a simulated device)
+def test_device_info_says_the_sms_each_name_reserved() -> None:
+    gf.init_device_contexts(
+        backend="sim", num_devices=2, reserve_sms={"interactive": 12, "bulk": 8}
+    )
+    info = gf.device_info(1)
+    assert info.device == 1
+    # rounded up as the driver rounds (8 SMs a granule on sm_90), the rest left to others
+    assert info.reserved_sms == {"interactive": 16, "bulk": 8}
+    assert info.other_sms == 132 - 16 - 8

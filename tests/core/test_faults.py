@@ -396,7 +396,7 @@ def test_sim_poisons_freed_memory_and_detects_use_after_free() -> None:
     be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
     x = gf.full(16, 1.0, F32).sync_on(s)
-    buf: Any = x.allocation.buffer  # the sim buffer itself (its bytes are under test)
+    buf: Any = x._allocation.buffer  # the sim buffer itself (its bytes are under test)
     assert (buf.data[: x.nbytes].view(F32) == 1).all()
     be.free(buf, s.raw)  # what a premature free would do
     s.synchronize()
@@ -420,7 +420,7 @@ def test_sim_detects_a_read_after_free() -> None:
     be: Any = gf.lowlevel.current_backend_object()
     s = gf.new_stream()
     x = gf.arange(8, dtype=np.int64).sync_on(s)
-    buf: Any = x.allocation.buffer  # the sim buffer itself (its bytes are under test)
+    buf: Any = x._allocation.buffer  # the sim buffer itself (its bytes are under test)
     be.free(buf, s.raw)
     try:
         freed = rf"copy from {re.escape(repr(buf))}.*use after free"
@@ -470,7 +470,7 @@ def test_sim_a_free_poisons_the_buffer_once_its_stream_reaches_it() -> None:
 def test_sim_a_dropped_array_leaves_poison_not_its_values() -> None:
     s = gf.new_stream()
     x = gf.zeros(16, F32).sync_on(s)
-    buf: Any = x.allocation.buffer  # the sim buffer itself (its bytes are under test)
+    buf: Any = x._allocation.buffer  # the sim buffer itself (its bytes are under test)
     assert (buf.data[: x.nbytes].view(F32) == 0).all()
     del x  # the last reference: gpuflow frees the memory in stream order
     gc.collect()

@@ -299,3 +299,104 @@ async def test_a_pipeline_runs_whole_on_reserved_sms_and_on_the_sms_left() -> No
     async with gf.open_stream_lease(sms="interactive") as lease:
         assert lease.stream.sms == "interactive"
         lease.start_run(K.spin(4, 0.001))  # (waited for at the exit)
+
+
+# -- what a class makes: leases, device groups, streams take it ---------------------------------
+
+
+def _probe(seen: list[gf.Stream]) -> gf.DeviceOperation[None]:
+    def see(ctx: gf.ExecutionContext) -> gf.DeviceOperation[None]:
+        seen.append(ctx.stream)
+        return gf.value(None)
+
+    return gf.with_context(see)
+
+
+@pytest.mark.sim_only
+@pytest.mark.anyio
+async def test_a_request_in_a_lease_inside_its_class_is_served_as_its_class() -> None:
+    """The newcomer's service: interactive requests in a stream lease inside
+    their class, beside batch work that keeps the other SMs busy.  The lease
+    takes the class's reserved SMs, so the short request is not queued
+    behind the batch."""
+    small_device(16, reserve_sms={"interactive": 8})
+    took: dict[str, float] = {}
+
+    async def long() -> None:
+        t0 = time.monotonic()
+        await K.spin(8 * 3, BLOCK_S)
+        took["long"] = time.monotonic() - t0
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long)
+        await anyio.sleep(0.01)
+        t0 = time.monotonic()
+        with gf.latency_class(priority=1, sms="interactive"):
+            async with gf.open_stream_lease() as lease:
+                await K.spin(1, SHORT_S)
+        took["short"] = time.monotonic() - t0
+    assert (lease.priority, lease.sms) == (1, "interactive")
+    assert took["short"] < SHORT_S + 0.03, took  # its own SMs were free
+    assert took["long"] >= 3 * BLOCK_S, took
+
+
+@pytest.mark.anyio
+async def test_leases_groups_and_streams_made_in_a_class_take_it_unless_given_their_own() -> None:
+    reserve = gf.current_backend() == "sim"
+    if reserve:  # (on cuda, the fixture's runtime reserves nothing)
+        gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"interactive": 8})
+    sms = "interactive" if reserve else None
+    seen: list[gf.Stream] = []
+    with gf.latency_class(priority=2, sms=sms):
+        stream = gf.new_stream()
+        own_stream = gf.new_stream(priority=0, sms=None)
+        lease = gf.open_stream_lease()  # (entered outside the block: it took the class)
+        own_lease = gf.open_stream_lease(priority=1)
+        group = gf.open_device_group()
+    assert (stream.priority, stream.sms) == (2, sms)
+    assert (own_stream.priority, own_stream.sms) == (0, None)
+    async with lease:
+        assert (lease.stream.priority, lease.stream.sms) == (2, sms)
+        assert gf.current_latency_class().priority == 2  # (the work inside is the class)
+        await _probe(seen)
+    async with own_lease:
+        assert (own_lease.stream.priority, own_lease.stream.sms) == (1, sms)
+    assert gf.current_latency_class() == gf.LatencyClass()  # (left with the lease)
+
+    async def child() -> None:
+        await _probe(seen)
+
+    async with group as g:
+        g.start_soon(child)
+        await g.start_run(_probe(seen))
+    assert gf.current_latency_class() == gf.LatencyClass()
+    assert [(s.priority, s.sms) for s in seen] == [(2, sms)] * 3
+    # (a group given its own class)
+    seen.clear()
+    with gf.latency_class(priority=2):
+        async with gf.open_device_group(priority=1) as g:
+            g.start_soon(child)
+    assert [s.priority for s in seen] == [1]
+
+
+@pytest.mark.anyio
+async def test_a_lease_and_a_group_made_in_a_class_take_its_busy_poll() -> None:
+    reinit(busy_poll_us=2_000_000)  # the runtime's: longer than the kernel
+    x = await gf.zeros(64, np.float32)
+    with gf.latency_class(busy_poll_us=0):  # batch: sleeps at once
+        lease = gf.open_stream_lease()
+        group = gf.open_device_group()
+    stats = gf.lowlevel.current_completion_statistics
+    before = stats()
+    async with lease:
+        await K.slow_fill(x, 1.0, 0.03)
+    async with group:
+        await K.slow_fill(x, 2.0, 0.03)
+    after = stats()
+    assert after.pipes_armed - before.pipes_armed == 2, (before, after)
+    # given their own: polls until done
+    before = stats()
+    async with gf.open_stream_lease(busy_poll_us=2_000_000):
+        await K.slow_fill(x, 3.0, 0.03)
+    assert stats().pipes_armed == before.pipes_armed
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 3.0, np.float32))

@@ -409,7 +409,7 @@ def _eventually(predicate: Any, what: str) -> None:
 @pytest.mark.sim_only
 def test_an_array_dropped_inside_the_backends_lock_is_freed_afterwards() -> None:
     x = K.slow_fill(gf.zeros(N, F32).sync(), 1.0, 0.05).sync()
-    buffer: Any = x.allocation.buffer
+    buffer: Any = x._allocation.buffer
     holder = [x]
     del x
     _drop_holding(ensure_runtime().backend.cond, holder)  # type: ignore[attr-defined]
@@ -442,7 +442,7 @@ def test_a_stream_collected_with_what_it_used_frees_and_releases_them() -> None:
     s = gf.new_stream()
     x = K.slow_fill(gf.zeros(N, F32).sync_on(s), 1.0, 0.05).sync_on(s)
     gf.to_host(b).sync_on(s)
-    buffer: Any = x.allocation.buffer
+    buffer: Any = x._allocation.buffer
     holder: list[Any] = [x, b, s, producer]
     holder.append(holder)
     del x, b, s, producer, holder
@@ -485,8 +485,8 @@ def test_an_array_last_written_by_a_stream_collected_with_it_is_freed() -> None:
     K.slow_fill(gf.zeros(N, F32).sync(), 1.0, 0.05).enqueue_on(s)  # busy a while
     x.__dlpack__(stream=s.__cuda_stream__()[1])  # (dropped unconsumed: released...)
     gf.from_dlpack(gf.zeros(1, F32).sync())  # (...at the next exchange)
-    assert x.allocation.writer == s
-    buffer: Any = x.allocation.buffer
+    assert x._allocation.writer == s
+    buffer: Any = x._allocation.buffer
     holder: list[Any] = [x, s]
     holder.append(holder)
     del x, s, holder

@@ -241,7 +241,7 @@ async def test_from_the_first_request_no_fast_run_queues_behind_slow_work() -> N
 
     def seen(i: int, op: gf.DeviceOperation[Any]) -> gf.DeviceOperation[Any]:
         def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
-            lane = ctx.stream.lane
+            lane = ctx.stream._lane
             pending = (lane.backlog() if lane is not None else 0) + ctx.stream._syncs
             if pending:
                 queued.append((i, pending))

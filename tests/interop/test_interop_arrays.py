@@ -18,7 +18,7 @@ with its own parser, on both backends.
 
 Private modules, where the machinery under test is theirs: ``_dlpack`` reads
 and consumes capsules (FakeLib, the checks of versions, dtypes and flags);
-``DeviceArray.allocation`` shows the hazard state and the backend's buffer, to see
+``DeviceArray._allocation`` shows the hazard state and the backend's buffer, to see
 when it is freed.
 """
 
@@ -202,7 +202,7 @@ def test_an_export_that_copies_is_a_read_a_later_write_waits_for() -> None:
     stream right after the export waits for the copy, which holds the value
     from before the write."""
     a = gf.full(N, 1.0, F32).sync()
-    late_fill(gf.zeros(N, F32).sync(), 0.0).enqueue_on(a.allocation.writer)  # (the stream is busy)
+    late_fill(gf.zeros(N, F32).sync(), 0.0).enqueue_on(a._allocation.writer)  # (the stream is busy)
     capsule = a.__dlpack__(copy=True, max_version=(1, 0))
     late_fill(a, 9.0, 0.0).enqueue_on(gf.new_stream())  # a write, right after the export
     b = gf.from_dlpack(capsule)
@@ -218,7 +218,7 @@ def test_a_capsule_handed_over_as_it_is_waits_for_its_producers_work(copy: bool)
     import's first use waits for it: here for a slow write still running,
     and for the copy behind it."""
     a = gf.zeros(N, F32).sync()
-    late_fill(a, 5.0).enqueue_on(a.allocation.writer)  # (a write gpuflow knows of)
+    late_fill(a, 5.0).enqueue_on(a._allocation.writer)  # (a write gpuflow knows of)
     b = gf.from_dlpack(a.__dlpack__(copy=copy, max_version=(1, 0)))
     assert (gf.to_host(b).sync() == 5).all()
 
@@ -304,13 +304,13 @@ def test_an_array_exported_again_and_again_keeps_one_event_a_consumer_stream() -
     for _ in range(3):
         fake.late_copy(a, out, seconds=0)
     # the hazard state: the latest use of each stream covers the earlier ones
-    assert len(a.allocation.foreign) == 1
+    assert len(a._allocation.foreign) == 1
     assert np.array_equal(gf.to_host(out).sync(), np.full(N, 4, F32))
 
 
 def test_a_capsule_dropped_unconsumed_releases_the_memory() -> None:
     a = gf.full(N, 1.0, F32).sync()
-    buffer: Any = a.allocation.buffer  # the backend's buffer, to see when it is freed
+    buffer: Any = a._allocation.buffer  # the backend's buffer, to see when it is freed
     capsule = a.__dlpack__()
     del a
     gc.collect()
@@ -326,7 +326,7 @@ def test_a_consumer_whose_stream_is_gone_before_it_lets_go_leaks_rather_than_dan
     # sim: a destroyed stream's handle is refused (on CUDA using one is undefined)
     be = backend()
     a = gf.full(N, 1.0, F32).sync()
-    buffer: Any = a.allocation.buffer
+    buffer: Any = a._allocation.buffer
     consumer = be.create_stream(0)  # another library's stream
     capsule = a.__dlpack__(stream=be.stream_handle(consumer), max_version=(1, 0))
     owner = _dlpack.take_capsule(capsule, _dlpack.read_capsule(capsule))
@@ -413,7 +413,7 @@ def test_a_cai_producer_is_released_only_after_gpuflows_uses() -> None:
 
 def test_a_dlpack_producers_memory_lives_until_gpuflows_uses_are_done() -> None:
     src = gf.full(N, 3.0, F32).sync()
-    buffer: Any = src.allocation.buffer
+    buffer: Any = src._allocation.buffer
     b = gf.from_dlpack(src)
     out, reader = gf.zeros(N, F32).sync(), gf.new_stream()
     start = time.monotonic()
@@ -545,7 +545,7 @@ def test_sim_addresses_and_handles_map_back() -> None:
         be.foreign_buffer(a.ptr, 16, 1)
     s = gf.new_stream()
     assert be.foreign_stream(handle(s), 0) == (s.raw, 0)
-    buffer: Any = a.allocation.buffer
+    buffer: Any = a._allocation.buffer
     ptr = a.ptr
     del a
     gc.collect()

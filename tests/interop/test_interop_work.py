@@ -255,12 +255,12 @@ async def test_wait_stream_of_a_stream_being_captured_is_refused() -> None:
 class _Tracker:
     """A structured scope that only records the runs started inside it."""
 
-    stream = None
+    _pinned = None
 
     def __init__(self) -> None:
         self.runs: list[gf.lowlevel.Run] = []
 
-    def track(self, sub: gf.lowlevel.Run) -> None:
+    def _track(self, sub: gf.lowlevel.Run) -> None:
         self.runs.append(sub)
 
 

@@ -340,17 +340,73 @@ def test_launch_config_for_num_elems() -> None:
             gf.LaunchConfig.for_num_elems(bad)  # type: ignore[arg-type]
 
 
-async def test_a_block_too_large_fails_the_launch() -> None:
+def _past_limits() -> list[tuple[gf.LaunchConfig, str]]:
+    """A launch one past each of device 0's limits, and what refuses it."""
+    lim = gf.lowlevel.current_backend_object().launch_limits(0)
+    gx, gy, gz = lim.max_grid
+    bx, by, bz = lim.max_block
+    return [
+        (gf.LaunchConfig((gx + 1, 1, 1), 32),
+         rf"grid=\({gx + 1}, 1, 1\) asks for {gx + 1} along x, past the device's limit of {gx} "
+         r"\(the most blocks a grid has along x\)"),
+        (gf.LaunchConfig((1, gy + 1, 1), 32), rf"along y, past the device's limit of {gy}"),
+        (gf.LaunchConfig((1, 1, gz + 1), 32), rf"along z, past the device's limit of {gz}"),
+        (gf.LaunchConfig(1, (bx + 1, 1, 1)),
+         rf"block=\({bx + 1}, 1, 1\) asks for {bx + 1} along x, past the device's limit of "
+         rf"{bx} \(the most threads a block has along x\)"),
+        (gf.LaunchConfig(1, (1, by + 1, 1)), rf"along y, past the device's limit of {by}"),
+        (gf.LaunchConfig(1, (1, 1, bz + 1)), rf"along z, past the device's limit of {bz}"),
+        (gf.LaunchConfig(1, (32, lim.max_threads_per_block // 32 + 1)),
+         rf"is {32 * (lim.max_threads_per_block // 32 + 1)} threads, past the device's limit "
+         rf"of {lim.max_threads_per_block} threads a block"),
+        (gf.LaunchConfig(1, 32, shmem=lim.max_shared_memory_per_block + 1),
+         rf"shmem={lim.max_shared_memory_per_block + 1} bytes, past the device's limit of "
+         rf"{lim.max_shared_memory_per_block} bytes of shared memory a block"),
+    ]  # fmt: skip
+
+
+async def test_a_launch_past_the_devices_limits_is_refused_when_built() -> None:
     m = K.module()
     x = await gf.ones(4, F32)
-    with pytest.raises(gf.LaunchError, match=r"kernel 'scale'.*block=\(2048, 1, 1\)") as info:
-        await m.scale(gf.LaunchConfig(1, 2048), x, 2.0, 4)
-    assert isinstance(info.value, gf.DeviceError) and "scale" in str(info.value)
-    # the driver's own code and name, on both backends
-    assert (info.value.code, info.value.name) == (1, "CUDA_ERROR_INVALID_VALUE")
-    # not a fault: the device works on
-    await m.scale(gf.LaunchConfig(1, 1024), x, 2.0, 4)
+    for config, refused in _past_limits():
+        with pytest.raises(gf.UsageError, match=r"kernel 'scale' on device 0: .*" + refused):
+            m.scale(config, x, 2.0, 4)
+    # each limit itself is within: built (not run: a grid that large takes long)
+    lim = gf.lowlevel.current_backend_object().launch_limits(0)
+    edges: list[tuple[tuple[int, int, int], tuple[int, int, int]]] = [
+        (lim.max_grid, (1, 1, 1)), ((1, 1, 1), (lim.max_block[0], 1, 1)),
+        ((1, 1, 1), (1, 1, lim.max_block[2])),
+    ]  # fmt: skip
+    for grid, block in edges:
+        m.scale(gf.LaunchConfig(grid, block), x, 2.0, 4)
+    m.scale(gf.LaunchConfig(1, 32, shmem=lim.max_shared_memory_per_block), x, 2.0, 4)
+    # nothing was enqueued; the device works on
+    await m.scale(gf.LaunchConfig(1, lim.max_threads_per_block), x, 2.0, 4)
     np.testing.assert_array_equal(await gf.to_host(x), np.full(4, 2, F32))
+
+
+@pytest.mark.sim_only  # (a backend whose two devices differ)
+async def test_a_launch_run_on_another_device_is_checked_against_that_devices_limits() -> None:
+    from gpuflow._backends import LaunchLimits, SimBackend
+
+    class Unequal(SimBackend):
+        def launch_limits(self, device: int) -> LaunchLimits:
+            small = LaunchLimits((64, 64, 64), (1024, 1024, 64), 128, 1024)
+            return super().launch_limits(device) if device == 0 else small
+
+    gf.init_device_contexts(backend=Unequal(2))
+    m = gf.compile(K.SOURCE, references=K.REFERENCES)
+    op = m.spin(gf.LaunchConfig(1, 256), 0)  # within device 0's limits
+    await op
+    with gf.use_device(1), pytest.raises(
+        gf.UsageError, match=r"kernel 'spin' on device 1: block=\(256, 1, 1\) is 256 threads, "
+        r"past the device's limit of 128 threads a block"
+    ):
+        await op
+    with gf.testing.record_activity() as record, gf.use_device(1):
+        with pytest.raises(gf.UsageError):
+            await op
+    assert not [a for a in record if a.what.startswith("kernel")]  # nothing was enqueued
 
 
 async def test_kernels_of_one_module_on_two_devices() -> None:

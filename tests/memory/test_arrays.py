@@ -58,6 +58,38 @@ async def test_zeros_ones_full_match_numpy(dtype: type) -> None:
         np.testing.assert_array_equal(got, want, strict=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+async def test_empty_and_the_like_functions_match_numpy(dtype: type) -> None:
+    dt = np.dtype(dtype)
+    host = np.arange(6).astype(dt).reshape(2, 3)
+    x = await gf.from_host(host)
+    fill = {"f": 2.5, "i": -7, "u": 200, "b": True}[dt.kind]
+    e = await gf.empty((2, 3), dt)
+    assert (e.shape, e.dtype) == ((2, 3), dt)
+    for like in (x, host):  # a device array, or a NumPy one
+        z, o, f, e = await gf.zip(gf.zeros_like(like), gf.ones_like(like),
+                                  gf.full_like(like, fill), gf.empty_like(like))
+        for arr, want in [(z, np.zeros_like(host)), (o, np.ones_like(host)),
+                          (f, np.full_like(host, fill))]:
+            np.testing.assert_array_equal(await gf.to_host(arr), want, strict=True)
+        assert (e.shape, e.dtype) == (host.shape, dt)
+    # dtype and shape given replace the array's, as NumPy's
+    y = await gf.zeros_like(x, dtype=np.int16, shape=(3, 4))
+    assert (y.shape, y.dtype) == ((3, 4), np.dtype(np.int16))
+    # an empty array written whole reads back what was written
+    w = await gf.copy(x, out=await gf.empty_like(x))
+    np.testing.assert_array_equal(await gf.to_host(w), host, strict=True)
+
+
+async def test_the_like_functions_refuse_what_has_no_shape_and_dtype() -> None:
+    with pytest.raises(gf.UsageTypeError, match=r"zeros_like\(\) takes an array .* got list"):
+        gf.zeros_like([1, 2, 3])  # type: ignore[arg-type]
+    with pytest.raises(gf.UsageError, match=r"fill value 300 does not fit dtype uint8"):
+        gf.full_like(np.zeros(2, np.uint8), 300)
+    with pytest.raises(gf.UsageError, match="has a negative dimension"):
+        gf.empty(-1)
+
+
 async def test_defaults_follow_numpy() -> None:
     assert (await gf.zeros(2)).dtype == np.zeros(2).dtype
     assert (await gf.ones(2)).dtype == np.ones(2).dtype

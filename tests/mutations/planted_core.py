@@ -35,7 +35,7 @@ MUTATIONS = [
         '    if run.error is not None:\n'
         '        raise run.error\n',
         '    except BaseException:\n'
-        '        run.complete(None, None, {})\n'
+        '        run._complete(None, None, {})\n'
         '        raise\n'
         '    finally:\n'
         '        loop.awaiting -= 1\n'
@@ -85,7 +85,7 @@ MUTATIONS = [
         "M7",
         'a read on another stream does not wait for the last write (read after write)',
         '_core/_hazards.py',
-        '                order_after(be, stream, self.writer, self.wrote)\n'
+        '                order_after(be, stream, self.writer, self.wrote, run)\n'
         '                self.synced.add(stream)\n',
         '                self.synced.add(stream)\n',
         ('tests/core/test_hazards.py', 'tests/memory/test_arrays.py'),
@@ -95,7 +95,7 @@ MUTATIONS = [
         'a write on another stream does not wait for earlier reads (write after read)',
         '_core/_hazards.py',
         '    for s, point in uses.readers.items():\n'
-        '        order_after(backend, stream, s, point)\n',
+        '        order_after(backend, stream, s, point, waiter)\n',
         '    pass\n',
         ('tests/core/test_hazards.py',),
     ),
@@ -121,15 +121,16 @@ MUTATIONS = [
         "a completed run keeps what it kept (a leak)",
         '_core/_run.py',
         '        self.error = error\n'
-        '        self._keep = None\n',
-        '        self.error = error\n',
+        '        self._keep = self._what = self._waits = self._task = None\n',
+        '        self.error = error\n'
+        '        self._what = self._waits = self._task = None\n',
         ("tests/core/test_lifetimes.py",),
     ),
     Mutation(
         "B1",
         'a reached mark completes every run of its stream, not only those up to it',
         '_core/_completion.py',
-        '                while runs and runs[0].number <= reached:\n',
+        '                while runs and runs[0]._number <= reached:\n',
         '                while runs:\n',
         ('tests/core/test_completion.py', 'tests/core/test_completion_lifetimes.py',),
     ),
@@ -178,7 +179,7 @@ MUTATIONS = [
         "C1",
         "a cancelled await of a collective leaves its communicator waiting for the peer",
         '_core/_run.py',
-        '            for comm in run.comms:\n'
+        '            for comm in run._comms:\n'
         '                comm.abort(',
         '            for comm in []:\n'
         '                comm.abort(',
@@ -246,8 +247,8 @@ MUTATIONS = [
         '_core/_hazards.py',
         '                for ev in self.foreign.values():\n'
         '                    be.wait_event(stream.raw, ev)\n'
-        '                order_after(be, stream, self.writer, self.wrote)\n',
-        '                order_after(be, stream, self.writer, self.wrote)\n',
+        '                order_after(be, stream, self.writer, self.wrote, run)\n',
+        '                order_after(be, stream, self.writer, self.wrote, run)\n',
         ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
     Mutation(
@@ -256,8 +257,8 @@ MUTATIONS = [
         '_core/_hazards.py',
         '        for ev in uses.foreign.values():\n'
         '            backend.wait_event(stream.raw, ev)\n'
-        '        order_after(backend, stream, uses.writer, uses.wrote)\n',
-        '        order_after(backend, stream, uses.writer, uses.wrote)\n',
+        '        order_after(backend, stream, uses.writer, uses.wrote, waiter)\n',
+        '        order_after(backend, stream, uses.writer, uses.wrote, waiter)\n',
         ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
 
@@ -283,7 +284,7 @@ MUTATIONS = [
         "B9",
         "a use on another stream waits for whatever the writer's stream ran later",
         '_core/_hazards.py',
-        '    if point is None or not point.order(backend, stream.raw, on.raw):\n',
+        '    if point is None or not point._order(backend, stream.raw, on.raw):\n',
         '    if True:\n',
         ('tests/core/test_hazards.py',),
     ),
@@ -499,7 +500,7 @@ MUTATIONS = [
         '_core/_policy.py',
         '            if not prefer.leased and prefer.idle() and prefer in streams:\n',
         '            if not prefer.leased and prefer.idle() and '
-        'prefer in prefer.runtime.streams(device):\n',
+        'prefer in prefer._runtime.streams(device):\n',
         ('tests/comm/test_comm.py::test_a_collective_of_a_replaced_runtime_names_its_array',),
     ),
     Mutation(
@@ -660,10 +661,10 @@ MUTATIONS = [
         "a write waits for reads on other streams only, not on the array's last writer's",
         "_core/_hazards.py",
         "    for s, point in uses.readers.items():\n"
-        "        order_after(backend, stream, s, point)\n",
+        "        order_after(backend, stream, s, point, waiter)\n",
         "    for s, point in uses.readers.items():\n"
         "        if s is not uses.writer:\n"
-        "            order_after(backend, stream, s, point)\n",
+        "            order_after(backend, stream, s, point, waiter)\n",
         ("tests/core/test_hazards.py::test_a_write_waits_for_a_read_on_the_arrays_own_last_writer_stream",),
     ),
     Mutation(
@@ -717,16 +718,16 @@ MUTATIONS = [
         "R1",
         "the common await's straight line is taken while a scope (or a trace, a watcher) is on",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
-        "    if policy is not None or not op.ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if policy is not None or not op._ordinary or _finalizers.queue:\n",
         ("tests/scopes/test_scopes.py", "tests/testing/test_cancel_points.py"),
     ),
     Mutation(
         "R2",
         "the common await's straight line is taken though a policy was given",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
-        "    if UNUSUAL.n or not op.ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or not op._ordinary or _finalizers.queue:\n",
         ("tests/core/test_policy.py", "tests/core/test_running.py"),
     ),
     Mutation(
@@ -734,7 +735,7 @@ MUTATIONS = [
         "the common await's straight line is taken by a collective (not ordinary: it "
         "asks for its rank's previous stream first)",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:\n",
+        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
         "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
         ("tests/comm/test_comm.py",),
     ),
@@ -742,7 +743,7 @@ MUTATIONS = [
         "R4",
         "a run is completed before the GPU reached its mark",
         "_core/_completion.py",
-        "                while runs and runs[0].number <= reached:\n",
+        "                while runs and runs[0]._number <= reached:\n",
         "                while runs:\n",
         ("tests/core/test_completion.py::test_a_run_queued_behind_another_on_its_stream_"
          "completes_at_its_own_mark", "tests/core/test_lifetimes.py", "tests/core/test_hazards.py"),
@@ -792,14 +793,14 @@ MUTATIONS = [
         "L10",
         "a latency class's busy poll is not the runs' it starts",
         "_core/_run.py",
-        "    run.poll_s = current_poll_var.get()\n",
+        "    run._poll_s = current_poll_var.get()\n",
         "",
         ("tests/core/test_latency_classes.py::test_a_class_sets_its_own_busy_poll",),
     ),
     Mutation(
         "L11",
         "an inner latency class forgets what the outer one set",
-        "_core/_policy.py",
+        "_core/_latency.py",
         "    outer = current_class_var.get() or LatencyClass()\n",
         "    outer = LatencyClass()\n",
         ("tests/core/test_latency_classes.py::test_a_class_takes_its_own_level_and_nests",),

@@ -133,7 +133,7 @@ MUTATIONS = [
         "foreign() does not order the arrays it is given",
         "_interop/_libraries.py",
         "            for a in arrays:  # the code may write any array it gets\n"
-        "                a.allocation.before_write(stream, ctx.run)\n",
+        "                a._allocation.before_write(stream, ctx.run)\n",
         "            pass\n",
         ("tests/interop/test_interop_arrays.py", "tests/interop/test_interop_work.py",),
     ),
@@ -173,7 +173,7 @@ MUTATIONS = [
         "I15",
         "an import's first use waits for the interop stream's later imports too",
         '_interop/_libraries.py',
-        '        if stream.runtime.is_interop(stream):\n',
+        '        if stream._runtime.is_interop(stream):\n',
         '        if False:\n',
         ('tests/interop/test_interop_arrays.py', 'tests/interop/test_interop_work.py',),
     ),
@@ -223,7 +223,7 @@ MUTATIONS = [
         "K3",
         "a launch with scalar arguments only keeps its kernel past a reset of its device",
         '_kernels/_kernel.py',
-        '            if c is None or c[0] is not stream.life:\n',
+        '            if c is None or c[0] is not stream._life:\n',
         '            if c is None:\n',
         ('tests/core/test_faults.py',),
     ),
@@ -240,7 +240,7 @@ MUTATIONS = [
         "a collective reads before a write on another stream ends",
         '_comm/_communicator.py',
         '            for arr, s in p.reads:\n'
-        '                arr.allocation.before_read(s, run)\n',
+        '                arr._allocation.before_read(s, run)\n',
         '',
         ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
     ),
@@ -249,7 +249,7 @@ MUTATIONS = [
         "a collective writes before a write on another stream ends",
         '_comm/_communicator.py',
         '            for arr, s in p.writes:\n'
-        '                arr.allocation.before_write(s, run)\n',
+        '                arr._allocation.before_write(s, run)\n',
         '',
         ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
     ),
@@ -257,8 +257,8 @@ MUTATIONS = [
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
         '_interop/_libraries.py',
-        '    awaited_alone = True\n',
-        '    awaited_alone = False\n',
+        '    _awaited_alone = True\n',
+        '    _awaited_alone = False\n',
         ('tests/interop/test_interop_work.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
     ),
     Mutation(
@@ -298,12 +298,12 @@ MUTATIONS = [
         "a collective run from its plan takes arrays of a device reset since",
         '_comm/_communicator.py',
         '            if x is not None:\n'
-        '                x.check_usable(ctx, what)\n'
+        '                x._check_usable(ctx, what)\n'
         '                if read:\n'
         '                    reads.append((x, stream))\n'
         '            if o is not None:\n'
         '                if o is not x:\n'
-        '                    o.check_usable(ctx, what)\n',
+        '                    o._check_usable(ctx, what)\n',
         '            if x is not None:\n'
         '                if read:\n'
         '                    reads.append((x, stream))\n'
@@ -426,7 +426,7 @@ MUTATIONS = [
         "L3",
         "a started run's failure is raised at the exit too though a task's await raised it",
         "_scopes/_scope.py",
-        "            self.awaited = self.awaited or exc is self._run.error\n",
+        "            self._awaited = self._awaited or exc is self._run.error\n",
         "            pass\n",
         ("tests/scopes/test_started_runs.py::"
          "test_a_failed_run_awaited_is_raised_by_the_await_not_again_at_the_exit",),
@@ -435,8 +435,8 @@ MUTATIONS = [
         "L6",
         "a started run whose await was cancelled counts as awaited: its later failure is lost",
         "_scopes/_scope.py",
-        "            self.awaited = self.awaited or exc is self._run.error\n",
-        "            self.awaited = True\n",
+        "            self._awaited = self._awaited or exc is self._run.error\n",
+        "            self._awaited = True\n",
         ("tests/scopes/test_started_runs.py::"
          "test_a_failure_after_a_cancelled_await_is_raised_at_the_scope_exit",),
     ),

@@ -166,7 +166,7 @@ TUTORIAL = (DOCS / "tutorial.md").read_text()
 #: The tutorial's complete programs (its Python blocks), and what each prints
 PROGRAMS = re.findall(r"^```python\n(.*?)^```", TUTORIAL, re.M | re.S)
 PRINTS = [
-    [],
+    ["[1. 3. 5. 7.]"],
     ["[10. 12. 14. 16.]"],
     ["sum 1024,", "cancelled: True", "ok"],
     ["10: 'ok 1024'", "20: 'ok 1024'", "30: 'ok 1024'", "500: 'timeout'"],

@@ -9,11 +9,14 @@ reprs, ``help()`` and pickles, as Trio's names do.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pickle
 import pydoc
+import re
 import subprocess
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -104,3 +107,71 @@ def test_public_objects_pickle_by_their_public_name() -> None:
     info = gf.RankInfo(0, 2, b"id")
     assert pickle.loads(pickle.dumps(info)) == info
     assert b"gpuflow._" not in pickle.dumps(info) + pickle.dumps(gf.LaunchConfig(1, 1))
+
+
+# -- the public surface is the documented one ----------------------------------------------------
+
+REFERENCE = Path(__file__).parents[2] / "docs" / "reference"
+_PAGES = {gf: "gpuflow.rst", lowlevel: "lowlevel.rst", testing: "testing.rst"}
+#: what every class has from Python itself (a tuple's count, an exception's args)
+_INHERITED = set().union(*(dir(b) for b in (object, tuple, Exception, typing.Generic)))
+
+
+def _entries(ns: types.ModuleType) -> dict[str, set[str] | None]:
+    """What the reference page of ``ns`` documents: each name, with the
+    members its entry lists (a class), or None (a function, data, an error)."""
+    entries: dict[str, set[str] | None] = {}
+    current: str | None = None
+    prefix = f"{ns.__name__}."
+    for line in (REFERENCE / _PAGES[ns]).read_text().splitlines():
+        m = re.match(r"\.\. (auto\w+|py:\w+):: ([\w.]+)", line)
+        if m and m[2].startswith(prefix) and not m[2][len(prefix):].startswith("_"):
+            current = m[2][len(prefix):]
+            entries[current] = set() if m[1] == "autoclass" else None
+        elif m:
+            current = None
+        elif current is not None and line.startswith("   :members:"):
+            listed = line.partition(":members:")[2]
+            entries[current] = {n.strip() for n in listed.split(",") if n.strip()}
+    return entries
+
+
+def _public_members(cls: type) -> set[str]:
+    names = {n for n in dir(cls) if not n.startswith("_")} - _INHERITED
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    return names
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_a_namespace_offers_what_its_reference_page_documents(ns: types.ModuleType) -> None:
+    # (pytest's assertion rewriting adds names that are no identifiers)
+    offered = {n for n in dir(ns) if n.isidentifier() and not n.startswith("_")}
+    offered -= {"lowlevel", "testing"}
+    assert offered == set(ns.__all__)  # (no helper a module imported, no `annotations`)
+    assert set(_entries(ns)) == set(ns.__all__)
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.__name__)
+def test_each_public_class_offers_what_its_reference_entry_lists(ns: types.ModuleType) -> None:
+    wrong = {}
+    for name, listed in _entries(ns).items():
+        obj = getattr(ns, name)
+        if listed is None or not isinstance(obj, type):  # (an error, or an alias of a class)
+            continue
+        offered = _public_members(obj)
+        if listed != offered:
+            wrong[name] = {"undocumented": offered - (listed or set()),
+                           "documented, not offered": (listed or set()) - offered}
+    assert wrong == {}
+
+
+def test_the_internals_named_by_a_newcomer_are_not_public() -> None:
+    op = gf.value(1)
+    for name in ("stream_home", "stream_alone", "dot_key", "children", "kind", "ordinary",
+                 "direct", "awaited_alone", "has_home", "output_dtype"):
+        assert not hasattr(op, name), name
+    for name in ("begin_blocking", "end_blocking", "lane", "life", "runtime", "final"):
+        assert not hasattr(gf.Stream, name), name
+    for name in ("Any", "Callable", "contextlib", "annotations"):
+        assert not hasattr(testing, name), name

@@ -9,6 +9,8 @@ here means the same on ``sim`` and on a real GPU.
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import time
 from typing import Any
@@ -17,6 +19,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers.child import run_child
 
 import gpuflow as gf
 from gpuflow import testing
@@ -732,3 +735,55 @@ async def test_copy_into_an_existing_array() -> None:
         await gf.copy(src, out=await gf.zeros(N + 1, F32))
     with pytest.raises(gf.UsageError, match=rf"out is \({N},\) float64, the source \({N},\)"):
         await gf.copy(src, out=await gf.zeros(N, np.float64))
+
+
+# -- a lease is entered once, and one never left is named ---------------------------------------
+
+
+async def test_a_lease_is_entered_once() -> None:
+    lease = gf.open_stream_lease()
+    assert repr(lease).endswith(", not entered>")
+    async with lease:
+        with pytest.raises(gf.UsageError, match=r"was entered already: a stream lease is "
+                           r"entered once \(gf.open_stream_lease\(\) makes another\)"):
+            async with lease:
+                pass
+        assert lease.stream.leased  # (the refused entry changed nothing)
+    assert repr(lease).endswith(", ended>")
+    with pytest.raises(gf.UsageError, match="was entered already"):
+        async with lease:
+            pass
+    assert testing.leases_held() == 0
+
+
+async def test_a_lease_never_left_is_named_by_the_quiescence_check() -> None:
+    lease = gf.open_stream_lease(priority=0)
+    frame = inspect.currentframe()
+    line = f"{__file__}:{frame.f_lineno + 1 if frame is not None else 0}"
+    await lease.__aenter__()  # (entered by hand, not left)
+    try:
+        with pytest.raises(AssertionError) as failed:
+            await testing.assert_quiescent_async(timeout=0.1)
+        said = str(failed.value)
+        held = "1 stream lease(s) still held: <gpuflow.StreamLease of device 0, held by task "
+        assert held in said
+        assert line in said, said
+    finally:
+        await lease.__aexit__(None, None, None)
+    await testing.assert_quiescent_async()
+
+
+@pytest.mark.sim_only  # (the same on every backend: it runs a child process)
+def test_a_lease_never_left_is_named_at_the_exit() -> None:
+    program = (
+        "import anyio, gpuflow as gf\n"
+        "async def main():\n"
+        "    lease = gf.open_stream_lease()\n"
+        "    await lease.__aenter__()\n"
+        "anyio.run(main)\n"
+    )
+    proc = run_child([sys.executable, "-c", program], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "gpuflow: 1 stream lease(s) never left (entered, never exited): " in proc.stderr
+    assert "<gpuflow.StreamLease of device 0, held by task " in proc.stderr
+    assert "<string>:4>" in proc.stderr, proc.stderr

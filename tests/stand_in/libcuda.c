@@ -21,8 +21,19 @@ CUresult cuDriverGetVersion(int *v) { *v = standin_driver_version; return 0; }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
 CUresult cuDeviceGet(int *d, int i) { *d = i; return 0; }
 CUresult cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len); return 0; }
-CUresult cuDeviceGetAttribute(int *v, int attr, int d) {  /* sm_90, 132 SMs */
-    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : 1; return 0; }
+CUresult cuDeviceGetAttribute(int *v, int attr, int d) {  /* an H100's: sm_90, 132 SMs */
+    switch (attr) {
+    case 75: *v = 9; break;              /* compute capability */
+    case 76: *v = 0; break;
+    case 16: *v = 132; break;            /* SMs */
+    case 1: case 2: case 3: *v = 1024; break;  /* threads a block; block x, y */
+    case 4: *v = 64; break;              /* block z */
+    case 5: *v = 2147483647; break;      /* grid x */
+    case 6: case 7: *v = 65535; break;   /* grid y, z */
+    case 97: *v = 232448; break;         /* shared memory a block, opted into */
+    default: *v = 1;
+    }
+    return 0; }
 CUresult cuDeviceTotalMem(size_t *b, int d) { *b = (size_t)80 << 30; return 0; }
 CUresult cuDeviceCanAccessPeer(int *ok_, int a, int b) { *ok_ = 0; return 0; }
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) { *ctx = (void *)(0x1000 + 16 * (uintptr_t)d); return 0; }

@@ -125,7 +125,7 @@ a = gf.from_host(np.arange(8, dtype=np.float32)).sync()
 b, c = gf.zeros(8, np.float32).sync(), gf.zeros(8, np.float32).sync()
 hold.value = 1  # the "GPU" is behind from here
 gf.copy(a, out=b).enqueue_on(u)
-lane = u.lane
+lane = u._lane
 assert lane is not None and lane.read() < lane.issued  # its event, asked: not reached
 waits = event_waits.value
 gf.copy(b, out=c).enqueue_on(v)  # after the copy into b: on its event

@@ -69,6 +69,24 @@ async def test_a_pipeline_of_n_awaits_has_two_points_each_and_runs_once_per_poin
     assert _cancel_points.watcher is None  # nothing is left to pay for
 
 
+async def test_each_point_names_the_task_that_reached_it() -> None:
+    async def step(x: gf.DeviceArray) -> None:
+        await K.slow_fill(x, 1.0, 0.001)
+
+    async def pipeline() -> None:
+        x = await gf.zeros(64, F32)
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(step, x, name=f"worker {i}")
+
+    report = await testing.cancel_at_every_point(pipeline)
+    steps = [p for p in report.sites if "slow_fill" in p.what]
+    assert sorted({p.task for p in steps}) == ["worker 0", "worker 1", "worker 2"]
+    assert all(p.where.endswith("(in test_each_point_names_the_task_that_reached_it.<locals>"
+                                ".step)") for p in steps)
+    assert str(steps[0]).endswith(f" in task {steps[0].task!r}")
+
+
 async def test_each_run_is_cancelled_exactly_at_its_point() -> None:
     # op i adds one to a device counter; the host log says how far the
     # pipeline got.  Cancelled before op i is enqueued: the counter stays at
@@ -137,7 +155,7 @@ async def test_a_lease_entered_by_hand_and_left_open_fails_naming_the_point() ->
 
     async def pipeline() -> None:
         lease = gf.open_stream_lease()
-        await lease.__aenter__()
+        await lease.__aenter__()  # lease.__aenter__
         leases.append(lease)
         await K.slow_fill(x, 1.0, 0.01)  # the open lease
         await lease.__aexit__(None, None, None)
@@ -152,7 +170,10 @@ async def test_a_lease_entered_by_hand_and_left_open_fails_naming_the_point() ->
     ), message
     assert "before it is enqueued" in message
     assert f"at {__file__}:{line} (in " in message
-    assert message.endswith("gpuflow is not quiescent: 1 stream lease(s) still held")
+    # the lease is named: its task and the line that entered it
+    held = "gpuflow is not quiescent: 1 stream lease(s) still held: <gpuflow.StreamLease of "
+    assert held in message, message
+    assert message.endswith(f"at {__file__}:{line_of('lease.__aenter__')}>"), message
     assert _cancel_points.watcher is None
     for lease in leases:  # gpuflow's own suite ends every test at rest
         await lease.__aexit__(None, None, None)

@@ -195,7 +195,8 @@ def test_a_lease_entered_by_hand_and_left_open_fails_naming_the_point(
     result.stdout.fnmatch_lines([
         "*AssertionError: cancelled at point 2 of 4 (awaiting <gpuflow.DeviceOperation full*>, "
         f"before it is enqueued; at *test_user.py:{line} (in by_hand)): "
-        "gpuflow is not quiescent: 1 stream lease(s) still held",
+        "gpuflow is not quiescent: 1 stream lease(s) still held: <gpuflow.StreamLease of "
+        "device 0, held by task * at *test_user.py:*>",
     ])  # fmt: skip
 
 
@@ -241,7 +242,8 @@ def test_use_after_free(gpuflow_runtime):
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         "*test_lease_left_held?asyncio?*",
-        "gpuflow is not quiescent after the test: 1 stream lease(s) still held",
+        "gpuflow is not quiescent after the test: 1 stream lease(s) still held: "
+        "<gpuflow.StreamLease of device 0, held by task * at *test_user.py:*>",
     ])  # fmt: skip
     if device_backend == "sim":
         result.assert_outcomes(failed=5, passed=3)

@@ -81,7 +81,8 @@ async def test_the_awaitable_form_says_what_is_not_at_rest() -> None:
     x = await gf.zeros(256, F32)
     K.slow_fill(x, 1.0, LONG).enqueue_on(gf.new_stream())
     with pytest.raises(AssertionError, match=r"^gpuflow is not quiescent: 1 run\(s\) still pending "
-                       r"after 0.05 s; 1 stream lease\(s\) still held$"):  # fmt: skip
+                       r"after 0.05 s; 1 stream lease\(s\) still held: <gpuflow.StreamLease of "
+                       r"device 0, held by task .* at .*test_quiescence.py:\d+>$"):  # fmt: skip
         await testing.assert_quiescent_async(timeout=0.05)
     await lease.__aexit__(None, None, None)
     await testing.assert_quiescent_async()

@@ -29,6 +29,7 @@ from ._records import COMM_DTYPES as COMM_DTYPES
 from ._records import REDUCTIONS as REDUCTIONS
 from ._records import Activity as Activity
 from ._records import CollectiveCall as CollectiveCall
+from ._records import LaunchLimits as LaunchLimits
 from ._records import PointerArg as PointerArg
 from ._records import RawBuffer as RawBuffer
 from ._records import activity_tag as activity_tag
@@ -36,8 +37,8 @@ from ._sim import SimBackend as SimBackend
 
 __all__ = [
     "BACKEND_ENV", "BLOCK_TIME_ATTR", "CHECK_ARCH", "COMM_DTYPES", "REDUCTIONS", "Activity",
-    "Backend", "BackendFactory", "SimBackend", "CollectiveCall", "PointerArg", "RawBuffer",
-    "activity_tag",
+    "Backend", "BackendFactory", "SimBackend", "CollectiveCall", "LaunchLimits", "PointerArg",
+    "RawBuffer", "activity_tag", "new_sim_backend",
     "backend_names", "compile_source", "cuda_probe", "load_backend", "register_backend",
 ]
 
@@ -225,3 +226,36 @@ def _auto() -> tuple[str, str | None]:
             stacklevel=4,  # the caller of init_device_contexts
         )
     return "sim", None
+
+
+def new_sim_backend(
+    num_devices: int | None = None, *, memory_bytes: int = 2 << 30, sms: int = 132
+) -> Backend:
+    """A ``sim`` backend of the sizes given: what ``init_device_contexts(backend="sim")``
+    makes with the defaults.
+
+    ``gf.init_device_contexts(backend=gf.lowlevel.new_sim_backend(2, sms=16))``
+    simulates two devices of 16 SMs each: a small device, whose SMs a few
+    blocks fill (see :func:`gpuflow.testing.block_time`).  The runtime that
+    takes it closes it.  Any thread.
+
+    Parameters
+    ----------
+    num_devices
+        How many devices (None: 1).
+    memory_bytes
+        Each device's memory (2 GiB by default); an allocation past it is an
+        out-of-memory error, as on a GPU.
+    sms
+        Each device's SMs (132 by default, an H200's).
+
+    Returns
+    -------
+    Backend
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``sms`` is not a positive int.
+    """
+    return SimBackend(num_devices, memory_bytes=memory_bytes, sms=sms)

@@ -34,26 +34,29 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._errors import CommunicatorError, DeviceFaultError, UsageError
+from .._errors import DeviceFaultError, UsageError
+from ._comms import Communicators
 from ._records import (
+    H100_LIMITS,
     Activity,
-    CollectiveCall,
     D,
     DeviceDescription,
     DeviceState,
     KernelArg,
+    LaunchLimits,
     ModuleSource,
     RawBuffer,
 )
 
 
-class Backend(abc.ABC):
+class Backend(Communicators, abc.ABC):
     """A device backend.  One instance serves every device of the process.
 
     What the two backends share lives here once: looking a device up (with
     one message for a device that is not there) and reporting its sticky
     fault.  Everything the front end asks of a backend is a method of this
-    class, never an attribute found by duck typing.
+    class (its communicators' half in :class:`._comms.Communicators`), never
+    an attribute found by duck typing.
     """
 
     name: ClassVar[str]
@@ -650,120 +653,6 @@ class Backend(abc.ABC):
         """
         return None
 
-    # -- communicators (NCCL's model) ------------------------------------------
-    def _no_comms(self) -> UsageError:
-        return UsageError(f"the {self.name} backend has no communicators")
-
-    def comm_unique_id(self) -> bytes:
-        """A new id for the ranks of one communicator to meet by (made by one
-        rank, handed to the others by the caller).
-
-        Returns
-        -------
-        bytes
-        """
-        raise self._no_comms()
-
-    def comm_init(
-        self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
-    ) -> list[Any]:
-        """The raw communicators of this process's ranks: ``ranks[i]`` on
-        ``devices[i]``, of ``nranks`` in all.  ``unique_id`` None: the devices
-        are every rank (one process).  Blocks until every rank has joined;
-        a :class:`gpuflow.UsageError` for an id the backend did not make.
-
-        Parameters
-        ----------
-        devices
-            The devices, one a rank of this process.
-        ranks
-            The ranks of this process's devices.
-        nranks
-            How many ranks the communicator has.
-        unique_id
-            The ranks' meeting id (``comm_unique_id``'s).
-
-        Returns
-        -------
-        list[Any]
-        """
-        raise self._no_comms()
-
-    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
-        """Enqueue ``(comm, call, stream)`` calls as one group (NCCL's
-        ``ncclGroupStart``/``End``): the parts of one collective on several
-        devices of this process, or a send and the recv that matches it.
-        :class:`gpuflow.CommunicatorError` where NCCL refuses them.
-
-        Parameters
-        ----------
-        calls
-            The collectives, each with its communicator and stream.
-        """
-        raise self._no_comms()
-
-    def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
-        """:meth:`comm_group` of ``call`` alone, with everything but the
-        stream fixed: called with a stream, it enqueues the call there, with
-        the same checks and errors.  Made once for the many runs of one
-        collective (a training loop's all-reduce); a backend may resolve
-        the call's arguments once.
-
-        Parameters
-        ----------
-        comm
-            The backend's communicator.
-        call
-            The collective.
-
-        Returns
-        -------
-        Callable[[Any], None]
-        """
-
-        def issue(stream: Any) -> None:
-            self.comm_group(((comm, call, stream),))
-
-        return issue
-
-    def comm_async_error(self, comm: Any) -> CommunicatorError | None:
-        """The error the communicator reported since (a peer left, NCCL failed),
-        if any.  Never blocks, never raises.
-
-        Parameters
-        ----------
-        comm
-            The backend's communicator.
-
-        Returns
-        -------
-        CommunicatorError | None
-        """
-        return None
-
-    def comm_abort(self, comm: Any) -> None:  # noqa: B027 - no communicators, nothing to do
-        """Stop the communicator's work in flight (its kernels return) and
-        refuse more; its collectives still queued return at once when
-        reached.  Frees nothing the GPU may still use: :meth:`comm_destroy`
-        does, once the runs that used it are done.  Any thread; never raises
-        (warns).
-
-        Parameters
-        ----------
-        comm
-            The backend's communicator.
-        """
-
-    def comm_destroy(self, comm: Any) -> None:  # noqa: B027
-        """Release a communicator whose work is done (aborted or not).  Never
-        raises (warns).
-
-        Parameters
-        ----------
-        comm
-            The backend's communicator.
-        """
-
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod
     def begin_capture(self, stream: Any) -> None:
@@ -891,6 +780,23 @@ class Backend(abc.ABC):
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's memory")
 
+    def launch_limits(self, device: int) -> LaunchLimits:
+        """What one launch may ask of ``device`` (grid and block dimensions,
+        threads a block, shared memory a block).  gpuflow checks every
+        launch against them when it is built, before anything is enqueued.
+        The default is an H100's; a backend of other devices says theirs.
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+
+        Returns
+        -------
+        LaunchLimits
+        """
+        return H100_LIMITS
+
     def describe_device(self, device: int) -> DeviceDescription:
         """Name, compute capability and memory of ``device``.
 
@@ -956,7 +862,7 @@ class Backend(abc.ABC):
         """
         raise UsageError(f"backend {self.name!r} keeps no record of device activity")
 
-    def update_activity_records(self) -> None:  # noqa: B027 - optional hook
+    def update_activity_records(self) -> None:
         """Append to the open records what the device finished since the last
         call, where the backend learns it only when asked (times taken by
         device events); a backend whose streams append as they run has
@@ -989,5 +895,5 @@ class Backend(abc.ABC):
             The device's ordinal.
         """
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release process-wide resources (threads) when the runtime is replaced."""

@@ -111,6 +111,24 @@ class CollectiveCall(NamedTuple):
     peer: int | None = None
 
 
+class LaunchLimits(NamedTuple):
+    """What one launch may ask of a device: the most blocks along each axis
+    of a grid, threads along each axis of a block and threads a block in
+    all, and bytes of shared memory a block (what a kernel may opt into,
+    static and dynamic together).  A launch past one of them is refused
+    before anything is enqueued."""
+
+    max_grid: tuple[int, int, int]
+    max_block: tuple[int, int, int]
+    max_threads_per_block: int
+    max_shared_memory_per_block: int
+
+
+#: An H100's (and an H200's) limits, read from the driver
+#: (``cuDeviceGetAttribute``): what ``sim`` enforces, as such a device would.
+H100_LIMITS = LaunchLimits((2**31 - 1, 65535, 65535), (1024, 1024, 64), 1024, 232448)
+
+
 class DeviceDescription(NamedTuple):
     """What ``python -m gpuflow info`` reports of one device.
 

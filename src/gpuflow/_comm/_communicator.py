@@ -230,7 +230,7 @@ class Communicator:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if exc is not None and self.busy:
+            if exc is not None and self._busy:
                 self.abort(f"its scope {ended_by(exc)} with collectives pending")
             pending = Tracked()
             for sub in list(self._last.values()):
@@ -281,11 +281,11 @@ class Communicator:
 
     # -- for the bridge: Run.comms and the completer's watchdog ------------------
     @property
-    def busy(self) -> bool:
+    def _busy(self) -> bool:
         """Collectives of it are in flight (the watchdog asks while they are)."""
         return any(not s.done for s in list(self._last.values()))
 
-    def failure(self) -> CommunicatorError | None:
+    def _failure(self) -> CommunicatorError | None:
         """The error a run that used it fails with, once it was aborted.
 
         Returns
@@ -294,7 +294,7 @@ class Communicator:
         """
         return self._error
 
-    def poll(self) -> None:
+    def _poll(self) -> None:
         """Ask the backend for an asynchronous error; abort on one.  Completer thread.
 
         Returns
@@ -328,9 +328,9 @@ class Communicator:
     def _started(self, stream: Stream, sub: Run) -> None:
         """``sub`` enqueued collectives of this communicator, ending on ``stream``."""
         self._last[stream] = sub
-        comms = sub.comms
+        comms = sub._comms
         if comms is None:
-            sub.comms = [self]
+            sub._comms = [self]
         elif self not in comms:
             comms.append(self)
 
@@ -678,10 +678,10 @@ class _Collective(DeviceOperation[Any]):
     def _p2p(self) -> bool:
         return self._what in ("send", "recv")
 
-    has_home = True
-    ordinary = False
+    _has_home = True
+    _ordinary = False
 
-    def stream_home(self, device: int) -> Stream | None:
+    def _stream_home(self, device: int) -> Stream | None:
         # the stream of the rank's previous collective, which the default
         # policy looks at first (read without the hazard lock, as the other
         # ranks' in _part_stream: a stale one is only another stream, and
@@ -704,7 +704,7 @@ class _Collective(DeviceOperation[Any]):
     def label(self) -> str:
         return self._what + (f" ({self._op})" if self._op else "")
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "kernel"
 
     # -- getting the arrays ready ------------------------------------------------------------
@@ -849,8 +849,8 @@ class _Collective(DeviceOperation[Any]):
                 writes.append((o, stream))
             call = CollectiveCall(
                 what,
-                x.allocation.buffer if read and x is not None else None,
-                None if o is None else o.allocation.buffer,
+                x._allocation.buffer if read and x is not None else None,
+                None if o is None else o._allocation.buffer,
                 count,
                 ref.dtype,
                 self._op,
@@ -889,18 +889,18 @@ class _Collective(DeviceOperation[Any]):
                 stream = _part_stream(comm, i, dev)
                 local = False
             if x is not None:
-                x.check_usable(ctx, what)
+                x._check_usable(ctx, what)
                 if read:
                     reads.append((x, stream))
             if o is not None:
                 if o is not x:
-                    o.check_usable(ctx, what)
+                    o._check_usable(ctx, what)
                 writes.append((o, stream))
             calls.append((comm, i, call, stream))
         issue = None
         if local and len(calls) == 1:  # (one rank of this process: the usual case)
             comm_, i, call, _s = calls[0]
-            issue = ctx.runtime.backend.comm_issuer(comm_._usable()[i], call)
+            issue = ctx._runtime.backend.comm_issuer(comm_._usable()[i], call)
         prepared = _Prepared(calls, reads, writes, plan.output, issue)
         if local:
             if memo is None or memo[0] is not plan or len(memo[1]) >= _MEMO_STREAMS:
@@ -931,7 +931,7 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
     def label(self) -> str:
         return f"nccl group ({len(self._ops)})"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return self._ops
 
 
@@ -940,14 +940,14 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     devices' streams back into the run's."""
     one = prepared[0].issue if len(prepared) == 1 else None
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
-    be = ctx.runtime.backend
+    be = ctx._runtime.backend
     run = ctx.run
     with hazard_lock:
         for p in prepared:
             for arr, s in p.reads:
-                arr.allocation.before_read(s, run)
+                arr._allocation.before_read(s, run)
             for arr, s in p.writes:
-                arr.allocation.before_write(s, run)
+                arr._allocation.before_write(s, run)
         # a rank runs its collectives in the order they were issued, as NCCL
         # requires of every rank (two on different streams could otherwise
         # run in one order on one rank and the other order on another): after

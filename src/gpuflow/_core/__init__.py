@@ -17,6 +17,14 @@ never its modules.
 from . import _cancel_points as cancel_points
 from ._completion import Poller as Poller
 from ._execution import ExecutionContext as ExecutionContext
+from ._facts import DeviceInfo as DeviceInfo
+from ._facts import RunInFlight as RunInFlight
+from ._facts import current_backend_object as current_backend_object
+from ._facts import current_completion_statistics as current_completion_statistics
+from ._facts import device_info as device_info
+from ._facts import graph_exec_handle as graph_exec_handle
+from ._facts import in_flight as in_flight
+from ._facts import pool_streams as pool_streams
 from ._finalizers import finalize_later as finalize_later
 from ._finalizers import run_finalized as run_finalized
 from ._handoff import Handoff as Handoff
@@ -29,6 +37,11 @@ from ._hazards import hazard_lock as hazard_lock
 from ._hazards import order_after as order_after
 from ._hazards import usable_stream as usable_stream
 from ._hazards import wait_for_uses as wait_for_uses
+from ._latency import ENCLOSING as ENCLOSING
+from ._latency import LatencyClass as LatencyClass
+from ._latency import class_here as class_here
+from ._latency import enter_class as enter_class
+from ._latency import leave_class as leave_class
 from ._loops import current_loop as current_loop
 from ._loops import interrupted as interrupted
 from ._loops import post as post
@@ -43,7 +56,6 @@ from ._operation import zip as zip
 from ._pending import PendingHost as PendingHost
 from ._pending import resolve as resolve
 from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
-from ._policy import LatencyClass as LatencyClass
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
 from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
@@ -68,6 +80,7 @@ from ._runtime import ensure_runtime as ensure_runtime
 from ._runtime import init_device_contexts as init_device_contexts
 from ._runtime import memory_stats as memory_stats
 from ._runtime import new_stream as new_stream
+from ._runtime import replace_runtime as replace_runtime
 from ._runtime import reset_device as reset_device
 from ._runtime import runtime_started as runtime_started
 from ._runtime import use_device as use_device
@@ -83,6 +96,8 @@ __all__ = [
     "Allocation",
     "CompletionStatistics",
     "DEFAULT_POLICY",
+    "ENCLOSING",
+    "DeviceInfo",
     "DeviceOperation",
     "EventPoint",
     "ExecutionContext",
@@ -93,6 +108,7 @@ __all__ = [
     "Point",
     "Poller",
     "Run",
+    "RunInFlight",
     "Runtime",
     "SchedulingPolicy",
     "SharedOperation",
@@ -104,9 +120,12 @@ __all__ = [
     "Uses",
     "LatencyClass",
     "callable_name",
+    "class_here",
     "cancel_points",
     "capture_log",
     "current_backend",
+    "current_backend_object",
+    "current_completion_statistics",
     "current_device",
     "current_device_var",
     "current_latency_class",
@@ -114,22 +133,29 @@ __all__ = [
     "current_runtime",
     "describe_stream",
     "device_count",
+    "device_info",
     "device_count_option",
     "ended_by",
     "enter_scope",
     "finalize_later",
     "ensure_runtime",
+    "enter_class",
+    "graph_exec_handle",
     "hazard_lock",
+    "in_flight",
     "init_device_contexts",
     "interrupted",
+    "leave_class",
     "leave_scope",
     "memory_stats",
     "new_stream",
+    "pool_streams",
     "order_after",
     "post",
     "latency_class",
     "stream_elsewhere",
     "refuse_blocking",
+    "replace_runtime",
     "reset_device",
     "resolve",
     "run_finalized",

@@ -84,7 +84,7 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     run = Run(device)
     ctx = ExecutionContext(rt, cap_stream, policy, run, capturing=True)
     log: dict[int, tuple[Allocation, bool]] = {}
-    lane = cap_stream.lane
+    lane = cap_stream._lane
     if lane is not None and lane.unmarked:  # (a mark cannot be enqueued while it captures)
         lane.completer.mark_owed(lane)
     token = capture_log.set(log)
@@ -114,7 +114,7 @@ def check_launch(rec: Recording[Any], ctx: ExecutionContext) -> None:
         raise UsageError(
             f"a graph captured on device {rec.device} launched on device {ctx.device}"
         )
-    if rec.runtime is not ctx.runtime or rec.generation != ctx.runtime.generation(rec.device):
+    if rec.runtime is not ctx._runtime or rec.generation != ctx._runtime.generation(rec.device):
         raise UsageError("the graph belongs to a device context that was reset or replaced")
     if ctx.capturing:
         raise UsageError("a graph launch cannot itself be captured")

@@ -110,10 +110,10 @@ class Completable(Protocol):
     is finished once the GPU has got there."""
 
     device: int
-    lane: Lane | None
-    number: int
+    _lane: Lane | None
+    _number: int
 
-    def complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
+    def _complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
         """The run's work is done (or failed with ``error``): release what it
         kept, run its callbacks, and wake the tasks parked on it, those of
         loop ``here`` (the loop running this) at once, the others added to
@@ -124,13 +124,13 @@ class Communicating(Protocol):
     """A communicator, as the completion side sees it (:class:`gpuflow.Communicator`)."""
 
     @property
-    def busy(self) -> bool:
+    def _busy(self) -> bool:
         """Collectives of it are in flight."""
 
-    def failure(self) -> BaseException | None:
+    def _failure(self) -> BaseException | None:
         """Why the runs that used it fail, once it was aborted."""
 
-    def poll(self) -> None:
+    def _poll(self) -> None:
         """Ask the backend for its asynchronous error; abort on one."""
 
     def abort(self, reason: str) -> None:
@@ -205,6 +205,11 @@ class Lane:
             self.completed >= self.issued or self.read() >= self.issued
         )
 
+    def reached(self) -> int:
+        """The last mark the GPU reached, as far as the runs it covers go: a
+        run owed a mark (``unmarked``) is not reached whatever the word says."""
+        return -1 if self.unmarked else self.read()
+
     def backlog(self) -> int:
         """Marks of the stream the GPU has not reached, the one owed
         counted (no lock)."""
@@ -238,8 +243,8 @@ class Lane:
                 number = self.issued + 1  # covered by the next mark
                 self.unmarked = True
                 error = exc
-            run.lane = self
-            run.number = number
+            run._lane = self
+            run._number = number
             runs = self.runs
             if not runs:
                 d._active[self] = None
@@ -416,7 +421,7 @@ class Poller:
             runs = lane.runs
             if not runs:
                 continue
-            first = runs[0].number
+            first = runs[0]._number
             if lane.wake_for >= first or lane.fast_for >= first:
                 continue  # one is armed already
             # (work queued behind it, its mark owed or not: a pipe would wait for it)
@@ -642,14 +647,29 @@ class Completer:
 
     def _busy(self) -> bool:
         """Work is in flight (under the lock)."""
-        return bool(self._pending or self._fd_signals or any(c.busy for c in self._comms))
+        return bool(self._pending or self._fd_signals or any(c._busy for c in self._comms))
 
     @property
     def pending(self) -> int:
         """Runs handed over whose work has not been seen to finish."""
         return self._pending
 
-    # -- completing -------------------------------------------------------------
+    def pending_by_lane(self) -> list[tuple[Lane, list[Completable]]]:
+        """Each lane with runs pending, and those runs in mark order: a
+        snapshot.  Any thread."""
+        with self._lock:
+            return [(lane, list(lane.runs)) for lane in self._active]
+
+    def unreached(self) -> int:
+        """Runs handed over whose work the GPU has not reached yet (a read of
+        each busy stream's completion word; no driver call): those pending
+        that a look now would not find done.  Any thread."""
+        count = 0
+        for lane, runs in self.pending_by_lane():
+            reached = lane.reached()
+            count += sum(run._number > reached for run in runs)
+        return count
+
     # -- awaits waiting for an idle stream ---------------------------------------
     def stream_waiters(self, device: int) -> int:
         """How many awaits wait for a stream of ``device`` to go idle (no lock)."""
@@ -703,7 +723,7 @@ class Completer:
             for lane, reached in lanes:
                 runs = lane.runs
                 n = 0
-                while runs and runs[0].number <= reached:
+                while runs and runs[0]._number <= reached:
                     done.append(runs.popleft())
                     n += 1
                 if n:
@@ -730,7 +750,7 @@ class Completer:
         backend = self._backend
         last = None  # (advance gives each lane's runs together: once a lane)
         for run in done:
-            lane = run.lane
+            lane = run._lane
             if lane is not None and lane is not last:
                 last = lane
                 backend.complete_transfers(lane.raw)
@@ -745,7 +765,7 @@ class Completer:
         complete: a wake-up only schedules its task.)"""
         posts: Posts = {}
         for run in done:
-            run.complete(error, here, posts)
+            run._complete(error, here, posts)
         if posts:
             for target, poster, fns in posts.values():
                 post(target, poster, fns)
@@ -881,7 +901,7 @@ class Completer:
             return None
         reached = lane.read()
         runs = lane.runs
-        if runs and lane.wake_for >= runs[0].number and lane.fast_for < runs[0].number:
+        if runs and lane.wake_for >= runs[0]._number and lane.fast_for < runs[0]._number:
             if reached < lane.wake_for:
                 lane.reached_at = 0.0
                 return reached  # (an earlier run of the lane may be reached)
@@ -892,10 +912,10 @@ class Completer:
 
     def _poll_comms(self) -> None:
         with self._lock:
-            comms = [c for c in self._comms if c.busy]
+            comms = [c for c in self._comms if c._busy]
         for comm in comms:
             try:
-                comm.poll()
+                comm._poll()
             except Exception as exc:  # never kills the completer
                 warnings.warn(f"gpuflow: watching {comm!r} failed: {exc!r}", stacklevel=1)
 

@@ -37,14 +37,14 @@ def to_dot(op: DeviceOperation[Any]) -> str:
     lines = ["digraph gpuflow {", "  rankdir=TB;", '  node [fontname="Helvetica"];']
 
     def visit(node: DeviceOperation[Any]) -> str:
-        key = node.dot_key()
+        key = node._dot_key()
         if key in ids:
             return ids[key]
         name = f"n{len(ids)}"
         ids[key] = name
-        style = _STYLE.get(node.kind(), _STYLE["op"])
+        style = _STYLE.get(node._kind(), _STYLE["op"])
         lines.append(f"  {name} [label={_quote(node.label())} {style}];")
-        for child in node.children():
+        for child in node._children():
             lines.append(f"  {visit(child)} -> {name};")
         return name
 

@@ -26,11 +26,10 @@ class ExecutionContext:
     thread running it.  ``device`` is the ordinal of the run's device,
     ``stream`` the :class:`gpuflow.Stream` to enqueue on, and ``run`` the
     :class:`gpuflow.lowlevel.Run` the work belongs to (what a use of an
-    array made by this work is ordered after: ``Allocation.before_read``);
-    ``runtime`` is the runtime the run belongs to.
+    array made by this work is ordered after: ``Allocation.before_read``).
     """
 
-    __slots__ = ("_capturing", "_policy", "device", "run", "runtime", "stream")
+    __slots__ = ("_capturing", "_policy", "_runtime", "device", "run", "stream")
 
     def __init__(
         self,
@@ -40,7 +39,7 @@ class ExecutionContext:
         run: Run,
         capturing: bool = False,
     ) -> None:
-        self.runtime = runtime
+        self._runtime = runtime
         self.stream = stream
         self.device = stream.device
         self._policy = policy
@@ -50,12 +49,12 @@ class ExecutionContext:
     @property
     def backend(self) -> Backend:
         """The backend the work is enqueued on."""
-        return self.runtime.backend
+        return self._runtime.backend
 
     @property
     def backend_name(self) -> str:
         """The name of the backend (``"cuda"``, ``"sim"``)."""
-        return self.runtime.backend.name
+        return self._runtime.backend.name
 
     @property
     def capturing(self) -> bool:
@@ -85,7 +84,7 @@ class ExecutionContext:
         ExecutionContext
         """
         return ExecutionContext(
-            self.runtime, stream, self._policy, self.run, self._capturing
+            self._runtime, stream, self._policy, self.run, self._capturing
         )
 
     def fork(self) -> Stream:
@@ -111,13 +110,13 @@ class ExecutionContext:
             A stream this run forked work onto (:meth:`fork`).
         """
         if other != self.stream:
-            be = self.runtime.backend
+            be = self._runtime.backend
             event = be.record_event(other.raw)
             be.wait_event(self.stream.raw, event)
             run = self.run
-            if run.arms is None:
-                run.arms = {}
-            run.arms[other.raw] = event
+            if run._arms is None:
+                run._arms = {}
+            run._arms[other.raw] = event
 
     def __repr__(self) -> str:
         return f"<gpuflow.ExecutionContext device={self.device} stream={self.stream!r}>"

@@ -54,10 +54,14 @@ class Point(Protocol):
     """Where on a stream a use of an allocation happened (a run's
     :class:`gpuflow.lowlevel.Run`, an :class:`EventPoint`)."""
 
-    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
+    def _order(self, backend: Backend, stream: Any, on: Any) -> bool:
         """Make later work on raw ``stream`` wait for this point of raw
         ``on`` (nothing where it is known to be done); False where this
         point cannot say where on ``on`` it is."""
+
+    def _wait_noted(self, on: Stream, point: Point | None) -> None:
+        """This point's work was ordered after ``point`` of ``on`` (what
+        ``gf.in_flight()`` says a run may wait for)."""
 
 
 class EventPoint:
@@ -68,18 +72,26 @@ class EventPoint:
     def __init__(self, event: Any) -> None:
         self.event = event
 
-    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
+    def _order(self, backend: Backend, stream: Any, on: Any) -> bool:
         backend.wait_event(stream, self.event)
         return True
 
+    def _wait_noted(self, on: Stream, point: Point | None) -> None:
+        pass
 
-def order_after(backend: Backend, stream: Stream, on: Stream, point: Point | None) -> None:
+
+def order_after(
+    backend: Backend, stream: Stream, on: Stream, point: Point | None, waiter: Point | None = None
+) -> None:
     """Make later work on ``stream`` wait for the use at ``point`` of ``on``
-    (for a use with no known point, for everything enqueued on ``on``)."""
+    (for a use with no known point, for everything enqueued on ``on``);
+    ``waiter``, the run whose work it is, notes the wait."""
     if on == stream:
         return
-    if point is None or not point.order(backend, stream.raw, on.raw):
-        final = on.final  # (a destroyed stream takes no new event)
+    if waiter is not None:
+        waiter._wait_noted(on, point)
+    if point is None or not point._order(backend, stream.raw, on.raw):
+        final = on._final  # (a destroyed stream takes no new event)
         backend.wait_event(stream.raw, final[0] if final else backend.record_event(on.raw))
 
 
@@ -187,7 +199,7 @@ class Allocation:
         self.ledger = ledger
         if ledger is not None:
             ledger.allocated(buffer.device, buffer.nbytes)
-        self.generation = stream.generation
+        self.generation = stream._generation
         self.writer: Stream = stream  # the allocation itself is ordered on it
         self.wrote: Point | None = point  # where on it
         self.synced: set[Stream] = {stream}  # streams already ordered after the last write
@@ -236,7 +248,7 @@ class Allocation:
                 be = self.backend
                 for ev in self.foreign.values():
                     be.wait_event(stream.raw, ev)
-                order_after(be, stream, self.writer, self.wrote)
+                order_after(be, stream, self.writer, self.wrote, run)
                 self.synced.add(stream)
             # the latest read of a stream stands for the earlier ones: its
             # point comes after them on that stream
@@ -265,7 +277,7 @@ class Allocation:
                 # output run after run), and only the point moves
                 self.wrote = run
                 return
-            wait_for_uses(self, stream)
+            wait_for_uses(self, stream, run)
             self.writer = stream
             self.wrote = run
             self.synced = {stream}
@@ -311,17 +323,17 @@ class UseState(Protocol):
     def readers(self) -> dict[Stream, Point | None]: ...
 
 
-def wait_for_uses(uses: UseState, stream: Stream) -> None:
+def wait_for_uses(uses: UseState, stream: Stream, waiter: Point | None = None) -> None:
     """Make later work on ``stream`` wait for every use ``uses`` records
-    (without making it a use).  Under :data:`hazard_lock` for a live
-    allocation."""
+    (without making it a use; ``waiter``: the run whose work waits, which
+    notes it).  Under :data:`hazard_lock` for a live allocation."""
     backend = uses.backend
     if stream not in uses.synced:
         for ev in uses.foreign.values():
             backend.wait_event(stream.raw, ev)
-        order_after(backend, stream, uses.writer, uses.wrote)
+        order_after(backend, stream, uses.writer, uses.wrote, waiter)
     for s, point in uses.readers.items():
-        order_after(backend, stream, s, point)
+        order_after(backend, stream, s, point, waiter)
 
 
 class Uses(NamedTuple):
@@ -342,7 +354,7 @@ def usable_stream(backend: Backend, stream: Stream) -> Stream:
     retirement is queued before the free: the free then goes on a live
     stream, after the same uses."""
     if backend.stream_destroyed(stream.raw):
-        return stream.runtime.pool(stream.device)[0]
+        return stream._runtime.pool(stream.device)[0]
     return stream
 
 
@@ -350,7 +362,7 @@ def _free(buffer: RawBuffer, uses: Uses) -> None:
     """Free a dropped allocation's buffer on its last writer's stream, after
     every use (an allocation's finalizer, done later: :mod:`._finalizers`)."""
     writer = uses.writer
-    rt = writer.runtime
+    rt = writer._runtime
     if not rt.current(writer):
         return  # the context is gone with its memory: leak, never dangle
     try:

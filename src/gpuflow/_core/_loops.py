@@ -97,6 +97,9 @@ class Loop(Protocol):
     #: One turn of the loop (the loop's own checkpoint: a cancelled task
     #: gets the loop's cancellation there).
     checkpoint: Callable[[], Awaitable[None]]
+    #: The task running now (the loop's own task object: an asyncio Task,
+    #: a Trio task): what ``gf.in_flight()`` names a run's waiter by.
+    current_task: Callable[[], Any]
 
     def others_ready(self) -> bool:
         """Whether another task or callback of the loop is ready to run now
@@ -172,12 +175,18 @@ def _true() -> bool:
     return True
 
 
+def _current_task_is_python() -> bool:
+    """Whether ``asyncio.current_task`` is Python code (before Python 3.12),
+    which a look into asyncio's own dictionary beats."""
+    return not isinstance(asyncio.current_task, type(len))
+
+
 def _asyncio_current_tasks() -> dict[Any, Any] | None:
     """asyncio's own dictionary of each loop's current task, where
     ``asyncio.current_task`` is Python code that reads it (a C
     ``current_task`` is as fast as the dictionary): else None."""
     current_tasks = getattr(asyncio.tasks, "_current_tasks", None)
-    if isinstance(current_tasks, dict) and not isinstance(asyncio.current_task, type(len)):
+    if isinstance(current_tasks, dict) and _current_task_is_python():
         return current_tasks
     return None
 
@@ -282,9 +291,8 @@ def _wake_future(fut: asyncio.Future[None]) -> None:
 class _Asyncio:
     __slots__ = (
         "_loop", "_new_future", "_ready", "_tells_thread", "asked", "awaiting", "call_soon",
-        "checkpoint",
-        "checkpoint_if_cancelled", "may_be_cancelled", "poller", "post", "ready_check_s",
-        "slept_cpu", "slept_waits", "target", "yielded",
+        "checkpoint", "checkpoint_if_cancelled", "current_task", "may_be_cancelled", "poller",
+        "post", "ready_check_s", "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -301,6 +309,12 @@ class _Asyncio:
         self.checkpoint_if_cancelled = _backend_checkpoint_if_cancelled()
         self.may_be_cancelled = _anyio_asyncio_scopes(loop)
         self.checkpoint: Callable[[], Awaitable[None]] = _sleep0
+        current_tasks = _asyncio_current_tasks()
+        self.current_task: Callable[[], Any] = (
+            functools.partial(asyncio.current_task, loop)
+            if current_tasks is None
+            else functools.partial(current_tasks.get, loop)
+        )
         self.call_soon: Callable[[Call], object] = loop.call_soon
         self.post: Callable[[Call], object] = loop.call_soon_threadsafe
         # asyncio's own create_future is a Python call that makes a Future:
@@ -326,7 +340,12 @@ class _Asyncio:
         if self._tells_thread:  # (asyncio's own loops; uvloop keeps these in C)
             paths["asyncio's loop keeps its thread"] = hasattr(self._loop, "_thread_id")
             paths["asyncio's loop keeps its ready callbacks"] = self._ready is not None
-            paths["asyncio's dictionary of current tasks"] = _asyncio_current_tasks() is not None
+            if _current_task_is_python():
+                # (from Python 3.12 it is C code, as fast as the dictionary:
+                # the public call is the fast way there, and no path is needed)
+                paths["asyncio's dictionary of current tasks"] = (
+                    _asyncio_current_tasks() is not None
+                )
         return paths
 
     wake = staticmethod(_wake_future)
@@ -457,9 +476,9 @@ def _trio_run_queue() -> Sized | None:
 class _Trio:
     __slots__ = (
         "_ended", "_runq", "_statistics", "_token", "_trap", "_trio", "asked", "awaiting",
-        "call_soon",
-        "checkpoint", "checkpoint_if_cancelled", "may_be_cancelled", "poller", "post",
-        "ready_check_s", "slept_cpu", "slept_waits", "target", "yielded",
+        "call_soon", "checkpoint", "checkpoint_if_cancelled", "current_task",
+        "may_be_cancelled", "poller", "post", "ready_check_s", "slept_cpu", "slept_waits",
+        "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
@@ -483,6 +502,7 @@ class _Trio:
             trio.lowlevel.checkpoint_if_cancelled
         )
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
+        self.current_task: Callable[[], Any] = trio.lowlevel.current_task
         self.may_be_cancelled: Callable[[], bool] = _trio_task_cancelled(trio)
         self._token = trio.lowlevel.current_trio_token
         self.target = token = trio.lowlevel.current_trio_token()
@@ -680,3 +700,10 @@ def current_loop() -> Loop:
     if loop is None or loop.target is not target:  # (its adapter is made once)
         loop = _found[ident] = _Trio(trio) if trio is not None else _Asyncio(target)
     return loop
+
+
+def task_name(task: Any) -> str:
+    """A task's name as its loop keeps it (asyncio's ``get_name()``, Trio's
+    ``name``)."""
+    get_name = getattr(task, "get_name", None)
+    return str(get_name() if callable(get_name) else getattr(task, "name", task))

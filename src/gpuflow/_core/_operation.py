@@ -315,18 +315,18 @@ class DeviceOperation(Generic[T]):
 
     # -- for the run path ----------------------------------------------------------------
     #: nothing about it takes an ``await`` off the straight line (an
-    #: operation that sets :attr:`has_home` says False): see
+    #: operation that sets :attr:`_has_home` says False): see
     #: ``_run.await_run``
-    ordinary = True
+    _ordinary = True
     #: where its work was prepared once (a launch whose arguments are final):
     #: the device context's life it is valid in (``Stream.life``), and the
     #: call that enqueues it on a raw stream of that context; else None
-    direct: tuple[object, Callable[[Any], None]] | None = None
+    _direct: tuple[object, Callable[[Any], None]] | None = None
 
-    #: an ``await`` of it alone asks :meth:`stream_alone` where it completes
-    awaited_alone = False
+    #: an ``await`` of it alone asks :meth:`_stream_alone` where it completes
+    _awaited_alone = False
 
-    def stream_alone(self) -> Stream | None:
+    def _stream_alone(self) -> Stream | None:
         """Where an ``await`` of this operation alone completes, whatever the
         lease or the policy (None: it runs where they say, as any run).
         Such a run does not execute: nothing is enqueued but its completion
@@ -339,10 +339,10 @@ class DeviceOperation(Generic[T]):
         """
         return None
 
-    #: a run of it under the default policy asks :meth:`stream_home` first
-    has_home = False
+    #: a run of it under the default policy asks :meth:`_stream_home` first
+    _has_home = False
 
-    def output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> np.dtype[Any] | None:
         """The dtype of the :class:`DeviceArray` every run of this operation
         produces, where that is known before it runs (None: not known, or
         not an array): a launch taking the operation as an argument checks
@@ -354,7 +354,7 @@ class DeviceOperation(Generic[T]):
         """
         return None
 
-    def stream_home(self, device: int) -> Stream | None:
+    def _stream_home(self, device: int) -> Stream | None:
         """The stream of ``device`` the default policy looks at first for a
         run of this operation, taking it where it is free (None: none).
 
@@ -413,7 +413,7 @@ class DeviceOperation(Generic[T]):
         """
         return type(self).__name__.lstrip("_")
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         """The operations this one runs (a combinator's parts): the edges of
         :meth:`to_dot`.
 
@@ -423,7 +423,7 @@ class DeviceOperation(Generic[T]):
         """
         return ()
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         """What kind of node it is in :meth:`to_dot` (its shape).
 
         Returns
@@ -432,7 +432,7 @@ class DeviceOperation(Generic[T]):
         """
         return "op"
 
-    def dot_key(self) -> int:
+    def _dot_key(self) -> int:
         """Operations with one key are one node of the picture.
 
         Returns
@@ -552,7 +552,7 @@ class _Then(DeviceOperation[U]):
             op = op._op
         out: Any = op.execute(ctx)
         stream = ctx.stream
-        life, raw = stream.life, stream.raw
+        life, raw = stream._life, stream.raw
         for fn in reversed(fns):
             if out is not None and is_pending(out):
                 raise UsageError(
@@ -565,7 +565,7 @@ class _Then(DeviceOperation[U]):
                     f"then: {callable_name(fn)} must return a DeviceOperation, returned "
                     f"{type(nxt).__name__} (use .map() for a host-side transform)"
                 )
-            direct = nxt.direct
+            direct = nxt._direct
             if direct is not None and direct[0] is life:
                 direct[1](raw)  # (a launch prepared once: a chain's usual step)
                 out = None
@@ -576,10 +576,10 @@ class _Then(DeviceOperation[U]):
     def label(self) -> str:
         return f"then {callable_name(self._fn)}"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "then"
 
 
@@ -599,10 +599,10 @@ class _Map(DeviceOperation[U]):
     def label(self) -> str:
         return f"map {callable_name(self._fn)}"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "map"
 
 
@@ -644,10 +644,10 @@ class _Zip(DeviceOperation[tuple[Any, ...]]):
     def label(self) -> str:
         return f"zip ({len(self._ops)})"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return self._ops
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "join"
 
 
@@ -753,19 +753,19 @@ class SharedOperation(DeviceOperation[T]):
             ctx.backend.wait_event(ctx.stream.raw, st.event)
         return st.output  # type: ignore[return-value]
 
-    def output_dtype(self) -> np.dtype[Any] | None:
-        return self._state.source.output_dtype()
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        return self._state.source._output_dtype()
 
     def label(self) -> str:
         return "shared"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._state.source,)
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "shared"
 
-    def dot_key(self) -> int:
+    def _dot_key(self) -> int:
         return id(self._state)
 
 
@@ -797,7 +797,7 @@ class _Pick(DeviceOperation[Any]):
     def label(self) -> str:
         return f"{self._what} [{self._index}]"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._op,)
 
 
@@ -876,5 +876,5 @@ class _GraphLaunch(DeviceOperation[T]):
     def label(self) -> str:
         return f"graph launch ({self._graph.nodes} nodes)"
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "kernel"

@@ -12,13 +12,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from .._errors import UsageError
-from ._runtime import CURRENT, MAX_POOL_STREAMS, busy_poll_s, ensure_runtime, new_stream
+from ._latency import (
+    ENCLOSING,
+    LatencyClass,
+    class_here,
+    current_class_var,
+    enter_class,
+    leave_class,
+)
+from ._runtime import CURRENT, MAX_POOL_STREAMS, ensure_runtime, new_stream
 from ._stream import Stream
-from ._unusual import UNUSUAL
 
 
 @runtime_checkable
@@ -327,28 +333,6 @@ DEFAULT_POLICY = StreamPoolLeastLoaded()
 # a run never waits behind a busy pool of another level.
 
 
-class LatencyClass(NamedTuple):
-    """What :func:`latency_class` sets for the runs a task starts."""
-
-    #: stream priority: 0 the default, higher more urgent
-    priority: int = 0
-    #: the name of the reserved SMs its runs use (None: the SMs none reserved)
-    sms: str | None = None
-    #: its busy-poll budget in microseconds (None: the runtime's)
-    busy_poll_us: float | None = None
-
-
-#: The class of the runs the current task starts (None: the default class,
-#: which the runs on the straight line of an await are).
-current_class_var: ContextVar[LatencyClass | None] = ContextVar(
-    "gpuflow_latency_class", default=None
-)
-
-#: The busy-poll budget in seconds of that class (None: the runtime's), as
-#: each run started takes it
-current_poll_var: ContextVar[float | None] = ContextVar("gpuflow_poll_s", default=None)
-
-
 class AtLevel:
     """``policy`` (the default policy) at one level: what a run's ``zip``
     arms fork with inside :func:`latency_class`."""
@@ -368,19 +352,12 @@ class AtLevel:
         return f"{self._policy!r} at priority {self._priority}{sms}"
 
 
-class _Enclosing:
-    """What a :func:`latency_class` argument left out is: the enclosing class's."""
-
-    def __repr__(self) -> str:
-        return "<the enclosing class's>"
-
-
-_UNSET: Any = _Enclosing()
-
-
 @contextmanager
 def latency_class(
-    *, priority: int = _UNSET, sms: str | None = _UNSET, busy_poll_us: float | None = _UNSET
+    *,
+    priority: int = ENCLOSING,
+    sms: str | None = ENCLOSING,
+    busy_poll_us: float | None = ENCLOSING,
 ) -> Iterator[LatencyClass]:
     """Run the work started in the block as one latency class.
 
@@ -440,26 +417,13 @@ def latency_class(
     gpuflow.UsageTypeError
         ``priority`` is not an int, or ``sms`` not a str.
     """
-    outer = current_class_var.get() or LatencyClass()
-    cls = LatencyClass(
-        outer.priority if priority is _UNSET else priority,
-        outer.sms if sms is _UNSET else sms,
-        outer.busy_poll_us if busy_poll_us is _UNSET else busy_poll_us,
-    )
     rt = ensure_runtime()
-    for device in rt.devices:
-        rt.check_priority(device, cls.priority)
-        rt.check_sms(device, cls.sms)
-    poll_s = None if cls.busy_poll_us is None else busy_poll_s(cls.busy_poll_us)
-    token = current_class_var.set(cls)
-    run_poll_token = current_poll_var.set(poll_s)
-    UNUSUAL.begin()  # (runs take the long path, which asks the class)
+    cls = class_here(priority, sms, busy_poll_us)
+    entered = enter_class(cls, rt, rt.devices)
     try:
         yield cls
     finally:
-        UNUSUAL.end()
-        current_poll_var.reset(run_poll_token)
-        current_class_var.reset(token)
+        leave_class(entered)
 
 
 def stream_elsewhere(device: int, prefer: Stream | None = None) -> Stream:

@@ -47,17 +47,11 @@ from .._errors import UsageError, UsageTypeError
 from . import _cancel_points, _finalizers, _trace
 from ._completion import BusyPoll, Communicating, Lane
 from ._execution import ExecutionContext
-from ._hazards import capture_log, refuse_in_capture
+from ._hazards import Point, capture_log, refuse_in_capture
+from ._latency import current_class_var, current_poll_var
 from ._loops import Loop, Posts, current_loop, refuse_blocking
 from ._pending import has_map, is_pending, resolve
-from ._policy import (
-    DEFAULT_POLICY,
-    AtLevel,
-    SchedulingPolicy,
-    StreamPoolLeastLoaded,
-    current_class_var,
-    current_poll_var,
-)
+from ._policy import DEFAULT_POLICY, AtLevel, SchedulingPolicy, StreamPoolLeastLoaded
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._stream import Stream
 from ._unusual import UNUSUAL
@@ -102,30 +96,39 @@ class Run:
     """
 
     __slots__ = (
-        "_keep", "arms", "comms", "device", "done", "error", "lane", "more_parked", "number",
-        "on_done", "parked", "parked_loop", "poll_s",
+        "_arms", "_comms", "_keep", "_lane", "_more_parked", "_number", "_on_done", "_parked",
+        "_parked_loop", "_poll_s", "_since", "_task", "_waits", "_what", "device", "done",
+        "error",
     )  # fmt: skip
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, what: object = None) -> None:
         self.device = device
+        #: what runs (its operation, or what gpuflow runs for itself), and
+        #: since when, for gf.in_flight(): dropped once done
+        self._what = what
+        self._since = time.monotonic()
+        #: the task that waits for it, once one parks or polls (gf.in_flight())
+        self._task: Any = None
+        #: the other streams' points its work was ordered after (gf.in_flight())
+        self._waits: list[tuple[Stream, Point | None]] | None = None
         #: the communicators whose collectives the run enqueued: a run that
         #: one of them aborted before it was seen done failed
-        self.comms: list[Communicating] | None = None
+        self._comms: list[Communicating] | None = None
         self._keep: list[object] | None = None  # (made for the first object kept)
         self.done = False
         self.error: BaseException | None = None
         #: the task parked on the run first, what its loop wakes and that
         #: loop (two slots, not a pair: an await in flight makes no object
         #: for it), and any others
-        self.parked: Any = None
-        self.parked_loop: Loop | None = None
-        self.more_parked: list[Waiter] | None = None
-        self.on_done: list[Callable[[BaseException | None], None]] | None = None
-        self.lane: Lane | None = None
-        self.number = 0
-        self.arms: dict[Any, Any] | None = None
+        self._parked: Any = None
+        self._parked_loop: Loop | None = None
+        self._more_parked: list[Waiter] | None = None
+        self._on_done: list[Callable[[BaseException | None], None]] | None = None
+        self._lane: Lane | None = None
+        self._number = 0
+        self._arms: dict[Any, Any] | None = None
         #: its latency class's busy-poll budget in seconds (None: the runtime's)
-        self.poll_s: float | None = None
+        self._poll_s: float | None = None
 
     def reached(self) -> bool:
         """Whether the run's work is known to be done (seen done, or its mark
@@ -137,10 +140,10 @@ class Run:
         """
         if self.done:
             return True
-        lane = self.lane
-        return lane is not None and lane.read() >= self.number
+        lane = self._lane
+        return lane is not None and lane.read() >= self._number
 
-    def order(self, backend: Backend, stream: Any, on: Any) -> bool:
+    def _order(self, backend: Backend, stream: Any, on: Any) -> bool:
         """As a hazard point: make later work on raw ``stream`` wait for this
         run's work on raw ``on``: nothing once it is known done, its mark on
         its own stream, the join event of a ``zip`` arm on another; False
@@ -161,24 +164,38 @@ class Run:
         """
         if self.done:
             return True
-        lane = self.lane
+        lane = self._lane
         if lane is None:
             # still being enqueued: where its work on ``on`` ends is not known
             # yet (an arm's join event so far may precede later work there)
             return False
         if lane.raw is on:
-            if lane.read() < self.number:
-                if lane.unmarked and self.number > lane.issued:
+            if lane.read() < self._number:
+                if lane.unmarked and self._number > lane.issued:
                     lane.completer.mark_owed(lane)  # (else nothing may write it soon)
-                backend.wait_mark(stream, on, self.number)
+                backend.wait_mark(stream, on, self._number)
             return True
-        arms = self.arms
+        arms = self._arms
         if arms is not None:
             event = arms.get(on)
             if event is not None:
                 backend.wait_event(stream, event)
                 return True
         return False
+
+    def _wait_noted(self, on: Stream, point: Point | None) -> None:
+        """Its work was ordered after ``point`` of ``on`` (a hazard): what
+        gf.in_flight() says it may wait for."""
+        waits = self._waits
+        if waits is None:
+            self._waits = [(on, point)]
+        else:
+            waits.append((on, point))
+
+    def __repr__(self) -> str:
+        what = "" if self._what is None else f" of {self._what!r}"
+        state = "done" if self.done else f"in flight {time.monotonic() - self._since:.3f} s"
+        return f"<gpuflow.lowlevel.Run{what} on device {self.device}, {state}>"
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
         """Call ``fn(error)`` once, on the thread that sees the work done (the
@@ -193,9 +210,9 @@ class Run:
         """
         with _callbacks_lock:
             if not self.done:
-                if self.on_done is None:
-                    self.on_done = []
-                self.on_done.append(fn)
+                if self._on_done is None:
+                    self._on_done = []
+                self._on_done.append(fn)
                 return
         fn(self.error)
 
@@ -222,7 +239,7 @@ class Run:
             keep.extend(objs)
 
     # -- completion (called by whoever saw the work done: ``_completion``) --------------------
-    def complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
+    def _complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
         """The run's work is done (or failed with ``error``): release what it
         kept, run its callbacks (a failure in one is a warning), and wake the
         tasks parked on it: those of loop ``here`` (the loop running this)
@@ -238,16 +255,16 @@ class Run:
         posts
             Where wake-ups of other loops' tasks are gathered.
         """
-        if error is None and self.comms is not None:
-            for comm in self.comms:
-                error = comm.failure()
+        if error is None and self._comms is not None:
+            for comm in self._comms:
+                error = comm._failure()
                 if error is not None:
                     break
         self.error = error
-        self._keep = None
+        self._keep = self._what = self._waits = self._task = None
         with _callbacks_lock:  # a callback added meanwhile runs once, here or there
             self.done = True
-            callbacks, self.on_done = self.on_done, None
+            callbacks, self._on_done = self._on_done, None
         if callbacks is not None:
             for fn in callbacks:
                 try:
@@ -255,11 +272,11 @@ class Run:
                 except BaseException as exc:  # never into the completer thread
                     warnings.warn(f"gpuflow: a completion callback raised {exc!r}", stacklevel=1)
         # (no task parks once done is set: who parked is fixed now)
-        park = self.parked
+        park = self._parked
         if park is None:
             return
-        loop, more = self.parked_loop, self.more_parked
-        self.parked = self.parked_loop = self.more_parked = None
+        loop, more = self._parked_loop, self._more_parked
+        self._parked = self._parked_loop = self._more_parked = None
         while loop is not None:
             target = loop.target
             if target is here:
@@ -391,13 +408,13 @@ def _pending_after_spin(run: Run, loop: Loop, lane: Lane) -> bool:
     would reach the GPU one at a time).  The caller asks that first, from
     ``loop.awaiting``."""
     d = lane.completer
-    limit = min(INLINE_SPIN_S, d.busy_poll_s if run.poll_s is None else run.poll_s)
+    limit = min(INLINE_SPIN_S, d.busy_poll_s if run._poll_s is None else run._poll_s)
     if limit <= 0 or d.others_polled(loop):
         return False
     if lane.unmarked:  # (a run's mark failed: the next one covers it)
         d.mark_owed(lane)
     read = lane.read
-    number = run.number
+    number = run._number
     clock = time.perf_counter
     deadline = clock() + limit
     reached = read()
@@ -423,10 +440,11 @@ def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]
     the run stays pending, and the completer thread takes it over
     ``LOOP_STALL_S`` after the last turn that read its word."""
     d = lane.completer
+    run._task = loop.current_task()
     clock = time.monotonic
     busy = BusyPoll()
     now = clock()
-    busy.start(now, d.busy_poll_s if run.poll_s is None else run.poll_s)
+    busy.start(now, d.busy_poll_s if run._poll_s is None else run._poll_s)
     lane.polled_until = busy.held_until(now)
     checkpoint = loop.checkpoint
     while True:
@@ -460,10 +478,11 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
     loop.awaiting += 1
     try:
         if mark_on is not None and not alone:
-            park = run.parked = loop.park()
-            run.parked_loop = loop
+            park = run._parked = loop.park()
+            run._parked_loop = loop
+            run._task = loop.current_task()
             mark_on.submit(run)
-            mark_on.completer.poll_on(loop, mark_on, run.poll_s)
+            mark_on.completer.poll_on(loop, mark_on, run._poll_s)
             loop.yielded = _PARKED
             yield from park.__await__()
         else:
@@ -478,8 +497,8 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
 
 def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None]:
     """:func:`_wait` of a marked run: read its word while alone, then park."""
-    lane = run.lane
-    budget = run.poll_s  # the busy poll left to the loop's poller: all of it
+    lane = run._lane
+    budget = run._poll_s  # the busy poll left to the loop's poller: all of it
     if alone and not run.done and lane is not None:
         # (before a waiter is registered: finished here, nobody is woken)
         if _pending_after_spin(run, loop, lane) and not run.done:
@@ -507,15 +526,16 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
         # us, and we must not wait
         parked = not run.done
         if parked:
-            if run.parked is None:
-                run.parked, run.parked_loop = park, loop
-            elif run.more_parked is None:
-                run.more_parked = [(loop, park)]
+            if run._parked is None:
+                run._parked, run._parked_loop = park, loop
+            elif run._more_parked is None:
+                run._more_parked = [(loop, park)]
             else:
-                run.more_parked.append((loop, park))
+                run._more_parked.append((loop, park))
     if not parked:
         yield from anyio.lowlevel.checkpoint().__await__()
         return
+    run._task = loop.current_task()
     if lane is not None:
         lane.completer.poll_on(loop, lane, budget)
     loop.yielded = _PARKED
@@ -526,12 +546,16 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
 
 
 class Scope(Protocol):
-    """A structured scope that tracks the runs started inside it."""
+    """A structured scope that tracks the runs started inside it (gpuflow's
+    own: stream leases and device groups)."""
 
-    def track(self, run: Run) -> None: ...
+    def _track(self, run: Run) -> None:
+        """Wait for ``run`` at the scope's exit: a run started inside it."""
 
     @property
-    def stream(self) -> Stream | None: ...
+    def _pinned(self) -> Stream | None:
+        """The stream every run started inside stays on (a stream lease's),
+        or None."""
 
 
 #: The scopes the current task runs in, innermost last.
@@ -621,13 +645,13 @@ def _choose(
     (:func:`_idle_stream`)."""
     if policy is None:
         for scope in reversed(current_scopes.get()):
-            s = scope.stream
+            s = scope._pinned
             # a lease of another device does not apply (a device group's child)
             if s is not None and s.device == device:
                 return s, _Pinned(s)
         policy = DEFAULT_POLICY
     if isinstance(policy, StreamPoolLeastLoaded):
-        home = op.stream_home(device) if op.has_home else None
+        home = op._stream_home(device) if op._has_home else None
         cls = current_class_var.get()
         if cls is not None and (cls.priority or cls.sms is not None):
             # (a level's pool: no await waits for one of its streams)
@@ -651,7 +675,7 @@ async def _idle_stream(
     enqueued yet).  The first in turn looks again at least every
     ``stall_s`` seconds, whoever was to say that a stream went idle."""
     d = ensure_runtime().completer
-    home = op.stream_home(device) if op.has_home else None
+    home = op._stream_home(device) if op._has_home else None
     ticket = d.wait_for_stream(device)
     used = False
     try:
@@ -691,14 +715,14 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
     scopes the task runs in track from now on."""
     if capture_log.get() is not None:
         refuse_in_capture(_RunName(op))
-    rt = stream.runtime
+    rt = stream._runtime
     rt.check_startable(stream)
     if _finalizers.queue:  # frees of arrays dropped since the last run
         _finalizers.run_finalized()
-    run = Run(stream.device)
-    run.poll_s = current_poll_var.get()
+    run = Run(stream.device, op)
+    run._poll_s = current_poll_var.get()
     for scope in current_scopes.get():
-        scope.track(run)
+        scope._track(run)
     return rt, run
 
 
@@ -732,7 +756,7 @@ def _sync(
     traced = _traced(op, "sync", stream, run) if _trace.active else None
     # a blocking run is never handed to the completer: count it on its
     # stream, so that the default policy sees that stream as busy meanwhile
-    stream.begin_blocking()
+    stream._begin_blocking()
     try:
         out = _sync_run(op, stream, run, ctx, traced)
     except BaseException as exc:
@@ -740,8 +764,8 @@ def _sync(
             traced.ended(exc)
         raise
     finally:
-        stream.end_blocking()
-        stream.runtime.completer.stream_freed(stream.device)
+        stream._end_blocking()
+        stream._runtime.completer.stream_freed(stream.device)
     if traced is not None:
         traced.ended(None)
     return out
@@ -754,7 +778,7 @@ def _sync_run(
     ctx: ExecutionContext,
     traced: _trace.TracedRun | None,
 ) -> Any:
-    completer = stream.runtime.completer
+    completer = stream._runtime.completer
     try:
         out = op.execute(ctx)
     except BaseException:
@@ -843,19 +867,19 @@ def await_run(
     stream alone (``gf.wait_stream(s)``) takes a line of its own beside it:
     its run is marked on that stream, and enqueues nothing else.  Anything
     else takes :func:`_await_long`."""
-    if UNUSUAL.n or policy is not None or not op.ordinary or _finalizers.queue:
+    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:
         return (yield from _await_long(op, policy))
     loop = current_loop()
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         yield from loop.checkpoint_if_cancelled().__await__()
     rt = CURRENT.runtime or ensure_runtime()
-    home = op.stream_alone() if op.awaited_alone else None
+    home = op._stream_alone() if op._awaited_alone else None
     if home is not None:
         # another library's stream: nothing is enqueued but the run's mark there
         if not rt.startable(home):
             return (yield from _await_long(op, policy, loop))
-        run = Run(home.device)
+        run = Run(home.device, op)
         run.hold((op,))  # (what it names is used until the mark is reached)
         _submit_foreign(rt, home, run)
         yield from _wait(run, loop)
@@ -866,13 +890,13 @@ def await_run(
     stream = None if rt.completer.waiting else DEFAULT_POLICY.idle_stream(device)
     if stream is None or not rt.startable(stream):
         return (yield from _await_long(op, policy, loop))
-    run = Run(device)
+    run = Run(device, op)
     out: Any = None
-    direct = op.direct
-    lane = stream.lane
+    direct = op._direct
+    lane = stream._lane
     assert lane is not None  # (every pool stream has one)
     try:
-        if direct is not None and direct[0] is stream.life:
+        if direct is not None and direct[0] is stream._life:
             direct[1](stream.raw)  # (prepared once: a launch with its arguments final)
         else:
             out = op.execute(ExecutionContext(rt, stream, DEFAULT_POLICY, run))
@@ -904,7 +928,7 @@ def _await_long(
     # an operation that waits for another library's stream and does nothing
     # else completes on that stream itself: no stream of ours waits for it,
     # and nothing is enqueued but the run's mark there
-    home = op.stream_alone() if op.awaited_alone else None
+    home = op._stream_alone() if op._awaited_alone else None
     if home is not None:
         rt, run = _begin(op, home)
         run.hold((op,))  # (as on the straight line: used until the mark is reached)
@@ -947,9 +971,9 @@ def _await_long(
     except BaseException as exc:
         if traced is not None:
             traced.ended(exc)
-        if run.comms is not None and not run.done:
+        if run._comms is not None and not run.done:
             # a collective left behind may wait for its peers for ever: abort
-            for comm in run.comms:
+            for comm in run._comms:
                 comm.abort(f"the await of {op!r} {ended_by(exc)} before its collectives did")
         raise
     if traced is not None:

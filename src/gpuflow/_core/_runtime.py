@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import os
 import sys
 import threading
 import warnings
@@ -25,6 +24,12 @@ from .._errors import DeviceFaultError, UsageError, UsageTypeError
 from ._completion import Completer
 from ._finalizers import finalize_later, run_finalized, start_reaper
 from ._hazards import MemoryLedger
+from ._latency import (
+    DEFAULT_BUSY_POLL_US,
+    ENCLOSING,
+    busy_poll_s,
+    class_here,
+)
 from ._stream import Stream
 
 #: The device current in this task or thread (None: the runtime's default):
@@ -40,33 +45,6 @@ MAX_POOL_STREAMS = 32
 MAX_FOREIGN_STREAMS = 1024
 #: streams known by handle before the first sweep of dead ones
 _SWEEP_HANDLES_AT = 256
-#: How long an event loop with runs pending polls the GPU's completion words
-#: before it arms a wake-up and sleeps (see ``init_device_contexts``).
-DEFAULT_BUSY_POLL_US = 200.0
-BUSY_POLL_ENV = "GPUFLOW_BUSY_POLL_US"
-
-
-def busy_poll_s(busy_poll_us: float | None) -> float:
-    """The busy-poll budget in seconds: the argument, else the environment's, else the default."""
-    where = "busy_poll_us"
-    if busy_poll_us is None:
-        env = os.environ.get(BUSY_POLL_ENV)
-        if env is None or not env.strip():
-            return DEFAULT_BUSY_POLL_US / 1e6
-        where = BUSY_POLL_ENV
-        try:
-            busy_poll_us = float(env)
-        except ValueError:
-            raise UsageError(
-                f"{BUSY_POLL_ENV}={env!r} is not a number of microseconds"
-            ) from None
-    if isinstance(busy_poll_us, bool) or not isinstance(busy_poll_us, int | float):
-        raise UsageError(f"{where} must be a number of microseconds, not {busy_poll_us!r}")
-    if not 0 <= busy_poll_us < float("inf"):
-        raise UsageError(f"{where} must be 0 (no polling) or more microseconds, not {busy_poll_us}")
-    return float(busy_poll_us) / 1e6
-
-
 class Runtime:
     """Backend, devices and stream pools.  Internal: reach it through the API."""
 
@@ -180,7 +158,7 @@ class Runtime:
     def adopt(self, device: int, raw: Any, priority: int = 0, sms: str | None = None) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
         s = Stream(self, device, raw, self.generation(device), self._lives[device], priority, sms)
-        s.lane = self.completer.lane(raw, device)
+        s._lane = self.completer.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
         except Exception:  # a backend without handles: no other library can name it
@@ -197,7 +175,7 @@ class Runtime:
     def foreign_stream(self, raw: Any, device: int) -> Stream:
         """The :class:`Stream` of another library's backend stream ``raw``."""
         s = self._foreign.get(raw)
-        if s is not None and s.life is self._lives.get(device):
+        if s is not None and s._life is self._lives.get(device):
             return s
         with self._handles_lock:
             if len(self._foreign) >= MAX_FOREIGN_STREAMS:
@@ -207,7 +185,7 @@ class Runtime:
             s = self._foreign[raw] = Stream(
                 self, device, raw, self.generation(device), self._lives[device]
             )
-            s.lane = self.completer.lane(raw, device)
+            s._lane = self.completer.lane(raw, device)
         return s
 
     def own_streams(self) -> list[Stream]:
@@ -215,6 +193,17 @@ class Runtime:
         with self._handles_lock:
             refs = list(self._by_handle.values())
         return [s for s in (ref() for ref in refs) if s is not None]
+
+    def stream_of(self, raw: Any) -> Stream | None:
+        """The :class:`Stream` of backend stream ``raw`` (gpuflow's own, or
+        another library's used so far), if one is known."""
+        s = self._foreign.get(raw)
+        if s is not None:
+            return s
+        try:
+            return self.stream_by_handle(self.backend.stream_handle(raw))
+        except Exception:  # (a backend without handles, a destroyed stream)
+            return None
 
     def stream_by_handle(self, handle: int) -> Stream | None:
         """gpuflow's own live stream with ``handle`` (``__cuda_stream__``), if any."""
@@ -224,11 +213,11 @@ class Runtime:
     def current(self, stream: Stream) -> bool:
         """Whether ``stream`` belongs to this runtime, live, and to its
         device's context as it is now (not one a reset replaced)."""
-        return self.live and stream.life is self._lives.get(stream.device)
+        return self.live and stream._life is self._lives.get(stream.device)
 
     def is_interop(self, stream: Stream) -> bool:
         """Whether ``stream`` is a device's interop stream (never makes one)."""
-        return self._interop.get((stream.device, stream.generation)) is stream
+        return self._interop.get((stream.device, stream._generation)) is stream
 
     def interop_stream(self, device: int) -> Stream:
         """The private stream of ``device`` on which other libraries' arrays arrive.
@@ -253,6 +242,11 @@ class Runtime:
                 return s
         self.backend.destroy_stream(made.raw)  # another thread made it first
         return s
+
+    def rest_partition(self, device: int) -> Any:
+        """The partition of ``device``'s SMs that reserve_sms left to the
+        other streams, or None where none are reserved."""
+        return self._rest.get(device)
 
     def generation(self, device: int) -> int:
         return self._generations.get(device, 0)
@@ -364,7 +358,7 @@ class Runtime:
             state is not None
             and state.fault is None
             and self.live
-            and stream.life is self._lives[stream.device]
+            and stream._life is self._lives[stream.device]
         )
 
     def check_startable(self, stream: Stream) -> None:
@@ -376,7 +370,7 @@ class Runtime:
             state is not None
             and state.fault is None
             and self.live
-            and stream.life is self._lives[device]
+            and stream._life is self._lives[device]
         ):
             return
         if not self.current(stream):
@@ -474,10 +468,13 @@ def init_device_contexts(
 
     The first use of gpuflow without this call makes the runtime with the
     defaults.  Calling it again replaces the runtime: arrays and streams
-    made before belong to the old one.
-
-    Not to be raced with runs in other threads: the runtime it replaces is
-    closed.
+    made before belong to the old one, and are refused from then on.  It
+    replaces a runtime at rest only: while runs of the current one are in
+    flight on the GPU (an await in progress, a run started and not yet
+    done, work a cancelled await left running), it raises a
+    :class:`UsageError` and changes nothing, since the streams and memory
+    they use would go with it.  Not to be raced with runs started in other
+    threads meanwhile.
 
     Parameters
     ----------
@@ -528,7 +525,8 @@ def init_device_contexts(
         An argument out of range (each names the one), a backend name
         (given, or in ``GPUFLOW_BACKEND``) that is no backend's, or SMs to
         reserve that the device does not have, or on a backend or driver
-        that cannot reserve them (never a set-up that reserves nothing).
+        that cannot reserve them (never a set-up that reserves nothing);
+        runs of the current runtime in flight (the message counts them).
     gpuflow.DeviceError
         The backend could not be started.
 
@@ -542,6 +540,25 @@ def init_device_contexts(
         reference without a word.  With no driver at all the choice is only
         logged.
     """
+    _refuse_with_runs_in_flight()
+    return replace_runtime(
+        default_device, num_devices, streams_per_device, backend,
+        busy_poll_us=busy_poll_us, reserve_sms=reserve_sms,
+    )  # fmt: skip
+
+
+def replace_runtime(
+    default_device: int = 0,
+    num_devices: int | None = None,
+    streams_per_device: int = 4,
+    backend: str | Backend = "auto",
+    *,
+    busy_poll_us: float | None = None,
+    reserve_sms: Mapping[str, int] | None = None,
+) -> str:
+    """:func:`init_device_contexts`, whatever is in flight on the runtime it
+    replaces (that runtime is closed: its runs in flight are abandoned, as
+    the pytest plugin does after a test that failed to end at rest)."""
     poll_s = busy_poll_s(busy_poll_us)
     if not isinstance(streams_per_device, int) or streams_per_device < 1:
         raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
@@ -573,6 +590,23 @@ def init_device_contexts(
     if old is not None:
         old.close(backend=old.backend is not be)
     return be.name
+
+
+def _refuse_with_runs_in_flight() -> None:
+    """A runtime is replaced only at rest: its streams and memory go with it,
+    and a run still in flight on them would be abandoned (its await never
+    told, what it keeps released under running work)."""
+    old = CURRENT.runtime
+    if old is None or not old.live:
+        return
+    run_finalized()  # (frees of dropped arrays: runs of their own, done soon)
+    pending = old.completer.unreached()
+    if pending:
+        raise UsageError(
+            f"init_device_contexts() with {pending} run(s) of the current runtime still "
+            "in flight: its streams and memory go with it. Await them, or leave the scopes "
+            "that started them, first (gf.testing.pending_runs() counts them)"
+        )
 
 
 def _check_reserve(reserve_sms: Mapping[str, int] | None) -> dict[str, int] | None:
@@ -723,7 +757,7 @@ def use_device(device: int) -> Iterator[int]:
 
 
 def new_stream(
-    device: int | None = None, *, priority: int = 0, sms: str | None = None
+    device: int | None = None, *, priority: int = ENCLOSING, sms: str | None = ENCLOSING
 ) -> Stream:
     """A new stream of its own on ``device`` (default: the current device).
 
@@ -764,11 +798,12 @@ def new_stream(
     """
     rt = ensure_runtime()
     dev = rt.check_device(current_device() if device is None else device)
-    priority = rt.check_priority(dev, priority)
-    sms = rt.check_sms(dev, sms)
+    cls = class_here(priority, sms)
+    priority = rt.check_priority(dev, cls.priority)
+    sms = rt.check_sms(dev, cls.sms)
     raw = rt.new_raw_stream(dev, priority, sms)
     s = rt.adopt(dev, raw, priority, sms)
-    weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s.final)
+    weakref.finalize(s, finalize_later, _retire_stream, rt, raw, s._final)
     return s
 
 

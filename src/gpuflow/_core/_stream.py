@@ -37,8 +37,8 @@ class Stream:
     """
 
     __slots__ = (
-        "__weakref__", "_syncs", "device", "final", "generation", "lane", "leased", "life",
-        "priority", "raw", "runtime", "sms",
+        "__weakref__", "_final", "_generation", "_lane", "_life", "_runtime", "_syncs", "device",
+        "leased", "priority", "raw", "sms",
     )  # fmt: skip
 
     def __init__(
@@ -52,7 +52,7 @@ class Stream:
         sms: str | None = None,
     ) -> None:
         #: the runtime that made the stream
-        self.runtime = runtime
+        self._runtime = runtime
         #: the ordinal of the stream's device
         self.device = device
         #: the backend's own stream object, for code that calls the backend
@@ -67,20 +67,20 @@ class Stream:
         #: :func:`gpuflow.init_device_contexts`), or None
         self.sms = sms
         #: the device context's generation the stream was made in
-        self.generation = generation
+        self._generation = generation
         #: the device context's life (an identity, replaced at a reset) the
         #: stream was made in: what a prepared launch checks it still runs in
-        self.life = life
+        self._life = life
         #: blocking runs (``sync``, ``sync_on``) on this stream now: the
         #: completer never sees them, a scheduling policy should
         self._syncs = 0
         #: the completion side's record of the stream's marks (set by the runtime)
-        self.lane: Lane | None = None
+        self._lane: Lane | None = None
         #: held by a stream lease: the default policy gives it to no other run
         self.leased = False
         #: once the stream is destroyed, an event recorded after all its work
         #: (what a free still ordered after a use on it waits for)
-        self.final: list[Any] = []
+        self._final: list[Any] = []
 
     def current(self) -> bool:
         """The stream belongs to the runtime in use and to its device's
@@ -91,7 +91,7 @@ class Stream:
         -------
         bool
         """
-        return self.runtime.current(self)
+        return self._runtime.current(self)
 
     # -- what a scheduling policy asks (reads without a lock: a race with the
     # GPU or another thread makes an answer slightly stale, never unsafe)
@@ -104,7 +104,7 @@ class Stream:
         -------
         bool
         """
-        lane = self.lane
+        lane = self._lane
         # (what lane.idle() says, without the call: every run asks this)
         return not self._syncs and (
             lane is None
@@ -122,7 +122,7 @@ class Stream:
         -------
         int
         """
-        lane = self.lane
+        lane = self._lane
         return self._syncs + (0 if lane is None else lane.backlog())
 
     def stalled(self, since: float) -> bool:
@@ -138,12 +138,12 @@ class Stream:
         -------
         bool
         """
-        lane = self.lane
+        lane = self._lane
         return lane is not None and lane.since < since and lane.read() <= lane.completed
 
-    def begin_blocking(self) -> None:
+    def _begin_blocking(self) -> None:
         """A blocking run (``sync``) starts on the stream: it counts as busy
-        until :meth:`end_blocking` (the completer never sees such a run).
+        until :meth:`_end_blocking` (the completer never sees such a run).
 
         Returns
         -------
@@ -152,8 +152,8 @@ class Stream:
         with _blocking_lock:
             self._syncs += 1
 
-    def end_blocking(self) -> None:
-        """The blocking run that :meth:`begin_blocking` counted has ended.
+    def _end_blocking(self) -> None:
+        """The blocking run that :meth:`_begin_blocking` counted has ended.
 
         Returns
         -------
@@ -183,14 +183,14 @@ class Stream:
             "stream.synchronize()", "in async code, `await gf.wait_stream(stream)`"
         )
         _finalizers.run_finalized()  # (at once where nothing is left)
-        lane = self.lane
+        lane = self._lane
         if lane is not None and lane.unmarked:  # (its runs are done on return)
             lane.completer.mark_owed(lane)
-        self.runtime.backend.synchronize(self.raw)
+        self._runtime.backend.synchronize(self.raw)
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(version, CUstream address)``."""
-        return (0, self.runtime.backend.stream_handle(self.raw))
+        return (0, self._runtime.backend.stream_handle(self.raw))
 
     # one Stream object for each backend stream, so that a Stream is equal
     # (and hashes equal) only to itself: hazard tracking keys its sets and

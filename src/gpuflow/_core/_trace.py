@@ -175,7 +175,7 @@ class TracedRun:
         self.stream = repr(stream)
         self.priority: int = stream.priority
         self.sms: str | None = stream.sms
-        backend: Backend = stream.runtime.backend
+        backend: Backend = stream._runtime.backend
         self.backend = backend
         self.stream_key: Key = (
             stream.device, id(backend), backend.activity_stream_id(stream.raw)

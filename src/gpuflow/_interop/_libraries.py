@@ -88,7 +88,7 @@ class ImportedAllocation(Allocation):
         self, backend: Backend, buffer: RawBuffer, stream: Stream, owner: object, readonly: bool
     ) -> None:
         super().__init__(backend, buffer, stream)
-        if stream.runtime.is_interop(stream):
+        if stream._runtime.is_interop(stream):
             # right after the waits for its producer: a first use waits for
             # this import's producer, not for those of imports made after it
             self.wrote = EventPoint(backend.record_event(stream.raw))
@@ -106,7 +106,7 @@ def _release(owner: object, uses: Uses) -> None:
     (an import's finalizer, done later: :mod:`._finalizers`)."""
     try:
         stream = writer = uses.writer
-        rt = writer.runtime
+        rt = writer._runtime
         if not rt.current(writer):
             _leaked.append(owner)  # the context is gone: leak, never dangle
             return
@@ -349,7 +349,7 @@ class _WaitStream(DeviceOperation[None]):
     # gpuflow's waits for the foreign work (another run placed on that
     # stream would wait for it too, and the GPU would hop streams to say it
     # is done).
-    awaited_alone = True
+    _awaited_alone = True
 
     def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
         """The stream waited for, and whether it is gpuflow's own: on the
@@ -359,7 +359,7 @@ class _WaitStream(DeviceOperation[None]):
             return stream_for(rt, self._handle, self._device, True)
         return stream_for(rt, self._handle, current_device() if here is None else here)
 
-    def stream_alone(self) -> Stream | None:
+    def _stream_alone(self) -> Stream | None:
         s, own = self._resolve(ensure_runtime(), None)
         return None if own else s
 
@@ -377,7 +377,7 @@ class _WaitStream(DeviceOperation[None]):
             self._device is None or here.device == self._device
         ):
             return  # the run is on that stream: its work so far comes first
-        s, own = self._resolve(ctx.runtime, ctx.device)
+        s, own = self._resolve(ctx._runtime, ctx.device)
         if own:
             ctx.wait_for(s)
         elif s is not here:
@@ -391,7 +391,7 @@ class _WaitStream(DeviceOperation[None]):
     def label(self) -> str:
         return f"wait_stream {describe_stream(self._handle)}"
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "join"
 
 
@@ -444,7 +444,7 @@ StreamAdapter = Callable[[Stream], AbstractContextManager[Any] | None]
 
 def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     torch: Any = sys.modules.get("torch")
-    if torch is None or stream.runtime.backend.name != "cuda" or not torch.cuda.is_available():
+    if torch is None or stream._runtime.backend.name != "cuda" or not torch.cuda.is_available():
         return None
     external = torch.cuda.ExternalStream(
         stream.__cuda_stream__()[1], device=torch.device("cuda", stream.device)
@@ -454,7 +454,7 @@ def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
 
 def _cupy_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     cupy: Any = sys.modules.get("cupy")
-    if cupy is None or stream.runtime.backend.name != "cuda":
+    if cupy is None or stream._runtime.backend.name != "cuda":
         return None
     handle = stream.__cuda_stream__()[1]
     stack = contextlib.ExitStack()
@@ -549,7 +549,7 @@ class _Foreign(DeviceOperation[Any]):
         kwargs = {k: _resolve(v, ctx) for k, v in self._kwargs.items()}
         arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, DeviceArray)]
         for a in arrays:
-            a.check_usable(ctx, what)
+            a._check_usable(ctx, what)
             if a.device != ctx.device:
                 raise UsageError(
                     f"{what}: {a!r} is on device {a.device}, the run on device {ctx.device}"
@@ -558,7 +558,7 @@ class _Foreign(DeviceOperation[Any]):
         # ordering, the foreign enqueues and the imports are one step (as a launch)
         with hazard_lock:
             for a in arrays:  # the code may write any array it gets
-                a.allocation.before_write(stream, ctx.run)
+                a._allocation.before_write(stream, ctx.run)
             with contextlib.ExitStack() as on_stream:
                 with _adapters_lock:
                     adapters = list(_adapters)
@@ -574,7 +574,7 @@ class _Foreign(DeviceOperation[Any]):
     @staticmethod
     def _imports(ctx: ExecutionContext, out: Any) -> Any:
         def one(v: Any) -> Any:
-            return import_array(ctx.runtime, v, ctx.stream) if _is_device_array(v) else v
+            return import_array(ctx._runtime, v, ctx.stream) if _is_device_array(v) else v
 
         if isinstance(out, tuple):
             return tuple(one(v) for v in out)
@@ -585,7 +585,7 @@ class _Foreign(DeviceOperation[Any]):
     def label(self) -> str:
         return f"foreign {callable_name(self._fn)}"
 
-    def children(self) -> tuple[DeviceOperation[Any], ...]:
+    def _children(self) -> tuple[DeviceOperation[Any], ...]:
         return tuple(
             a for a in (*self._args, *self._kwargs.values()) if isinstance(a, DeviceOperation)
         )

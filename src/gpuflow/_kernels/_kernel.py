@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._backends import CHECK_ARCH, PointerArg, compile_source
+from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, compile_source
 from .._core import (
     Allocation,
     DeviceOperation,
     Runtime,
+    current_device,
     current_runtime,
+    ensure_runtime,
     hazard_lock,
     runtime_started,
 )
@@ -178,7 +180,7 @@ class LaunchConfig:
         A dimension that is not 1 to 3 positive ints, or a negative ``shmem``.
     """
 
-    __slots__ = ("block", "grid", "shmem")
+    __slots__ = ("_fits", "block", "grid", "shmem")
 
     def __init__(
         self,
@@ -191,6 +193,36 @@ class LaunchConfig:
         if not isinstance(shmem, int) or shmem < 0:
             raise UsageError(f"LaunchConfig: shmem must be a non-negative int, not {shmem!r}")
         self.shmem = shmem
+        #: the last device limits it was found within (a launch's check, once)
+        self._fits: LaunchLimits | None = None
+
+    def _check(self, kernel: str, device: int, limits: LaunchLimits) -> None:
+        """Refuse a launch past ``device``'s ``limits``, naming the limit,
+        the value and the device."""
+        if self._fits is limits:
+            return
+        where = f"kernel {kernel!r} on device {device}"
+        for what, dims, most in (("grid", self.grid, limits.max_grid),
+                                 ("block", self.block, limits.max_block)):
+            for axis, n, top in zip("xyz", dims, most, strict=True):
+                if n > top:
+                    raise UsageError(
+                        f"{where}: {what}={dims} asks for {n} along {axis}, past the device's "
+                        f"limit of {top} (the most {'blocks' if what == 'grid' else 'threads'} "
+                        f"a {what} has along {axis})"
+                    )
+        threads = self.block[0] * self.block[1] * self.block[2]
+        if threads > limits.max_threads_per_block:
+            raise UsageError(
+                f"{where}: block={self.block} is {threads} threads, past the device's limit "
+                f"of {limits.max_threads_per_block} threads a block"
+            )
+        if self.shmem > limits.max_shared_memory_per_block:
+            raise UsageError(
+                f"{where}: shmem={self.shmem} bytes, past the device's limit of "
+                f"{limits.max_shared_memory_per_block} bytes of shared memory a block"
+            )
+        self._fits = limits
 
     @staticmethod
     def _dims(v: Dims, what: str) -> tuple[int, int, int]:
@@ -305,7 +337,7 @@ class Module:
         return f"<gpuflow.Module kernels: {', '.join(self._kernels) or 'none'}>"
 
     def _load(self, ctx: ExecutionContext, name: str) -> Any:
-        return self._load_on(ctx.runtime, ctx.device, name)
+        return self._load_on(ctx._runtime, ctx.device, name)
 
     def _load_on(self, rt: Runtime, device: int, name: str) -> Any:
         # a kernel handle belongs to one runtime, device and context generation
@@ -547,10 +579,14 @@ class Kernel:
             raise UsageTypeError(
                 f"kernel {self.signature} takes {len(self.params)} arguments, got {len(args)}"
             )
+        # (the device it will most likely run on: the current one; a run on
+        # another device checks again there, when the kernel is loaded)
+        device = current_device()
+        config._check(self.name, device, ensure_runtime().backend.launch_limits(device))
         checked: list[Any] = []
         for p, a in zip(self.params, args, strict=True):
             if isinstance(a, DeviceOperation):
-                dtype = a.output_dtype()  # (what it produces, where known already)
+                dtype = a._output_dtype()  # (what it produces, where known already)
                 if dtype is not None:
                     if not p.pointer:
                         raise UsageTypeError(
@@ -580,13 +616,13 @@ class Kernel:
 
 
 class _Launch(DeviceOperation[Any]):
-    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "direct")
+    __slots__ = ("_args", "_cache", "_config", "_direct", "_kernel", "_plain")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
         self._kernel = kernel
         self._config = config
         self._args = args
-        self.direct: tuple[object, Callable[[Any], None]] | None = None
+        self._direct: tuple[object, Callable[[Any], None]] | None = None
         # scalars only: nothing to resolve, no hazards, the arguments are final
         self._plain = not any(
             p.pointer or isinstance(a, DeviceOperation)
@@ -599,25 +635,26 @@ class _Launch(DeviceOperation[Any]):
         # there (and, for a launch whose arguments are final, the backend's
         # launcher of it), for the life of that device's context in that runtime
         c = self._cache
-        life = ctx.stream.life
+        life = ctx.stream._life
         if c is None or c[0] is not life:
-            raw = self._kernel.module._load(ctx, self._kernel.name)
             cfg = self._config
+            cfg._check(self._kernel.name, ctx.device, ctx.backend.launch_limits(ctx.device))
+            raw = self._kernel.module._load(ctx, self._kernel.name)
             launch_on = (
-                ctx.runtime.backend.launcher(raw, cfg.grid, cfg.block, cfg.shmem, self._args)
+                ctx._runtime.backend.launcher(raw, cfg.grid, cfg.block, cfg.shmem, self._args)
                 if self._plain
                 else None
             )
             c = self._cache = (life, raw, launch_on)
             if launch_on is not None:  # (prepared once: the common await calls it)
-                self.direct = (life, launch_on)
+                self._direct = (life, launch_on)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:
         if self._plain:
             c = self._cache
             stream = ctx.stream
-            if c is None or c[0] is not stream.life:
+            if c is None or c[0] is not stream._life:
                 c = self._loaded(ctx)
             c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its launcher)
             return None
@@ -644,7 +681,7 @@ class _Launch(DeviceOperation[Any]):
         stream = ctx.stream
         for p, a in zip(k.params, values, strict=True):
             if p.pointer:
-                a.check_usable(ctx, f"kernel {k.name!r}, parameter {p.describe()!r}")
+                a._check_usable(ctx, f"kernel {k.name!r}, parameter {p.describe()!r}")
                 if a.device != ctx.device:
                     raise UsageError(
                         f"kernel {k.name!r}, parameter {p.describe()!r}: the array is on "
@@ -652,17 +689,17 @@ class _Launch(DeviceOperation[Any]):
                         "(gf.copy(array, device=...) moves it)"
                     )
                 dt = a.dtype if p.dtype is None else p.dtype
-                buf = a.allocation.buffer
+                buf = a._allocation.buffer
                 args.append(PointerArg(buf, dt, a.nbytes // dt.itemsize, not p.const))
                 if p.const:
-                    reads.append(a.allocation)
+                    reads.append(a._allocation)
                 else:
                     if a.readonly:
                         raise UsageError(
                             f"kernel {k.name!r}, parameter {p.describe()!r}: the array is "
                             "read-only memory of another library; declare the parameter const"
                         )
-                    writes.append(a.allocation)
+                    writes.append(a._allocation)
                     written.append(a)
             else:
                 args.append(a)
@@ -681,8 +718,8 @@ class _Launch(DeviceOperation[Any]):
     def label(self) -> str:
         return f"kernel {self._kernel.name}"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return tuple(a for a in self._args if isinstance(a, DeviceOperation))
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "kernel"

@@ -80,12 +80,12 @@ class DeviceArray:
     :func:`from_dlpack`, ...); not constructed directly.
     """
 
-    __slots__ = ("__weakref__", "allocation", "dtype", "shape")
+    __slots__ = ("__weakref__", "_allocation", "dtype", "shape")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         #: the buffer and the record of its uses (:mod:`gpuflow.lowlevel`:
         #: an operation orders its use with ``before_read``/``before_write``)
-        self.allocation = alloc
+        self._allocation = alloc
         self.shape = shape
         self.dtype = dtype
 
@@ -107,12 +107,12 @@ class DeviceArray:
     @property
     def device(self) -> int:
         """The ordinal of the device the memory is on."""
-        return self.allocation.buffer.device
+        return self._allocation.buffer.device
 
     @property
     def ptr(self) -> int:
         """The device address of the first element."""
-        return self.allocation.buffer.ptr
+        return self._allocation.buffer.ptr
 
     def reshape(self, *shape: SupportsIndex | Sequence[SupportsIndex]) -> DeviceArray:
         """The same memory with another shape (same number of elements).
@@ -135,7 +135,7 @@ class DeviceArray:
         new = as_shape(shape[0] if len(shape) == 1 else shape)  # type: ignore[arg-type]
         if math.prod(new) != self.size:
             raise UsageError(f"cannot reshape an array of size {self.size} into {new}")
-        return DeviceArray(self.allocation, new, self.dtype)
+        return DeviceArray(self._allocation, new, self.dtype)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -148,7 +148,7 @@ class DeviceArray:
     @property
     def readonly(self) -> bool:
         """True for memory another library lent read-only: kernels may only read it."""
-        return self.allocation.readonly
+        return self._allocation.readonly
 
     # -- the array protocols (the machinery is in _export) ------------------------
     def __dlpack__(
@@ -173,7 +173,7 @@ class DeviceArray:
         blocks, so it is refused inside an event loop.
         """
         return _export.dlpack(
-            self.allocation,
+            self._allocation,
             self.shape,
             self.dtype,
             stream=stream,
@@ -184,13 +184,13 @@ class DeviceArray:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(2, device)``: CUDA memory (``kDLCUDA``) of the array's device."""
-        return _export.dlpack_device(self.allocation)
+        return _export.dlpack_device(self._allocation)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """The CUDA Array Interface, version 3: pointer, shape, typestr, and the
         ``stream`` the consumer must wait on before it uses the memory."""
-        return _export.cuda_array_interface(self.allocation, self.shape, self.dtype)
+        return _export.cuda_array_interface(self._allocation, self.shape, self.dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> NoReturn:
         raise UsageTypeError(
@@ -198,7 +198,7 @@ class DeviceArray:
             "to a NumPy array (await it, or .sync() outside an event loop)"
         )
 
-    def check_usable(self, ctx: ExecutionContext, what: str) -> None:
+    def _check_usable(self, ctx: ExecutionContext, what: str) -> None:
         """Raise :class:`gpuflow.UsageError`, naming ``what``, where the array
         belongs to a device context that was reset or replaced since it was
         made (its memory is gone): what an operation checks of each array
@@ -216,9 +216,9 @@ class DeviceArray:
         gpuflow.UsageError
             The array's memory is gone.
         """
-        a = self.allocation
-        rt = ctx.runtime
-        if a.generation != rt.generation(a.buffer.device) or a.writer.runtime is not rt:
+        a = self._allocation
+        rt = ctx._runtime
+        if a.generation != rt.generation(a.buffer.device) or a.writer._runtime is not rt:
             raise UsageError(
                 f"{what}: {self!r} belongs to a device context that was reset or replaced"
             )
@@ -238,7 +238,7 @@ def allocate(
         )
     nbytes = math.prod(shape) * dtype.itemsize
     buf = ctx.backend.alloc(s.device, nbytes, s.raw)
-    alloc = Allocation(ctx.backend, buf, s, ctx.run, s.runtime.memory)
+    alloc = Allocation(ctx.backend, buf, s, ctx.run, s._runtime.memory)
     return DeviceArray(alloc, shape, dtype)
 
 
@@ -264,7 +264,7 @@ def _check_device_input(x: object, what: str) -> None:
 
 def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
     if type(x) is DeviceArray:  # (the common case, first: no isinstance walk)
-        x.check_usable(ctx, what)
+        x._check_usable(ctx, what)
         return x
     if isinstance(x, DeviceOperation):
         x = x.execute(ctx)
@@ -273,7 +273,7 @@ def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
             f"{what} needs a DeviceArray (or an operation producing one), "
             f"got {type(x).__name__}"
         )
-    x.check_usable(ctx, what)
+    x._check_usable(ctx, what)
     return x
 
 
@@ -301,16 +301,16 @@ class _Fill(DeviceOperation[DeviceArray]):
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         out = allocate(ctx, self._shape, self._dtype)
         if out.size:
-            ctx.backend.fill(out.allocation.buffer, self._value, out.size, ctx.stream.raw)
+            ctx.backend.fill(out._allocation.buffer, self._value, out.size, ctx.stream.raw)
         return out
 
-    def output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> np.dtype[Any] | None:
         return self._dtype
 
     def label(self) -> str:
         return f"full {self._shape} {self._dtype} = {self._value}"
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "alloc"
 
 
@@ -398,6 +398,197 @@ def ones(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArr
     return _Fill(as_shape(shape), as_dtype(dtype), 1)
 
 
+class _Empty(DeviceOperation[DeviceArray]):
+    __slots__ = ("_dtype", "_shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self._shape = shape
+        self._dtype = dtype
+
+    def execute(self, ctx: ExecutionContext) -> DeviceArray:
+        return allocate(ctx, self._shape, self._dtype)
+
+    def _output_dtype(self) -> np.dtype[Any] | None:
+        return self._dtype
+
+    def label(self) -> str:
+        return f"empty {self._shape} {self._dtype}"
+
+    def _kind(self) -> str:
+        return "alloc"
+
+
+def empty(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
+    """An array whose elements are whatever its memory held: allocated, not
+    written (as ``numpy.empty`` and ``cupy.empty``), for work that writes
+    every element before it reads one.
+
+    Any thread: building the operation enqueues nothing; a run of it is
+    cancelled as any await is.
+
+    Parameters
+    ----------
+    shape
+        An int or a sequence of ints, each zero or more.
+    dtype
+        The elements' NumPy dtype (``float64`` by default, as NumPy and CuPy).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+        An operation that allocates a new array each time it runs.
+
+    Raises
+    ------
+    gpuflow.UsageError
+        A shape that is not one, or a dtype that cannot live on the device
+        (numbers and bool only), when the operation is built.
+    """
+    return _Empty(as_shape(shape), as_dtype(dtype))
+
+
+def _like(a: object, dtype: Any, shape: ShapeLike | None, what: str) -> tuple[Any, Any]:
+    """The shape and dtype of an array ``*_like(a, ...)`` makes."""
+    a_shape, a_dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+    if not isinstance(a_shape, tuple) or a_dtype is None:
+        raise UsageTypeError(
+            f"{what} takes an array (a DeviceArray, or a NumPy array) to take the shape and "
+            f"dtype of, got {type(a).__name__}"
+        )
+    return (a_shape if shape is None else shape), (a_dtype if dtype is None else dtype)
+
+
+def empty_like(
+    a: DeviceArray | np.ndarray[Any, Any], dtype: Any = None, shape: ShapeLike | None = None
+) -> DeviceOperation[DeviceArray]:
+    """:func:`empty` of ``a``'s shape and dtype (or those given), as
+    ``numpy.empty_like``.  The array is made on the device the operation
+    runs on (the current one), as CuPy's is, whatever ``a``'s.  Any thread:
+    building the operation enqueues nothing.
+
+    Parameters
+    ----------
+    a
+        A :class:`DeviceArray` or a NumPy array.
+    dtype
+        The elements' dtype (None: ``a``'s).
+    shape
+        The shape (None: ``a``'s).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``a`` has no shape and dtype.
+    gpuflow.UsageError
+        As :func:`empty`.
+    """
+    shape, dtype = _like(a, dtype, shape, "empty_like()")
+    return empty(shape, dtype)
+
+
+def zeros_like(
+    a: DeviceArray | np.ndarray[Any, Any], dtype: Any = None, shape: ShapeLike | None = None
+) -> DeviceOperation[DeviceArray]:
+    """:func:`zeros` of ``a``'s shape and dtype (or those given), as
+    ``numpy.zeros_like``; made on the device the operation runs on.  Any
+    thread: building the operation enqueues nothing.
+
+    Parameters
+    ----------
+    a
+        A :class:`DeviceArray` or a NumPy array.
+    dtype
+        The elements' dtype (None: ``a``'s).
+    shape
+        The shape (None: ``a``'s).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``a`` has no shape and dtype.
+    gpuflow.UsageError
+        As :func:`zeros`.
+    """
+    shape, dtype = _like(a, dtype, shape, "zeros_like()")
+    return zeros(shape, dtype)
+
+
+def ones_like(
+    a: DeviceArray | np.ndarray[Any, Any], dtype: Any = None, shape: ShapeLike | None = None
+) -> DeviceOperation[DeviceArray]:
+    """:func:`ones` of ``a``'s shape and dtype (or those given), as
+    ``numpy.ones_like``; made on the device the operation runs on.  Any
+    thread: building the operation enqueues nothing.
+
+    Parameters
+    ----------
+    a
+        A :class:`DeviceArray` or a NumPy array.
+    dtype
+        The elements' dtype (None: ``a``'s).
+    shape
+        The shape (None: ``a``'s).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``a`` has no shape and dtype.
+    gpuflow.UsageError
+        As :func:`ones`.
+    """
+    shape, dtype = _like(a, dtype, shape, "ones_like()")
+    return ones(shape, dtype)
+
+
+def full_like(
+    a: DeviceArray | np.ndarray[Any, Any],
+    fill_value: Any,
+    dtype: Any = None,
+    shape: ShapeLike | None = None,
+) -> DeviceOperation[DeviceArray]:
+    """:func:`full` of ``a``'s shape and dtype (or those given), as
+    ``numpy.full_like``: ``fill_value`` is cast to ``a``'s dtype, not
+    inferred from it; made on the device the operation runs on.  Any
+    thread: building the operation enqueues nothing.
+
+    Parameters
+    ----------
+    a
+        A :class:`DeviceArray` or a NumPy array.
+    fill_value
+        A number (or bool), cast to the dtype.
+    dtype
+        The elements' dtype (None: ``a``'s).
+    shape
+        The shape (None: ``a``'s).
+
+    Returns
+    -------
+    DeviceOperation[DeviceArray]
+
+    Raises
+    ------
+    gpuflow.UsageTypeError
+        ``a`` has no shape and dtype.
+    gpuflow.UsageError
+        As :func:`full` (a value the dtype cannot hold among them).
+    """
+    shape, dtype = _like(a, dtype, shape, "full_like()")
+    return full(shape, fill_value, dtype)
+
+
 class _Arange(DeviceOperation[DeviceArray]):
     __slots__ = ("_dtype", "_n", "_start", "_step")
 
@@ -407,20 +598,20 @@ class _Arange(DeviceOperation[DeviceArray]):
         self._step = step
         self._dtype = dtype
 
-    def output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> np.dtype[Any] | None:
         return self._dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         out = allocate(ctx, (self._n,), self._dtype)
         if self._n:
-            buf = out.allocation.buffer
+            buf = out._allocation.buffer
             ctx.backend.arange(buf, self._start, self._step, self._n, ctx.stream.raw)
         return out
 
     def label(self) -> str:
         return f"arange {self._n} {self._dtype}"
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "alloc"
 
 
@@ -467,7 +658,7 @@ class _FromHost(DeviceOperation[DeviceArray]):
     def __init__(self, host: np.ndarray[Any, Any]) -> None:
         self._host = host
 
-    def output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> np.dtype[Any] | None:
         dtype: np.dtype[Any] = self._host.dtype
         return dtype
 
@@ -481,14 +672,14 @@ class _FromHost(DeviceOperation[DeviceArray]):
             )
         out = allocate(ctx, src.shape, src.dtype)
         if out.nbytes:
-            ctx.backend.copy_from_host(out.allocation.buffer, src, ctx.stream.raw)
+            ctx.backend.copy_from_host(out._allocation.buffer, src, ctx.stream.raw)
             ctx.keep(src)
         return out
 
     def label(self) -> str:
         return f"from_host {self._host.shape} {self._host.dtype}"
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "copy"
 
 
@@ -537,8 +728,8 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
             # the copy runs on the array's device; a run on another device joins it
             stream = ctx.stream if a.device == ctx.device else stream_elsewhere(a.device)
             with hazard_lock:
-                a.allocation.before_read(stream, ctx.run)
-                ctx.backend.copy_to_host(out, a.allocation.buffer, stream.raw)
+                a._allocation.before_read(stream, ctx.run)
+                ctx.backend.copy_to_host(out, a._allocation.buffer, stream.raw)
             ctx.keep(out)
             ctx.wait_for(stream)
         return PendingHost(out)
@@ -546,10 +737,10 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
     def label(self) -> str:
         return "to_host"
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return (self._src,) if isinstance(self._src, DeviceOperation) else ()
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "copy"
 
 
@@ -603,7 +794,7 @@ class _Copy(DeviceOperation[DeviceArray]):
         out = self._out
         nbytes = self._known
         if out is None:
-            dev = ctx.device if self._device is None else ctx.runtime.check_device(self._device)
+            dev = ctx.device if self._device is None else ctx._runtime.check_device(self._device)
             stream = ctx.stream if dev == ctx.device else stream_elsewhere(dev)
             dst = allocate(ctx, src.shape, src.dtype, stream)
         else:
@@ -618,25 +809,25 @@ class _Copy(DeviceOperation[DeviceArray]):
         # policy gives, so that it queues behind no unrelated work there);
         # the run's stream joins it
         stream = ctx.stream
-        if dst.allocation.buffer.device != stream.device:
+        if dst._allocation.buffer.device != stream.device:
             stream = stream_elsewhere(dst.device)
         with hazard_lock:
-            src.allocation.before_read(stream, ctx.run)
-            dst.allocation.before_write(stream, ctx.run)
-            ctx.runtime.backend.copy_device(
-                dst.allocation.buffer, src.allocation.buffer, nbytes, stream.raw
+            src._allocation.before_read(stream, ctx.run)
+            dst._allocation.before_write(stream, ctx.run)
+            ctx._runtime.backend.copy_device(
+                dst._allocation.buffer, src._allocation.buffer, nbytes, stream.raw
             )
         if stream is not ctx.stream:
             ctx.wait_for(stream)
         return dst
 
-    def output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> np.dtype[Any] | None:
         # (the copy's dtype is its source's, or that of the array it fills)
         for x in (self._out, self._src):
             if isinstance(x, DeviceArray):
                 return x.dtype
         if self._out is None and isinstance(self._src, DeviceOperation):
-            return self._src.output_dtype()
+            return self._src._output_dtype()
         return None
 
     def _check_out(self, src: DeviceArray, dst: DeviceArray) -> int:
@@ -658,10 +849,10 @@ class _Copy(DeviceOperation[DeviceArray]):
         where = "" if self._device is None else f" -> device {self._device}"
         return "copy" + (" into out" if self._out is not None else "") + where
 
-    def children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[Any]]:
         return tuple(x for x in (self._src, self._out) if isinstance(x, DeviceOperation))
 
-    def kind(self) -> str:
+    def _kind(self) -> str:
         return "copy"
 
 

@@ -55,7 +55,7 @@ _leaked: list[Allocation] = []
 
 
 def _check(alloc: Allocation, what: str) -> Runtime:
-    rt = alloc.writer.runtime
+    rt = alloc.writer._runtime
     if not rt.live or alloc.generation != rt.generation(alloc.buffer.device):
         raise UsageError(
             f"{what}: the array belongs to a device context that was reset or replaced"
@@ -113,7 +113,7 @@ def _keep(alloc: Allocation) -> None:
 def _after_consumer(alloc: Allocation, consumer: Stream) -> None:
     """The consumer let go: the allocation's later uses and its free wait for the
     work it enqueued on its stream so far.  Runs on the thread of the deleter."""
-    rt = consumer.runtime
+    rt = consumer._runtime
     if sys.is_finalizing():
         return  # the process is going away with its memory (and its streams)
     if not rt.current(consumer):

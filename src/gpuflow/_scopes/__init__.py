@@ -10,6 +10,7 @@ from ._scope import DeviceGroup as DeviceGroup
 from ._scope import StartedRun as StartedRun
 from ._scope import StreamLease as StreamLease
 from ._scope import Tracked as Tracked
+from ._scope import held_leases as held_leases
 from ._scope import leases_held as leases_held
 from ._scope import open_device_group as open_device_group
 from ._scope import open_stream_lease as open_stream_lease
@@ -19,6 +20,7 @@ __all__ = [
     "StartedRun",
     "StreamLease",
     "Tracked",
+    "held_leases",
     "leases_held",
     "open_device_group",
     "open_stream_lease",

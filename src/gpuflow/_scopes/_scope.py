@@ -12,28 +12,36 @@ cancelled await, and the process's exit waits for it (``_runtime``).
 
 from __future__ import annotations
 
+import atexit
+import inspect
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Generator
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 from .._core import (
+    ENCLOSING,
     DeviceOperation,
     Handoff,
+    LatencyClass,
     Run,
     Runtime,
     Stream,
     cancel_points,
+    class_here,
     current_device,
     current_device_var,
     current_runtime,
     ended_by,
     ensure_runtime,
+    enter_class,
     enter_scope,
     interrupted,
+    leave_class,
     leave_scope,
     resolve,
     start_run,
@@ -71,7 +79,7 @@ class Tracked:
             started = self._started = []
         elif len(started) >= _PRUNE_AT:  # (those that can no longer fail unawaited go)
             started[:] = [
-                s for s in started if not s.awaited and not (s.done() and s.failed() is None)
+                s for s in started if not s._awaited and not (s.done() and s.failed() is None)
             ]
         started.append(handle)
         return handle
@@ -86,7 +94,7 @@ class Tracked:
         started, self._started = self._started, None
         if started is None:
             return
-        errors = [e for s in started if not s.awaited and (e := s.failed()) is not None]
+        errors = [e for s in started if not s._awaited and (e := s.failed()) is not None]
         if not errors:
             return
         if exc is None and len(errors) == 1:
@@ -102,7 +110,7 @@ class Tracked:
         a cancellation of the wait for one aborts its communicators (their
         collectives then return), and the wait goes on shielded."""
         try:
-            for run in [s for s in self._runs if s.comms is not None]:
+            for run in [s for s in self._runs if s._comms is not None]:
                 if not run.done:
                     try:
                         await run.wait()
@@ -110,8 +118,8 @@ class Tracked:
                         pass  # the run's own awaiter reports its failure
         except BaseException as exc:
             for run in self._runs:
-                if run.comms is not None and not run.done:
-                    for comm in run.comms:
+                if run._comms is not None and not run.done:
+                    for comm in run._comms:
                         comm.abort(f"a scope's wait for its collectives {ended_by(exc)}")
             await self._drain_shielded()
             raise
@@ -148,7 +156,7 @@ class StartedRun(Generic[T]):
     Made by ``start_run``; not constructed directly.
     """
 
-    __slots__ = ("_out", "_resolved", "_run", "awaited", "op")
+    __slots__ = ("_awaited", "_out", "_resolved", "_run", "op")
 
     def __init__(self, op: DeviceOperation[T], run: Run, out: Any) -> None:
         self.op = op
@@ -157,7 +165,7 @@ class StartedRun(Generic[T]):
         self._resolved = False
         #: whether a task's await ended with the run's outcome (then that
         #: task was given any failure)
-        self.awaited = False
+        self._awaited = False
 
     def done(self) -> bool:
         """Whether the GPU has finished the run (or it failed).  Any thread;
@@ -187,9 +195,9 @@ class StartedRun(Generic[T]):
         except BaseException as exc:
             # given the run's failure; a cancelled await was given nothing,
             # and a failure after it is still the scope's to raise
-            self.awaited = self.awaited or exc is self._run.error
+            self._awaited = self._awaited or exc is self._run.error
             raise
-        self.awaited = True
+        self._awaited = True
         if not self._resolved:  # (host values made concrete once)
             self._out = self._out if self._out is None else resolve(self._out)
             self._resolved = True
@@ -197,7 +205,13 @@ class StartedRun(Generic[T]):
         return out
 
     def __repr__(self) -> str:
-        state = "done" if self._run.done else "in flight"
+        run = self._run
+        if run.error is not None:
+            state = f"failed: {run.error!r}"
+        elif run.reached():
+            state = "done"
+        else:
+            state = f"in flight on device {run.device}"
         return f"<gpuflow.StartedRun of {self.op!r}, {state}>"
 
 
@@ -208,18 +222,23 @@ def _operation(op: Any) -> DeviceOperation[Any]:
 
 
 class _LeasePool:
-    """Which pool streams of one device are leased; fair, cross-thread waiting."""
+    """Which pool streams of one device are leased, and by which leases;
+    fair, cross-thread waiting."""
 
     def __init__(self, streams: list[Stream], freed: Callable[[int], None]) -> None:
         self.free = list(streams)
         self.waiters = Handoff()
         self.lock = threading.Lock()
+        #: streams taken: by the leases inside, and handed to waiters not yet resumed
         self.held = 0
+        #: the leases inside (what the quiescence check and the exit name)
+        self.holders: set[StreamLease] = set()
         #: told when a stream goes back to the pool (awaits may wait for one)
         self._freed = freed
 
-    def release(self, stream: Stream) -> None:
+    def release(self, stream: Stream, holder: StreamLease | None = None) -> None:
         with self.lock:
+            self.holders.discard(holder)  # (None: a stream handed on)
             self.held -= 1
             ticket = self.waiters.hand(stream)
             if ticket is None:
@@ -242,10 +261,11 @@ class _LeasePool:
         stream.leased = True
         return stream
 
-    async def acquire(self) -> Stream:
+    async def acquire(self, holder: StreamLease) -> Stream:
         with self.lock:
             if self.free and not self.waiters:
                 self.held += 1
+                self.holders.add(holder)
                 return self._take()
             ticket = self.waiters.join()
         try:
@@ -258,6 +278,7 @@ class _LeasePool:
             raise
         with self.lock:
             self.waiters.leave(ticket)
+            self.holders.add(holder)
         stream: Stream = ticket.value
         return stream
 
@@ -275,6 +296,35 @@ def _lease_pool(rt: Runtime, device: int, priority: int, sms: str | None) -> _Le
                 rt.pool(device, priority, sms), rt.completer.stream_freed
             )
         return pool
+
+
+def held_leases() -> list[StreamLease]:
+    """The stream leases of the current runtime inside their ``async with``
+    now (each says where it was entered).  Any thread."""
+    rt = current_runtime()
+    if rt is None:
+        return []
+    with _lease_pools_lock:
+        pools = list(rt.lease_pools.values())
+    held: list[StreamLease] = []
+    for pool in pools:
+        with pool.lock:
+            held += pool.holders
+    return held
+
+
+@atexit.register
+def _say_held_at_exit() -> None:
+    # a lease entered by hand and never left holds its stream until the
+    # process ends: say which, as the quiescence check does
+    held = held_leases()
+    if held:
+        print(
+            f"gpuflow: {len(held)} stream lease(s) never left (entered, never exited): "
+            + "; ".join(map(repr, held)),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def leases_held() -> int:
@@ -299,16 +349,21 @@ class StreamLease:
     Made by :func:`open_stream_lease`; not constructed directly.
     """
 
-    def __init__(self, device: int, priority: int = 0, sms: str | None = None) -> None:
+    def __init__(self, device: int, cls: LatencyClass) -> None:
         self.device = device
         #: the priority level of its stream (0: the default)
-        self.priority = priority
+        self.priority = cls.priority
         #: the name of the reserved SMs its stream runs on, or None
-        self.sms = sms
+        self.sms = cls.sms
+        self._class = cls
         self._stream: Stream | None = None
         self._tracked = Tracked()
         self._pool: _LeasePool | None = None
         self._token: Any = None
+        self._entered_class: Any = None
+        #: None before it is entered; then where (the task, the line), until it ends
+        self._where: str | None = None
+        self._ended = False
 
     @property
     def stream(self) -> Stream:
@@ -317,14 +372,11 @@ class StreamLease:
             raise UsageError("the stream lease is not held (use it inside `async with`)")
         return self._stream
 
-    def track(self, run: Run) -> None:
-        """Wait for ``run`` at the scope's exit (a run started in the scope).
+    @property
+    def _pinned(self) -> Stream | None:
+        return self._stream
 
-        Parameters
-        ----------
-        run
-            The run.
-        """
+    def _track(self, run: Run) -> None:
         self._tracked.track(run)
 
     def start_run(self, op: DeviceOperation[T]) -> StartedRun[T]:
@@ -357,15 +409,26 @@ class StreamLease:
         return self._tracked.start(op, run, out)
 
     async def __aenter__(self) -> StreamLease:
+        if self._where is not None or self._ended:
+            raise UsageError(
+                f"{self!r} was entered already: a stream lease is entered once "
+                "(gf.open_stream_lease() makes another)"
+            )
+        where = _caller(inspect.currentframe())
         watcher = cancel_points.watcher
         if watcher is not None:
             await watcher(cancel_points.ENTER_LEASE)
         rt = ensure_runtime()
         rt.check_device(self.device)
-        rt.check_priority(self.device, self.priority)
-        rt.check_sms(self.device, self.sms)
-        self._pool = _lease_pool(rt, self.device, self.priority, self.sms)
-        self._stream = await self._pool.acquire()
+        cls = self._class
+        self._entered_class = enter_class(cls, rt, [self.device])
+        try:
+            self._pool = _lease_pool(rt, self.device, cls.priority, cls.sms)
+            self._stream = await self._pool.acquire(self)
+        except BaseException:
+            leave_class(self._entered_class)
+            raise
+        self._where = where
         self._token = enter_scope(self)
         return self
 
@@ -376,13 +439,15 @@ class StreamLease:
         tb: TracebackType | None,
     ) -> None:
         leave_scope(self._token)
+        leave_class(self._entered_class)
         try:
             if not interrupted(exc):
                 await self._tracked.drain()
         finally:
             stream, self._stream = self._stream, None
+            self._ended = True
             assert self._pool is not None and stream is not None
-            self._pool.release(stream)
+            self._pool.release(stream, self)
         if not interrupted(exc):
             self._tracked.raise_unawaited(exc)
         watcher = cancel_points.watcher
@@ -391,9 +456,37 @@ class StreamLease:
             # first: right after it, with nothing of the scope left to release
             await watcher(cancel_points.LEAVE_LEASE)
 
+    def __repr__(self) -> str:
+        level = f", priority {self.priority}" if self.priority else ""
+        level += f", SMs {self.sms!r}" if self.sms is not None else ""
+        if self._ended:
+            state = "ended"
+        elif self._stream is not None:
+            state = f"held by {self._where}"
+        else:
+            state = "not entered"
+        return f"<gpuflow.StreamLease of device {self.device}{level}, {state}>"
+
+
+def _caller(frame: FrameType | None) -> str:
+    """Where a scope is entered: the task (its name) and the caller's line."""
+    caller = frame.f_back if frame is not None else None
+    line = "" if caller is None else (
+        f" at {caller.f_code.co_filename}:{caller.f_lineno}"
+    )  # fmt: skip
+    try:
+        task = f"task {anyio.get_current_task().name!r}"
+    except Exception:  # (no task: another thread's loop, say)
+        task = "a task"
+    return task + line
+
 
 def open_stream_lease(
-    device: int | None = None, *, priority: int = 0, sms: str | None = None
+    device: int | None = None,
+    *,
+    priority: int = ENCLOSING,
+    sms: str | None = ENCLOSING,
+    busy_poll_us: float | None = ENCLOSING,
 ) -> StreamLease:
     """Lease one stream of ``device``'s pool (default: the current device) for a scope.
 
@@ -404,12 +497,18 @@ def open_stream_lease(
     enqueued, then returns the stream; left by Ctrl-C, it lets the
     interrupt through at once instead (what the GPU still uses stays alive
     until it is done).  Two leases never hold the same stream; when every
-    stream is leased, a new lease waits for one (fairly, FIFO).  With
-    ``priority`` or ``sms``, the stream is one of that level's pool (see
-    :func:`gpuflow.latency_class`), which has ``streams_per_device`` streams
-    for leases as the default level's pool has.
+    stream is leased, a new lease waits for one (fairly, FIFO).
 
-    Entering is a cancellation point; leaving waits shielded from cancellation.
+    A lease is a latency class (:func:`gpuflow.latency_class`) for the work
+    inside it: its stream is one of the pool of the class's level (priority
+    and reserved SMs; each level's pool has ``streams_per_device`` streams
+    for leases, as the default level's has), and its awaits poll with the
+    class's budget.  Made inside a class, it takes that class; what it is
+    given (``priority``, ``sms``, ``busy_poll_us``) replaces the class's.
+
+    Entering is a cancellation point; leaving waits shielded from
+    cancellation.  A lease is entered once: entering it again, also after
+    it ended, is a :class:`gpuflow.UsageError`.
 
     Parameters
     ----------
@@ -417,10 +516,15 @@ def open_stream_lease(
         The device's ordinal (None: the current device).
     priority
         The stream's priority level, from 0 (the default) to the device's
-        most urgent (higher is more urgent).
+        most urgent (higher is more urgent); left out, the enclosing
+        class's.
     sms
         The name of SMs reserved at :func:`gpuflow.init_device_contexts`:
-        the stream runs its kernels on those alone (None: on the others).
+        the stream runs its kernels on those alone (None: on the others);
+        left out, the enclosing class's.
+    busy_poll_us
+        The busy-poll budget of the awaits inside it, in microseconds (None:
+        the runtime's); left out, the enclosing class's.
 
     Returns
     -------
@@ -431,11 +535,14 @@ def open_stream_lease(
     ------
     gpuflow.UsageError
         ``device`` is not one of the runtime's devices, ``priority`` is
-        out of its range, or no SMs of that name are reserved (on entry).
+        out of its range, no SMs of that name are reserved, or
+        ``busy_poll_us`` is negative (on entry); the lease was entered
+        before.
     gpuflow.UsageTypeError
         ``priority`` is not an int, or ``sms`` not a str (on entry).
     """
-    return StreamLease(current_device() if device is None else device, priority, sms)
+    cls = class_here(priority, sms, busy_poll_us)
+    return StreamLease(current_device() if device is None else device, cls)
 
 
 class DeviceGroup:
@@ -444,25 +551,19 @@ class DeviceGroup:
     Made by :func:`open_device_group`; not constructed directly.
     """
 
-    def __init__(self, devices: list[int]) -> None:
+    def __init__(self, devices: list[int], cls: LatencyClass) -> None:
         self.devices = devices
+        self._class = cls
         self._tg: anyio.abc.TaskGroup | None = None
         self._tracked = Tracked()
         self._token: Any = None
+        self._entered_class: Any = None
         self._next = 0
 
-    @property
-    def stream(self) -> Stream | None:
-        return None
+    #: (no stream: its children's runs go where the policy puts them)
+    _pinned = None
 
-    def track(self, run: Run) -> None:
-        """Wait for ``run`` at the scope's exit (a run started in the scope).
-
-        Parameters
-        ----------
-        run
-            The run.
-        """
+    def _track(self, run: Run) -> None:
         self._tracked.track(run)
 
     def start_soon(
@@ -552,9 +653,16 @@ class DeviceGroup:
         watcher = cancel_points.watcher
         if watcher is not None:
             await watcher(cancel_points.ENTER_GROUP)
+        self._entered_class = enter_class(self._class, ensure_runtime(), self.devices)
         self._token = enter_scope(self)
         self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        try:
+            await self._tg.__aenter__()
+        except BaseException:
+            self._tg = None
+            leave_scope(self._token)
+            leave_class(self._entered_class)
+            raise
         return self
 
     async def __aexit__(
@@ -573,6 +681,7 @@ class DeviceGroup:
         finally:
             self._tg = None
             leave_scope(self._token)
+            leave_class(self._entered_class)
             if not interrupted(raised):
                 await self._tracked.drain()
                 self._tracked.raise_unawaited(raised)
@@ -582,7 +691,13 @@ class DeviceGroup:
         return suppressed
 
 
-def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
+def open_device_group(
+    devices: list[int] | None = None,
+    *,
+    priority: int = ENCLOSING,
+    sms: str | None = ENCLOSING,
+    busy_poll_us: float | None = ENCLOSING,
+) -> DeviceGroup:
     """An AnyIO task group whose children each run with one device current.
 
     ``async with gf.open_device_group() as group: group.start_soon(fn, device=d)``.
@@ -592,10 +707,24 @@ def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
     not after Ctrl-C, which reaches the program at once while what the GPU
     still uses stays alive until it is done).
 
+    A group is a latency class (:func:`gpuflow.latency_class`) for the work
+    inside it, its children's included: made inside a class, it takes that
+    class; what it is given (``priority``, ``sms``, ``busy_poll_us``)
+    replaces the class's, and a child may enter a class of its own.
+
     Parameters
     ----------
     devices
         The devices' ordinals (None: every device of the runtime).
+    priority
+        The priority level of the streams its runs take (left out: the
+        enclosing class's).
+    sms
+        The name of the reserved SMs its runs use (left out: the enclosing
+        class's).
+    busy_poll_us
+        The busy-poll budget of its awaits, in microseconds (left out: the
+        enclosing class's).
 
     Returns
     -------
@@ -606,10 +735,14 @@ def open_device_group(devices: list[int] | None = None) -> DeviceGroup:
     Raises
     ------
     gpuflow.UsageError
-        A device that is not one of the runtime's, or an empty list.
+        A device that is not one of the runtime's, or an empty list; on
+        entry, a priority out of a device's range, SMs no device reserved
+        under that name, or a negative ``busy_poll_us``.
+    gpuflow.UsageTypeError
+        ``priority`` is not an int, or ``sms`` not a str (on entry).
     """
     rt = ensure_runtime()
     devs = list(rt.devices) if devices is None else [rt.check_device(d) for d in devices]
     if not devs:
         raise UsageError("open_device_group() needs at least one device")
-    return DeviceGroup(devs)
+    return DeviceGroup(devs, class_here(priority, sms, busy_poll_us))

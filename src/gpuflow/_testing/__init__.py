@@ -5,6 +5,9 @@ pytest plugin (``_pytest_plugin``) is loaded by pytest through its entry
 point, never by gpuflow.  Builds on every layer below.
 """
 
+from ._activity import block_time as block_time
+from ._activity import overlapped as overlapped
+from ._activity import record_activity as record_activity
 from ._cancel_at_every_point import CancellationPoint as CancellationPoint
 from ._cancel_at_every_point import CancellationReport as CancellationReport
 from ._cancel_at_every_point import cancel_at_every_point as cancel_at_every_point
@@ -22,7 +25,10 @@ __all__ = [
     "assert_no_stall",
     "assert_quiescent",
     "assert_quiescent_async",
+    "block_time",
     "cancel_at_every_point",
+    "overlapped",
     "pending_runs",
+    "record_activity",
     "use_after_free_count",
 ]

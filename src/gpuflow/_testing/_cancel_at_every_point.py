@@ -50,9 +50,12 @@ class CancellationPoint:
     what: str
     #: the pipeline's line that got there: ``"file:line (in function)"``
     where: str
+    #: the name of the task that got there (the pipeline's, or a task it started)
+    task: str = ""
 
     def __str__(self) -> str:
-        return f"point {self.index}: {self.what}; at {self.where}"
+        by = f" in task {self.task!r}" if self.task else ""
+        return f"point {self.index}: {self.what}; at {self.where}{by}"
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,13 @@ def _where() -> str:
     return "(no frame outside gpuflow and the event loop's libraries)"
 
 
+def _task_name() -> str:
+    try:
+        return anyio.get_current_task().name or "?"
+    except Exception:  # (no task: never, from a watcher; said rather than raised)
+        return "?"
+
+
 def _describe(what: str, op: object) -> str:
     if op is None:
         return what
@@ -116,9 +126,11 @@ async def _watch(what: str, op: object = None) -> None:
     attempt.seen += 1
     index = attempt.seen
     if attempt.record:
-        attempt.sites.append(CancellationPoint(index, _describe(what, op), _where()))
+        attempt.sites.append(
+            CancellationPoint(index, _describe(what, op), _where(), _task_name())
+        )
     elif index == attempt.cancel_at:
-        attempt.cancelled = CancellationPoint(index, _describe(what, op), _where())
+        attempt.cancelled = CancellationPoint(index, _describe(what, op), _where(), _task_name())
         assert attempt.scope is not None
         attempt.scope.cancel()
         # the cancellation lands here, as the loop's own exception (unless a
@@ -254,7 +266,7 @@ async def _run(
     attempt: _Attempt,
     check: Callable[[], object] | None,
     timeout: float,
-    leases: int,
+    leases: frozenset[object],
     total: int,
 ) -> None:
     base = Baseline(leases, use_after_free_count())

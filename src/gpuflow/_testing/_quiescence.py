@@ -13,7 +13,7 @@ import anyio
 import anyio.lowlevel
 
 from .._core import current_runtime, ensure_runtime, refuse_blocking, run_finalized
-from .._scopes import leases_held
+from .._scopes import held_leases, leases_held
 
 #: How often the waits look again whether every run has finished.
 _POLL_S = 0.001
@@ -96,7 +96,7 @@ class Baseline:
 
     __slots__ = ("leases", "uses_after_free")
 
-    def __init__(self, leases: int = 0, uses_after_free: int = 0) -> None:
+    def __init__(self, leases: frozenset[object] = frozenset(), uses_after_free: int = 0) -> None:
         self.leases = leases
         self.uses_after_free = uses_after_free
 
@@ -104,23 +104,28 @@ class Baseline:
     def now(cls) -> Baseline:
         if current_runtime() is None:  # (asking would make a runtime)
             return cls()
-        return cls(leases_held(), use_after_free_count())
+        return cls(frozenset(held_leases()), use_after_free_count())
 
 
 def problems(
     timeout: float, since: Baseline | None = None, pending: int | None = None
 ) -> list[str]:
     """What is not at rest, once the wait for pending runs is over
-    (``pending``: the runs its last :func:`look` saw; by default, a look now)."""
+    (``pending``: the runs its last :func:`look` saw; by default, a look now).
+    A lease still held is named, with where it was entered."""
     base = since or Baseline()
     found = []
     if pending is None:
         pending = pending_runs()
     if pending:
         found.append(f"{pending} run(s) still pending after {timeout} s")
-    held = leases_held() - base.leases
-    if held > 0:
-        found.append(f"{held} stream lease(s) still held")
+    held = [lease for lease in held_leases() if lease not in base.leases]
+    # (one handed to a waiter that has not resumed yet counts, unnamed)
+    unnamed = leases_held() - len(base.leases) - len(held)
+    if held or unnamed > 0:
+        names = ", ".join(map(repr, held))
+        found.append(f"{len(held) + max(unnamed, 0)} stream lease(s) still held"
+                     + (f": {names}" if names else ""))
     uaf = use_after_free_count() - base.uses_after_free
     if uaf > 0:
         found.append(f"{uaf} use(s) after free detected")

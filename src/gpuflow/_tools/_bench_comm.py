@@ -95,7 +95,7 @@ async def _bandwidth_rows(
     s0 = gf.new_stream(devs[0])
     op = comm.all_reduce(xs, out=ys)
     op.enqueue_on(s0)  # the first: every part finds its stream, kept after
-    handles = [s.__cuda_stream__()[1] for s in (s0, *(y.allocation.writer for y in ys[1:]))]
+    handles = [s.__cuda_stream__()[1] for s in (s0, *(y._allocation.writer for y in ys[1:]))]
     for h in handles:
         cu.cuStreamSynchronize(h)
     reps = 5 if nbytes >= 256 * _MiB else 20

@@ -39,7 +39,7 @@ from typing import Any
 from ..._errors import DeviceError, DeviceFaultError, UsageError
 from .._base import Backend
 from .._codes import CONTEXT_ERRORS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_SUCCESS
-from .._records import DeviceDescription
+from .._records import DeviceDescription, LaunchLimits
 from . import _green
 from ._driver import check, driver, err_name, error_for
 from ._handles import CudaStream, Dev, Token
@@ -53,6 +53,24 @@ _EVENT_DISABLE_TIMING = 2
 _HOST_REGISTER_PORTABLE_DEVICEMAP = 1 | 2
 _CUDA_ERROR_NOT_SUPPORTED = 801
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+def _launch_limits(cu: Any, cudev: Any) -> LaunchLimits:
+    """A device's launch limits, as its driver reports them."""
+    attr = cu.CUdevice_attribute
+
+    def get(name: str) -> int:
+        (v,) = check(cu.cuDeviceGetAttribute(getattr(attr, name), cudev), "cuDeviceGetAttribute")
+        return int(v)
+
+    return LaunchLimits(
+        (get("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X"), get("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y"),
+         get("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z")),
+        (get("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X"), get("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y"),
+         get("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z")),
+        get("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK"),
+        get("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+    )  # fmt: skip
 
 
 class CudaContexts(Backend):
@@ -84,6 +102,8 @@ class CudaContexts(Backend):
         self._n = Native()
         self.thread_state = ThreadState()
         self._devices: list[Dev] = []
+        #: each device's launch limits, read once
+        self._limits: list[LaunchLimits] = []
         self._staging = Staging(self._devices, self._n, self.make_current, self._call)
         for i in range(n):
             (cudev,) = check(cu.cuDeviceGet(i), "cuDeviceGet")
@@ -99,6 +119,7 @@ class CudaContexts(Backend):
                 "cuDeviceGetAttribute",
             )
             dev = Dev(i, cudev, name, f"sm_{int(major)}{int(minor)}")
+            self._limits.append(_launch_limits(cu, cudev))
             (ctx,) = check(cu.cuDevicePrimaryCtxRetain(cudev), "cuDevicePrimaryCtxRetain")
             dev.ctx = int(ctx)
             self._devices.append(dev)
@@ -334,6 +355,9 @@ class CudaContexts(Backend):
     def device_arch(self, device: int) -> str:
         """``sm_XY`` of ``device`` (what :meth:`load_kernel` asks the module for)."""
         return self._dev(device).arch
+
+    def launch_limits(self, device: int) -> LaunchLimits:
+        return self._limits[self._dev(device).index]
 
     def describe_device(self, device: int) -> DeviceDescription:
         dev = self._dev(device)

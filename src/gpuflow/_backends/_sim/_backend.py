@@ -94,7 +94,6 @@ DEFAULT_MEMORY_BYTES = 2 << 30
 #: current GPUs (CUDA's range 0 to -5); free SMs go to the most urgent first
 SIM_PRIORITIES = 5
 _POISON = 0xFF  # every float pattern with all bits set is a NaN; ints read -1
-_MAX_BLOCK = 1024
 _ADDRESS_ALIGN = 256
 #: where device ``i``'s addresses start: 1 TiB of address space a device, so
 #: that an address alone names its device (as CUDA's unified addressing does)
@@ -755,11 +754,20 @@ class SimBackend(Backend):
         args: Sequence[KernelArg],
         stream: Any,
     ) -> None:
+        # what the driver refuses (gpuflow's front end refuses it first)
+        limits = self.launch_limits(kernel.device)
         threads = block[0] * block[1] * block[2]
-        if threads > _MAX_BLOCK or min(grid) < 1 or min(block) < 1:
+        if (
+            threads > limits.max_threads_per_block
+            or min(grid) < 1
+            or min(block) < 1
+            or any(n > top for n, top in zip(grid, limits.max_grid, strict=True))
+            or any(n > top for n, top in zip(block, limits.max_block, strict=True))
+            or shmem > limits.max_shared_memory_per_block
+        ):
             raise LaunchError(
                 f"kernel {kernel.name!r}: invalid configuration grid={grid} block={block} "
-                f"(at most {_MAX_BLOCK} threads a block, every dimension at least 1)",
+                f"shmem={shmem} (past the device's launch limits: {limits})",
                 code=CUDA_ERROR_INVALID_VALUE,
                 name=NAMES[CUDA_ERROR_INVALID_VALUE],
                 device=kernel.device,
