@@ -126,9 +126,64 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # (before the plugins' summaries: Hypothesis's asks the collector who
     # refers to a random generator, and a frozen referrer is not seen)
     gc.unfreeze()
+    _run_alone(session)
+
+
+# -- tests that must run alone ------------------------------------------------------------------
+#
+# The suite runs in worker processes (pytest-xdist, ``-n 4`` in pyproject):
+# most of its time is waiting, not CPU.  A test that compares times taken on
+# the simulated device (a latency class against no class) needs the CPU to
+# itself: the simulated SMs are threads, and a test beside it on the same
+# cores delays them.  Such tests (``@pytest.mark.alone``) are left out of
+# the workers' run and run after it, in one process with nothing beside it.
+
+
+def _workers(config: pytest.Config) -> bool:
+    """Whether this run hands its tests to worker processes (the controller
+    of a pytest-xdist run)."""
+    return bool(getattr(config.option, "numprocesses", 0)) and not hasattr(config, "workerinput")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):
+        return  # (one process: every test runs where it is)
+    alone = [item for item in items if item.get_closest_marker("alone")]
+    if alone:
+        items[:] = [item for item in items if not item.get_closest_marker("alone")]
+        config.hook.pytest_deselected(items=alone)
+
+
+def _run_alone(session: pytest.Session) -> None:
+    """After the workers' run: the ``alone`` tests of the same selection,
+    in one process; their failure fails the session."""
+    config = session.config
+    if not _workers(config) or session.exitstatus in (
+        pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR
+    ):
+        return
+    mark = config.option.markexpr
+    args = [*config.invocation_params.args, "-n", "0", "-p", "no:cacheprovider",
+            "-m", f"({mark}) and alone" if mark else "alone"]  # fmt: skip
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.section("the tests that run alone (-m alone, one process)", sep="=")
+    proc = run_child(
+        [sys.executable, "-m", "pytest", *args], timeout=1800, cwd=config.invocation_params.dir
+    )
+    if reporter is not None:
+        reporter.write(proc.stdout)
+        reporter.write(proc.stderr)
+    if proc.returncode not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "alone: compares times taken on a loaded device: in a run of worker processes "
+        "(pytest-xdist), runs after the others, in one process, with nothing beside it",
+    )
     config.addinivalue_line("markers", "sim_only: runs on the sim backend only")
     config.addinivalue_line("markers", "cuda_only: runs on a CUDA device only")
     config.addinivalue_line(
@@ -150,7 +205,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     env = dict(os.environ, **{_CHILD: "1"})
     proc = run_child(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0",
+         pyfuncitem.nodeid],
         env=env, timeout=100, cwd=pyfuncitem.config.rootpath,
     )  # fmt: skip
     if proc.returncode == 0 and re.search(r"\b1 skipped", proc.stdout):

@@ -56,6 +56,7 @@ async def short_behind_long(long_blocks: int, **short_class: Any) -> tuple[float
     return took["short"], took["long"]
 
 
+@pytest.mark.alone  # (compares times taken on the simulated SMs)
 @pytest.mark.sim_only
 def test_the_sim_runs_a_grid_in_waves_of_its_sms() -> None:
     small_device(8)
@@ -75,6 +76,7 @@ def test_the_sim_runs_a_grid_in_waves_of_its_sms() -> None:
     assert sms.blocks_run - before == K.cfg(x.size).grid[0]
 
 
+@pytest.mark.alone  # (compares times taken on the simulated SMs)
 @pytest.mark.sim_only
 @pytest.mark.anyio
 async def test_an_urgent_kernel_behind_a_saturating_one_starts_within_one_block() -> None:
@@ -88,6 +90,7 @@ async def test_an_urgent_kernel_behind_a_saturating_one_starts_within_one_block(
     assert short >= 4 * BLOCK_S - 0.01 - 0.005, (short, long)
 
 
+@pytest.mark.alone  # (compares times taken on the simulated SMs)
 @pytest.mark.sim_only
 @pytest.mark.anyio
 async def test_reserved_sms_serve_their_class_alone() -> None:
@@ -312,6 +315,7 @@ def _probe(seen: list[gf.Stream]) -> gf.DeviceOperation[None]:
     return gf.with_context(see)
 
 
+@pytest.mark.alone  # (compares times taken on the simulated SMs)
 @pytest.mark.sim_only
 @pytest.mark.anyio
 async def test_a_request_in_a_lease_inside_its_class_is_served_as_its_class() -> None:

@@ -181,7 +181,10 @@ def test_the_tutorial_is_its_programs() -> None:
     assert re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)[0] == PROGRAMS[0]
 
 
-@pytest.mark.parametrize("index", range(len(PRINTS)))
+@pytest.mark.parametrize(
+    "index",  # (the last compares times: the classes against none, so it runs alone)
+    [*range(len(PRINTS) - 1), pytest.param(len(PRINTS) - 1, marks=pytest.mark.alone)],
+)
 def test_a_tutorial_program_runs(index: int, tmp_path: Path) -> None:
     """Each program as a user saves and runs it: on ``sim`` where there is no
     GPU, on ``cuda`` where there is one (gpuflow's own choice, as in the

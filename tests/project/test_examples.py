@@ -51,7 +51,13 @@ def test_every_example_is_tested() -> None:
     )
 
 
-@pytest.mark.parametrize("name", sorted(EXPECT))
+#: examples that compare times (the classes against none): they run alone
+TIMED = ("latency_classes.py",)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.alone) if n in TIMED else n for n in sorted(EXPECT)]
+)
 def test_the_example_runs(name: str, device_backend: str) -> None:
     path = EXAMPLES / name
     if not path.exists():

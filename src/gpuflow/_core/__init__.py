@@ -76,11 +76,11 @@ from ._runtime import current_device_var as current_device_var
 from ._runtime import current_runtime as current_runtime
 from ._runtime import device_count as device_count
 from ._runtime import device_count_option as device_count_option
+from ._runtime import discard_runtime as discard_runtime
 from ._runtime import ensure_runtime as ensure_runtime
 from ._runtime import init_device_contexts as init_device_contexts
 from ._runtime import memory_stats as memory_stats
 from ._runtime import new_stream as new_stream
-from ._runtime import replace_runtime as replace_runtime
 from ._runtime import reset_device as reset_device
 from ._runtime import runtime_started as runtime_started
 from ._runtime import use_device as use_device
@@ -135,6 +135,7 @@ __all__ = [
     "device_count",
     "device_info",
     "device_count_option",
+    "discard_runtime",
     "ended_by",
     "enter_scope",
     "finalize_later",
@@ -155,7 +156,6 @@ __all__ = [
     "latency_class",
     "stream_elsewhere",
     "refuse_blocking",
-    "replace_runtime",
     "reset_device",
     "resolve",
     "run_finalized",

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._backends import Backend, LaunchLimits
+from ._completion import Lane
 from ._loops import task_name
 from ._run import Run
 from ._runtime import Runtime, current_device, current_runtime, ensure_runtime
@@ -128,7 +129,15 @@ class RunInFlight(NamedTuple):
 
 def _named(run: Run) -> str:
     what = run._what
-    return "a run of gpuflow's own" if what is None else repr(what)
+    if what is None:
+        return "a run of gpuflow's own"
+    op = what()
+    return "an operation no longer referenced" if op is None else repr(op)
+
+
+def _stream_named(rt: Runtime, lane: Lane) -> str:
+    stream = rt.stream_of(lane.raw)
+    return repr(lane.raw) if stream is None else repr(stream)
 
 
 def _waits_for(rt: Runtime, run: Run, ahead: Run | None, now: float) -> str:
@@ -139,12 +148,16 @@ def _waits_for(rt: Runtime, run: Run, ahead: Run | None, now: float) -> str:
             f"the run ahead of it on its stream ({_named(ahead)}, pending "
             f"{now - ahead._since:.3f} s)"
         )
-    for on, point in run._waits or ():
+    for lane, point in run._waits or ():
+        if lane is None:
+            continue
         if isinstance(point, Run):
             if not point.reached():
-                found.append(f"{_named(point)} on another stream ({on!r})")
-        elif on._lane is not None and not on._lane.idle():
-            found.append(f"work on another stream ({on!r}) it was ordered after")
+                found.append(f"{_named(point)} on another stream ({_stream_named(rt, lane)})")
+        elif not lane.idle():
+            found.append(
+                f"work on another stream ({_stream_named(rt, lane)}) it was ordered after"
+            )
     for comm in run._comms or ():
         found.append(f"its collective's peers ({comm!r})")
     if not found:
@@ -180,6 +193,7 @@ def in_flight() -> list[RunInFlight]:
     for lane, runs in rt.completer.pending_by_lane():
         reached = lane.reached()
         stream = rt.stream_of(lane.raw)
+        named = repr(lane.raw) if stream is None else repr(stream)
         ahead: Run | None = None
         for run in runs:
             if run._number <= reached or not isinstance(run, Run) or run.done:
@@ -188,7 +202,7 @@ def in_flight() -> list[RunInFlight]:
             found.append(RunInFlight(
                 operation=_named(run),
                 device=run.device,
-                stream=repr(stream) if stream is not None else repr(lane.raw),
+                stream=named,
                 priority=0 if stream is None else stream.priority,
                 sms=None if stream is None else stream.sms,
                 task=None if task is None else task_name(task),

@@ -36,6 +36,7 @@ import functools
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
@@ -67,6 +68,8 @@ except ImportError:  # (Windows)
 
 #: A task parked on a run: its loop, and what ``loop.wake`` wakes.
 Waiter = tuple[Loop, Any]
+
+_weak = weakref.ref
 
 #: Makes "done" one step against add_done_callback and a task's parking:
 #: a callback or a parked task is either taken by the completion or sees
@@ -101,16 +104,17 @@ class Run:
         "error",
     )  # fmt: skip
 
-    def __init__(self, device: int, what: object = None) -> None:
+    def __init__(self, device: int, op: DeviceOperation[Any] | None = None) -> None:
         self.device = device
-        #: what runs (its operation, or what gpuflow runs for itself), and
-        #: since when, for gf.in_flight(): dropped once done
-        self._what = what
+        #: what runs, and since when, for gf.in_flight(): a weak reference to
+        #: its operation (a run keeps alive what its work uses, never more)
+        self._what: Callable[[], object] | None = None if op is None else _weak(op)
         self._since = time.monotonic()
         #: the task that waits for it, once one parks or polls (gf.in_flight())
         self._task: Any = None
-        #: the other streams' points its work was ordered after (gf.in_flight())
-        self._waits: list[tuple[Stream, Point | None]] | None = None
+        #: the other streams' points its work was ordered after, by their
+        #: lanes (gf.in_flight()); dropped once done
+        self._waits: list[tuple[Lane | None, Point | None]] | None = None
         #: the communicators whose collectives the run enqueued: a run that
         #: one of them aborted before it was seen done failed
         self._comms: list[Communicating] | None = None
@@ -188,12 +192,13 @@ class Run:
         gf.in_flight() says it may wait for."""
         waits = self._waits
         if waits is None:
-            self._waits = [(on, point)]
+            self._waits = [(on._lane, point)]
         else:
-            waits.append((on, point))
+            waits.append((on._lane, point))
 
     def __repr__(self) -> str:
-        what = "" if self._what is None else f" of {self._what!r}"
+        op = None if self._what is None else self._what()
+        what = "" if op is None else f" of {op!r}"
         state = "done" if self.done else f"in flight {time.monotonic() - self._since:.3f} s"
         return f"<gpuflow.lowlevel.Run{what} on device {self.device}, {state}>"
 

@@ -541,24 +541,6 @@ def init_device_contexts(
         logged.
     """
     _refuse_with_runs_in_flight()
-    return replace_runtime(
-        default_device, num_devices, streams_per_device, backend,
-        busy_poll_us=busy_poll_us, reserve_sms=reserve_sms,
-    )  # fmt: skip
-
-
-def replace_runtime(
-    default_device: int = 0,
-    num_devices: int | None = None,
-    streams_per_device: int = 4,
-    backend: str | Backend = "auto",
-    *,
-    busy_poll_us: float | None = None,
-    reserve_sms: Mapping[str, int] | None = None,
-) -> str:
-    """:func:`init_device_contexts`, whatever is in flight on the runtime it
-    replaces (that runtime is closed: its runs in flight are abandoned, as
-    the pytest plugin does after a test that failed to end at rest)."""
     poll_s = busy_poll_s(busy_poll_us)
     if not isinstance(streams_per_device, int) or streams_per_device < 1:
         raise UsageError(f"streams_per_device must be a positive int, not {streams_per_device!r}")
@@ -590,6 +572,17 @@ def replace_runtime(
     if old is not None:
         old.close(backend=old.backend is not be)
     return be.name
+
+
+def discard_runtime(keep: Backend | str | None = None) -> None:
+    """Close the runtime in use, whatever is in flight on it (its runs are
+    abandoned), and leave none: what the pytest plugin does before each
+    test, after one that may have failed to end at rest.  Its backend is
+    closed too, unless it is ``keep`` (a backend the next runtime takes)."""
+    with _runtime_lock:
+        old, CURRENT.runtime = CURRENT.runtime, None
+    if old is not None:
+        old.close(backend=old.backend is not keep)
 
 
 def _refuse_with_runs_in_flight() -> None:

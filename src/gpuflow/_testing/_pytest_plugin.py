@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import pytest
 
 from .._backends import Backend, cuda_probe, load_backend
-from .._core import device_count_option, replace_runtime
+from .._core import device_count_option, discard_runtime, init_device_contexts
 from ._quiescence import Baseline, problems, settle
 
 #: What ``--gpuflow-backend`` takes.
@@ -86,8 +86,10 @@ def gpuflow_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
     pending, a stream lease is still held or a use after free was seen."""
     config = request.config
     devices = config.getoption("gpuflow_devices")
-    # (whatever a test before left in flight, which failed that test, goes)
-    name = replace_runtime(num_devices=devices, backend=_backend(config, devices))
+    backend = _backend(config, devices)
+    # whatever a test before left in flight (which failed that test) goes
+    discard_runtime(keep=backend)
+    name = init_device_contexts(num_devices=devices, backend=backend)
     # the replaced runtime is garbage now: collect it before the test's GPU
     # work starts (a collection during the test could wait for that work)
     gc.collect()
