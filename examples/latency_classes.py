@@ -56,11 +56,11 @@ class Service:
 
     def __init__(self, classes: bool) -> None:
         self.module = gf.compile(SOURCE, references={"work": work_ref})
-        be = gf.lowlevel.current_backend_object()
-        sms = be.sm_count(0) or 132
+        info = gf.device_info(0)
+        sms = info.sms or 132
         # a GPU's SM holds many blocks of 32 threads at once; sim runs one an SM
-        self.batch_blocks = sms * (1 if gf.current_backend() == "sim" else 32) * 4
-        top = be.stream_priorities(0)
+        self.batch_blocks = sms * (1 if info.backend == "sim" else 32) * 4
+        top = info.max_priority
         self.interactive_class: dict[str, Any] = {}
         self.batch_class: dict[str, Any] = {}
         if classes:
@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     args = p.parse_args()
     backend = gf.init_device_contexts(backend=args.backend, num_devices=1)
-    print(f"backend: {backend}, {gf.lowlevel.current_backend_object().sm_count(0)} SMs")
+    print(f"backend: {backend}, {gf.device_info(0).sms} SMs")
     without = report("without classes", anyio.run(load, Service(classes=False)))
     # 8 SMs of each device for the interactive class; gpuflow's other streams
     # are made in the SMs left

@@ -126,7 +126,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # (before the plugins' summaries: Hypothesis's asks the collector who
     # refers to a random generator, and a frozen referrer is not seen)
     gc.unfreeze()
-    _run_alone(session)
 
 
 # -- tests that must run alone ------------------------------------------------------------------
@@ -154,9 +153,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=alone)
 
 
+class _Alone:
+    """The run of the ``alone`` tests (a plugin of its own: its hook runs
+    last, where the module's own ``pytest_sessionfinish`` runs first)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """After the workers' run, once they have ended (pytest-xdist's
+        own ``pytest_sessionfinish`` ends them): the ``alone`` tests of the
+        same selection, in one process; their failure fails the session."""
+        _run_alone(session)
+
+
 def _run_alone(session: pytest.Session) -> None:
-    """After the workers' run: the ``alone`` tests of the same selection,
-    in one process; their failure fails the session."""
     config = session.config
     if not _workers(config) or session.exitstatus in (
         pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR
@@ -179,6 +188,7 @@ def _run_alone(session: pytest.Session) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_Alone(), "gpuflow-alone")
     config.addinivalue_line(
         "markers",
         "alone: compares times taken on a loaded device: in a run of worker processes "

@@ -14,7 +14,7 @@ The API by topic (help(gpuflow.NAME) tells more of each):
   arrays         DeviceArray, zeros, ones, full, empty, zeros_like, ones_like,
                  full_like, empty_like, arange, from_host, to_host, copy,
                  memory_stats, MemoryStats
-  kernels        compile, Module, Kernel, LaunchConfig
+  kernels        compile, compile_async, Module, Kernel, LaunchConfig
   devices        init_device_contexts, current_backend, current_device,
                  device_count, device_info, DeviceInfo, use_device, new_stream,
                  reset_device, Stream, ExecutionContext
@@ -92,6 +92,7 @@ from ._kernels import Kernel as Kernel
 from ._kernels import LaunchConfig as LaunchConfig
 from ._kernels import Module as Module
 from ._kernels import compile as compile
+from ._kernels import compile_async as compile_async
 from ._memory import DeviceArray as DeviceArray
 from ._memory import arange as arange
 from ._memory import copy as copy
@@ -120,7 +121,7 @@ __all__ = [
     "DeviceArray", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like",
     "empty_like", "arange", "from_host", "to_host", "copy", "memory_stats", "MemoryStats",
     # kernels
-    "compile", "Module", "Kernel", "LaunchConfig",
+    "compile", "compile_async", "Module", "Kernel", "LaunchConfig",
     # devices, streams, scheduling, scopes
     "init_device_contexts", "current_backend", "current_device", "device_count",
     "device_info", "DeviceInfo", "use_device", "new_stream", "reset_device", "Stream",

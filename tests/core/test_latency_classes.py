@@ -404,3 +404,35 @@ async def test_a_lease_and_a_group_made_in_a_class_take_its_busy_poll() -> None:
         await K.slow_fill(x, 3.0, 0.03)
     assert stats().pipes_armed == before.pipes_armed
     np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 3.0, np.float32))
+
+
+@pytest.mark.alone  # (compares times taken on the simulated SMs)
+@pytest.mark.sim_only  # (a small simulated device; on a GPU, the bench's classes row)
+@pytest.mark.anyio
+async def test_a_classs_first_request_under_load_is_served_as_its_second() -> None:
+    """A module's load waits for the device's running kernels, as the
+    driver's does: every module compiled before the runtime started, and
+    every one compiled since, is loaded into the reserved SMs' context
+    ahead, so the class's first request does not load it behind the batch."""
+    before = gf.compile(K.SOURCE + "\n// compiled before the runtime\n", references=K.REFERENCES)
+    small_device(16, reserve_sms={"interactive": 8})
+    after = gf.compile(K.SOURCE + "\n// compiled after\n", references=K.REFERENCES)
+    loads = gf.lowlevel.current_backend_object().loads  # type: ignore[attr-defined]
+    waited = loads.waited
+    for module in (before, after):
+        took = []
+
+        async def batch(module: gf.Module = module) -> None:
+            await module.spin(gf.LaunchConfig(8 * 4, 32), int(BLOCK_S * 1e9))  # the other SMs
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batch)
+            await anyio.sleep(0.02)
+            for _ in range(2):
+                t0 = time.monotonic()
+                with gf.latency_class(sms="interactive", priority=1):
+                    await module.spin(gf.LaunchConfig(1, 32), int(SHORT_S * 1e9))
+                took.append(time.monotonic() - t0)
+        first, second = took
+        assert first < SHORT_S + 0.03 and second < SHORT_S + 0.03, took
+    assert loads.waited == waited  # no load waited behind the batch

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import re
+import time
+import uuid
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
@@ -498,26 +502,11 @@ def test_a_library_imported_after_a_compile_works(library: str) -> None:
 
 
 @pytest.mark.sim_only
-def test_modules_load_ahead_where_loading_can_wait_for_the_device() -> None:
-    """Where loading a module can wait until the device is idle (CUDA), a
-    module is loaded when it is compiled or when a runtime starts, never at a
-    first launch (which would stall the thread launching)."""
-    import uuid
-    import warnings
-
-    from gpuflow._backends._sim._backend import SimBackend  # the sim, told that loading waits
-    from gpuflow.lowlevel import Backend
-
-    loads: list[tuple[int, str]] = []
-
-    class Waiting(SimBackend):
-        setup_waits_for_idle = True
-
-        def load_kernel(self, device: int, module: Any, name: str) -> Any:
-            loads.append((device, name))
-            return super().load_kernel(device, module, name)
-
-    assert not SimBackend.setup_waits_for_idle and Backend.setup_waits_for_idle is False
+def test_modules_load_ahead_where_loading_waits_for_running_kernels() -> None:
+    """Where loading a module waits for the device's running kernels (CUDA,
+    and sim as it does), a module is loaded into every context that runs it
+    when it is compiled or when a runtime starts, never at a first launch
+    (which would stall the thread launching)."""
     tag = uuid.uuid4().hex
     src = (
         f'extern "C" __global__ void a_{tag}(int* x) {{}}\n'
@@ -527,18 +516,84 @@ def test_modules_load_ahead_where_loading_can_wait_for_the_device() -> None:
     before = gf.compile(src.replace(tag, tag + "0"), references={
         k.replace(tag, tag + "0"): v for k, v in refs.items()
     })
-    with warnings.catch_warnings():
-        # (modules other tests compiled without references cannot load on sim)
-        warnings.simplefilter("ignore", UserWarning)
-        gf.init_device_contexts(backend=Waiting(2))  # the runtime starts: loads what was compiled
-    assert {(d, n) for d, n in loads if tag in n} == {
-        (d, f"{k}_{tag}0") for d in (0, 1) for k in ("a", "b")
-    }
-    loads.clear()
+    gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"interactive": 8})
+    be: Any = gf.lowlevel.current_backend_object()
+    assert be.loads_wait_for_kernels
+    # the runtime started: what was compiled is loaded in each device's own
+    # context and its two partitions' (the reserved SMs, the SMs left)
+    where = be.loads.loaded(before.source)
+    assert {d for d, _c in where} == {0, 1} and len(where) == 2 * (1 + 2), where
+    assert sum(c is None for _d, c in where) == 2
     mod = gf.compile(src, references=refs)  # compiled with a runtime: loaded now
-    assert sorted(loads) == [(d, f"{k}_{tag}") for d in (0, 1) for k in ("a", "b")]
-    loads.clear()
+    assert len(be.loads.loaded(mod.source)) == 2 * 3
+    count = be.loads.count
     x = gf.zeros(4, np.int32).sync()
     getattr(mod, f"a_{tag}")(gf.LaunchConfig(1, 1), x).sync()
     getattr(before, f"b_{tag}0")(gf.LaunchConfig(1, 1), x).sync()
-    assert loads == []  # the first launches loaded nothing
+    with gf.latency_class(sms="interactive"):
+        getattr(mod, f"b_{tag}")(gf.LaunchConfig(1, 1), x).sync()
+    assert be.loads.count == count  # the first launches loaded nothing
+
+
+# -- a module's load waits for the device's running kernels -------------------------------------
+
+
+def _new_source() -> str:
+    """The test kernels' source as a module never loaded before (a comment of its own)."""
+    return K.SOURCE + f"\n// {uuid.uuid4()}\n"
+
+
+async def _while_a_kernel_runs(seconds: float, work: Any) -> tuple[float, float]:
+    """Run ``work()`` (an async function) 20 ms into a kernel of ``seconds``;
+    how long it took, and the longest the loop went without running a
+    ticking task meanwhile."""
+    ticks: list[float] = []
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.monotonic())  # (the turn after a stall is counted too)
+            if done.is_set():
+                return
+            await anyio.sleep(0.002)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(K.spin(1, seconds).run)
+        await anyio.sleep(0.02)
+        tg.start_soon(ticker)
+        await anyio.sleep(0.01)
+        t0 = time.monotonic()
+        await work()
+        took = time.monotonic() - t0
+        done.set()
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    return took, max(gaps)
+
+
+@pytest.mark.alone  # (compares the loop's gaps with a kernel's time)
+async def test_a_compile_in_the_loop_stalls_it_behind_running_kernels_and_compile_async_does_not(
+) -> None:
+    K.module()  # (NVRTC and the spin kernel's module, before anything is timed)
+    got: list[gf.Module] = []
+
+    async def in_a_worker() -> None:
+        got.append(await gf.compile_async(_new_source(), references=K.REFERENCES))
+
+    took, gap = await _while_a_kernel_runs(0.5, in_a_worker)
+    assert took > 0.3, took  # the load waited for the kernel
+    assert gap < 0.15, gap  # the loop served meanwhile
+    x = await gf.zeros(4, np.float32)
+    await got[0].scale(K.cfg(4), x, 2.0, 4)  # loaded: it runs
+
+    async def in_the_loop() -> None:
+        got.append(gf.compile(_new_source(), references=K.REFERENCES))
+
+    took, gap = await _while_a_kernel_runs(0.5, in_the_loop)
+    assert took > 0.3 and gap > 0.3, (took, gap)  # the loop stood still behind the kernel
+
+
+async def test_compile_async_checks_its_source_before_any_thread() -> None:
+    with pytest.raises(gf.UsageTypeError, match=r"compile_async\(\) expected CUDA C\+\+ source"):
+        await gf.compile_async(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(gf.CompileError):
+        await gf.compile_async('extern "C" __global__ void broken( {')

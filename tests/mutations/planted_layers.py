@@ -207,9 +207,9 @@ MUTATIONS = [
         "K1",
         'a module is loaded at its first launch, not ahead',
         '_kernels/_kernel.py',
-        '        if not rt.backend.setup_waits_for_idle or not rt.live:\n',
+        '        if not be.loads_wait_for_kernels or not rt.live:\n',
         '        if True:\n',
-        ('tests/kernels/test_kernels.py',),
+        ('tests/kernels/test_kernels.py', 'tests/core/test_latency_classes.py'),
     ),
     Mutation(
         "K2",

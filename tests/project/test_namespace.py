@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import pickle
 import pydoc
 import re
@@ -70,8 +71,12 @@ def test_public_names_say_the_public_module(ns: types.ModuleType) -> None:
 def test_help_lists_the_api() -> None:
     text = pydoc.plain(pydoc.render_doc(gf))
     for name in gf.__all__:
-        is_class = isinstance(getattr(gf, name), type)
-        assert (f"    class {name}(" if is_class else f"\n    {name}(") in text, name
+        obj = getattr(gf, name)
+        if isinstance(obj, type):
+            assert f"    class {name}(" in text, name
+        else:
+            shown = f"\n    async {name}(" if inspect.iscoroutinefunction(obj) else f"\n    {name}("
+            assert shown in text, name
     # the docstring's overview names every public name, by topic
     doc = gf.__doc__ or ""
     assert [n for n in gf.__all__ if n not in doc] == []

@@ -41,12 +41,16 @@ CUresult cuDeviceGetDefaultMemPool(void **pool, int d) { *pool = (void *)0x2000;
 CUresult cuMemPoolGetAttribute(void *pool, int attr, void *value) { *(u64 *)value = 0; return 0; }
 CUresult cuCtxSetCurrent(void *ctx) { current_ctx = ctx; return 0; }
 CUresult cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
-CUresult cuStreamCreate(void **s, unsigned f) { *s = handle(); return 0; }
+/* every stream made, counted for the program (a latency class's first run
+ * makes none: its pool is made when the runtime starts) */
+int standin_streams = 0;
+CUresult cuStreamCreate(void **s, unsigned f) { standin_streams++; *s = handle(); return 0; }
 /* priorities as on current GPUs: 0 the lowest, -5 the highest; the last
  * number a stream was made with is kept, for the program to check */
 int standin_priority = 1;
 CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return 0; }
-CUresult cuStreamCreateWithPriority(void **s, unsigned f, int p) { standin_priority = p; *s = handle(); return 0; }
+CUresult cuStreamCreateWithPriority(void **s, unsigned f, int p) {
+    standin_streams++; standin_priority = p; *s = handle(); return 0; }
 /* green contexts: a device of 132 SMs split as CUDA 13 does on sm_90
  * (partitions of multiples of 8); what was made is counted, and the SMs of
  * the green context the last stream was made in are kept, for the program */
@@ -85,7 +89,7 @@ CUresult cuGreenCtxGetDevResource(void *g, Resource *r, int type) {
     r->u.sm[0] = desc_sms[((uintptr_t)g - 0x8000) / 16]; return 0; }
 CUresult cuCtxFromGreenCtx(void **ctx, void *g) { *ctx = (void *)((uintptr_t)g + 0x1000); return 0; }
 CUresult cuGreenCtxStreamCreate(void **s, void *g, unsigned f, int p) {
-    standin_green_streams++; standin_priority = p;
+    standin_streams++; standin_green_streams++; standin_priority = p;
     standin_green_sms = desc_sms[((uintptr_t)g - 0x8000) / 16];
     *s = handle(); return 0; }
 CUresult cuGreenCtxDestroy(void *g) { standin_green_contexts--; return 0; }

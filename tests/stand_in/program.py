@@ -167,23 +167,39 @@ green_sms = ctypes.c_int.in_dll(standin, "standin_green_sms")
 modules = ctypes.c_int.in_dll(standin, "standin_modules")
 gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 12})
 backend = gf.lowlevel.current_backend_object()
-assert green.value == 2 and green_sms.value == 116, (green.value, green_sms.value)
+assert green.value == 2, green.value
 assert backend.sm_count(0) == 132
+made = green_streams.value
+gf.new_stream(priority=1)  # (a stream made now: not one of the spares made at start)
+assert green_streams.value == made + 1 and green_sms.value == 116, green_sms.value
 made = green_streams.value
 fast = gf.new_stream(sms="interactive", priority=2)
 assert green_streams.value == made + 1 and green_sms.value == 16 and made_with.value == -2
-loaded = modules.value
+# a class's first runs make no stream and load no module: every class's pool
+# was made, and the modules compiled so far and the built-in kernels loaded
+# into every green context, when the runtime started (under load, either
+# would wait for the device's running kernels)
+loaded, streams = modules.value, ctypes.c_int.in_dll(standin, "standin_streams")
+made = streams.value
+for cls in [dict(sms="interactive"), dict(priority=5), dict(sms="interactive", priority=3)]:
+    with gf.latency_class(**cls):  # type: ignore[arg-type]
+        z = gf.arange(64, dtype=np.float32).sync()  # a built-in kernel
+        mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()
+assert green_sms.value in (16, 116) and modules.value == loaded, modules.value - loaded
+assert streams.value == made, streams.value - made
+# a module compiled now is loaded into each context at once (the device's and
+# the two green contexts'), never at a first launch
+late = gf.compile('extern "C" __global__ void late() {}')
+assert modules.value == loaded + 3, modules.value - loaded
 with gf.latency_class(sms="interactive"):
-    z = gf.arange(64, dtype=np.float32).sync()  # the built-in kernels, loaded there
-    mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()
-    mod.scale(gf.LaunchConfig(1, 64), z, 2.0, 64).sync()  # (loaded once)
-assert green_sms.value == 16 and modules.value - loaded == 2, modules.value - loaded
+    late.late(gf.LaunchConfig(1, 1)).sync()
+assert modules.value == loaded + 3, modules.value - loaded
 # two partitions: the second split off a green context of what the first
 # left (the driver splits no split's output), that context destroyed after
 gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 12, "bulk": 8})
-assert green.value == 3 and green_sms.value == 108, (green.value, green_sms.value)
-for name, sms in [("bulk", 8), ("interactive", 16)]:
-    gf.new_stream(sms=name)
+assert green.value == 3, green.value
+for name, sms in [(None, 108), ("bulk", 8), ("interactive", 16)]:
+    gf.new_stream(sms=name, priority=1)
     assert green_sms.value == sms, (name, green_sms.value)
 for reserve, words in [
     ({"interactive": 126}, "128 SMs (rounded up to multiples of 8, at least 8 a partition) and at "

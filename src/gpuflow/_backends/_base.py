@@ -60,11 +60,15 @@ class Backend(Communicators, abc.ABC):
     """
 
     name: ClassVar[str]
-    #: Whether making a stream or loading a module can block the calling
-    #: thread until the device is idle (CUDA): then the runtime makes the
-    #: streams it may need when it starts, and modules are loaded when they
-    #: are compiled or the runtime starts, never on the way to a launch.
+    #: Whether making a stream can block the calling thread until the device
+    #: is idle (CUDA): then the runtime makes the streams it may need when
+    #: it starts (its pools' spares, and every latency class's pool).
     setup_waits_for_idle: ClassVar[bool] = False
+    #: Whether loading a module waits for the device's running kernels
+    #: (CUDA, and ``sim`` as it does): then modules are loaded, into every
+    #: context that runs them, when they are compiled or the runtime starts,
+    #: never on the way to a launch.
+    loads_wait_for_kernels: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -476,6 +480,25 @@ class Backend(Communicators, abc.ABC):
         Returns
         -------
         object
+        """
+
+    def load_ahead(
+        self, device: int, module: ModuleSource | None, partitions: Sequence[Any]
+    ) -> None:
+        """Load ``module`` (None: the backend's own built-in kernels) into
+        ``device``'s own context and the contexts of ``partitions`` (reserved
+        SMs' and the SMs left's, of :meth:`partition_sms`), now: what a first
+        launch there would otherwise load, waiting for the device's running
+        kernels.  Where loads never wait, nothing (the default).
+
+        Parameters
+        ----------
+        device
+            The device's ordinal.
+        module
+            The compiled module, or None (the built-in kernels).
+        partitions
+            Partitions of the device's SMs.
         """
 
     @abc.abstractmethod

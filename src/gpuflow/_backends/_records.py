@@ -7,7 +7,7 @@ objects satisfy; :mod:`._base` is the interface that takes and gives them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -41,6 +41,8 @@ class ModuleSource(Protocol):
     def source(self) -> str: ...
     @property
     def references(self) -> dict[str, Callable[..., Any]]: ...
+    @property
+    def kernels(self) -> Mapping[str, Any]: ...
     def binary_for(self, arch: str) -> bytes: ...
 
 

@@ -113,6 +113,19 @@ class Runtime:
         self.completer = Completer(backend, busy_poll_s)
         for d in devices:
             self._make_pool(d)
+            if backend.setup_waits_for_idle:
+                # every latency class's pool, now: made at a class's first
+                # use, under load, a stream could wait for the device to be
+                # idle, and the class's first request with it
+                self._make_levels(d)
+            if backend.loads_wait_for_kernels:
+                # the built-in kernels in every context that runs them, now:
+                # a first fill there would load them, waiting for running kernels
+                try:
+                    backend.load_ahead(d, None, self.partitions_of(d))
+                except Exception as exc:  # (tried again at the first fill, which raises)
+                    warnings.warn(f"gpuflow: loading the built-in kernels failed: {exc!r}",
+                                  stacklevel=2)
 
     def _make_pool(self, device: int) -> None:
         be = self.backend
@@ -320,10 +333,25 @@ class Runtime:
                 raise
         return self._make_level(device, priority, sms)
 
+    def partitions_of(self, device: int) -> list[Any]:
+        """The partitions of ``device``'s SMs (the reserved ones, and the one
+        left to the other streams); none where no SMs are reserved."""
+        rest = self._rest.get(device)
+        return [] if rest is None else [*self.partitions[device].values(), rest]
+
+    def _make_levels(self, device: int) -> None:
+        """Every level's pool of ``device`` (each priority, on each partition's
+        SMs and on the others) but the default one's, which exists."""
+        top = self.backend.stream_priorities(device)
+        for sms in [None, *self.partitions.get(device, {})]:
+            for priority in range(top + 1):
+                if priority or sms is not None:
+                    self._make_level(device, priority, sms)
+
     def _make_level(self, device: int, priority: int, sms: str | None) -> list[Stream]:
-        """A level's pool on ``device``, at its first use.  (On CUDA, making
-        a stream can wait until the device is idle: the first use of a level
-        may too.)"""
+        """A level's pool on ``device``: at its first use, or, where making a
+        stream can wait until the device is idle (CUDA), when the runtime
+        starts (:meth:`_make_levels`)."""
         with self._lock:
             streams = self._levels.get((device, priority, sms))
             if streams is None:
@@ -408,6 +436,8 @@ class Runtime:
             self._generations[device] += 1
             self._lives[device] = object()
             self._make_pool(device)
+            if self.backend.setup_waits_for_idle:
+                self._make_levels(device)
         with self._handles_lock:  # other libraries' streams there: named anew from now
             for raw in [raw for raw, s in self._foreign.items() if s.device == device]:
                 self.completer.retire_stream(raw)

@@ -10,10 +10,12 @@ from ._kernel import Kernel as Kernel
 from ._kernel import LaunchConfig as LaunchConfig
 from ._kernel import Module as Module
 from ._kernel import compile as compile
+from ._kernel import compile_async as compile_async
 
 __all__ = [
     "Kernel",
     "LaunchConfig",
     "Module",
     "compile",
+    "compile_async",
 ]

@@ -14,6 +14,7 @@ convention is in :func:`compile`'s docstring).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio.to_thread
 import numpy as np
 
 from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, compile_source
@@ -352,17 +354,20 @@ class Module:
         return k
 
     def _load_ahead(self, rt: Runtime) -> None:
-        """Load every kernel on every device of ``rt`` now, where loading can
-        wait until the device is idle (CUDA: seen on the H200, a module's
-        load waited for a kernel running on another stream): a first launch
-        then never stalls the thread that makes it.  A failure is a warning,
-        and the load is tried again at the first launch (which raises)."""
-        if not rt.backend.setup_waits_for_idle or not rt.live:
+        """Load every kernel on every device of ``rt`` now, into every context
+        that runs it (the device's, and each partition's of reserved SMs),
+        where loading waits for the device's running kernels (CUDA: seen on
+        the H200, a module's load waited for a kernel running on another
+        stream; ``sim`` does as CUDA does): a first launch then never stalls
+        the thread that makes it, whatever class it runs in.  A failure is a
+        warning, and the load is tried again at the first launch (which
+        raises)."""
+        be = rt.backend
+        if not be.loads_wait_for_kernels or not rt.live:
             return
         try:
             for device in rt.devices:
-                for name in self._kernels:
-                    self._load_on(rt, device, name)
+                be.load_ahead(device, self, rt.partitions_of(device))
         except Exception as exc:
             warnings.warn(f"gpuflow: loading a module ahead failed: {exc!r}", stacklevel=2)
 
@@ -409,8 +414,9 @@ def compile(
     out-of-bounds access it is on a GPU, a sticky fault naming the slice,
     where NumPy alone would clip the slice and hide the bad launch.
 
-    Any thread; it blocks while NVRTC compiles (compile at start-up, not in a
-    request's path).
+    Any thread; it blocks while NVRTC compiles and while the module loads,
+    which waits for the kernels running on the device (compile at start-up;
+    in an event loop that serves meanwhile, ``await gf.compile_async(...)``).
 
     Parameters
     ----------
@@ -460,6 +466,54 @@ def compile(
     if rt is not None:
         module._load_ahead(rt)
     return module
+
+
+async def compile_async(
+    source: str,
+    references: dict[str, Callable[..., Any]] | None = None,
+    options: Sequence[str] = (),
+) -> Module:
+    """:func:`compile` without blocking the event loop: NVRTC's compile and
+    the module's loads run in a worker thread, and the await parks
+    meanwhile, so a service compiles while it serves.
+
+    A module's load waits for the kernels running on the device (CUDA's
+    driver does; so does ``sim``): :func:`compile` in an event loop's thread
+    stops every task of the loop that long, behind work it does not depend
+    on.  This returns the same module, loaded into every context that runs
+    it, once the worker is done.  Cancellation raises the loop's own
+    exception at once; the worker finishes on its own (a compile and a load
+    cannot be stopped) and its module is dropped.
+
+    Parameters
+    ----------
+    source
+        The CUDA C++ text.
+    references
+        Per kernel name, the Python function ``sim`` runs in its place.
+    options
+        More NVRTC options.
+
+    Returns
+    -------
+    Module
+        Its kernels as attributes.
+
+    Raises
+    ------
+    gpuflow.CompileError
+        NVRTC rejected the source (its log in ``.log``).
+    gpuflow.UsageTypeError
+        ``source`` is not text (before any thread starts).
+    gpuflow.UsageError
+        As :func:`compile`.
+    """
+    if not isinstance(source, str):
+        raise UsageTypeError(
+            f"compile_async() expected CUDA C++ source text, got {type(source).__name__}"
+        )
+    work = functools.partial(compile, source, references, tuple(options))
+    return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
 
 
 #: Every live module: a runtime made later loads them ahead (see Module._load_ahead).

@@ -42,7 +42,6 @@ from ._handles import (
     CudaEvent,
     CudaGraph,
     CudaKernel,
-    CudaModule,
     CudaStream,
     Dev,
     Token,
@@ -50,7 +49,6 @@ from ._handles import (
 from ._kernels import (
     ARANGE_F32_STRUCT,
     ARANGE_F64_STRUCT,
-    BUILTIN_NAMES,
     BUILTIN_SOURCE,
     BUILTIN_STRUCT,
     FILL_MAX_BLOCKS,
@@ -62,6 +60,7 @@ from ._kernels import (
     packed,
     plan,
 )
+from ._modules import Modules
 from ._nccl import NcclComms
 from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending
 from ._timing import Timer
@@ -89,13 +88,7 @@ class CudaBackend(CudaContexts):
         self._timer = Timer(self._cu, self._n, self.make_current)  # the activity record
         self._nccl = NcclComms(self)
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
-        # Loaded modules stay loaded while the backend lives: cuModuleUnload
-        # waits until the device is idle, and a finalizer calling it would
-        # stall whatever thread collects the garbage (an event loop's, the
-        # completer's) until every kernel in flight is done.  They are
-        # unloaded by close(), a point the program chose.
-        self._modules: dict[tuple[int, bytes], CudaModule] = {}
-        self._module_lock = threading.Lock()
+        self._loaded = Modules(self, self._cu, self._call)
         self._stream_lock = threading.Lock()
         #: (handle, device) -> the stream object of another library's stream
         self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
@@ -510,26 +503,16 @@ class CudaBackend(CudaContexts):
             self._timer.end(timed)
 
     # -- fills (memset, or a built-in kernel: ._kernels) ------------------------------
-    def _builtin(self, dev: Dev, name: str) -> Any:
-        fns = dev.builtins
-        if fns is None:
-            cubin = compile_source(BUILTIN_SOURCE, dev.arch, ())
-            (mod,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
-            self._load_functions(dev, mod)
-            fns = {}
-            for fname in BUILTIN_NAMES:
-                (f,) = self._call(
-                    dev, "cuModuleGetFunction", self._cu.cuModuleGetFunction, mod, fname.encode()
-                )
-                fns[fname] = f
-            dev.builtins = fns
-        return fns[name]
+    def load_ahead(
+        self, device: int, module: ModuleSource | None, partitions: Sequence[Any]
+    ) -> None:
+        self._loaded.ahead(self._dev(device), module, partitions)
 
     def _launch_builtin(
         self, dev: Dev, stream: CudaStream, fname: str, st: struct.Struct, values: tuple[Any, ...]
     ) -> None:
         green = stream.green  # (a green context loads a copy of its own)
-        func = self._builtin(dev, fname) if green is None else _green.function(
+        func = self._loaded.builtin(dev, fname) if green is None else _green.function(
             self._cu, green, compile_source(BUILTIN_SOURCE, dev.arch, ()), fname)  # fmt: skip
         count = int(values[-1])
         blocks = min((count + FILL_THREADS - 1) // FILL_THREADS, FILL_MAX_BLOCKS)
@@ -604,46 +587,7 @@ class CudaBackend(CudaContexts):
 
     # -- kernels --------------------------------------------------------------------
     def load_kernel(self, device: int, module: ModuleSource, name: str) -> CudaKernel:
-        dev = self._dev(device)
-        if dev.fault is not None:
-            raise dev.fault
-        cubin = module.binary_for(dev.arch)
-        key = (dev.index, cubin)
-        with self._module_lock:
-            mod = self._modules.get(key)
-            if mod is not None and mod.token is not dev.token:
-                mod = None
-            if mod is None:
-                (h,) = self._call(dev, "cuModuleLoadData", self._cu.cuModuleLoadData, cubin)
-                mod = CudaModule(self, dev, int(h))
-                self._modules[key] = mod
-                self._load_functions(dev, h)
-        self.make_current(dev)
-        (f,) = check(
-            self._cu.cuModuleGetFunction(mod.handle, name.encode()),
-            "cuModuleGetFunction",
-            dev,
-            message=f'kernel {name!r} not found in its module (is it declared extern "C"?)',
-        )
-        return CudaKernel(dev, name, f, mod, cubin)
-
-    def _load_functions(self, dev: Dev, module: Any) -> None:
-        """Load every kernel of a module now, not at its first launch.
-
-        Under CUDA's lazy loading (the default) the first launch of a kernel
-        loads it, and loading may wait until the device is idle: an empty
-        kernel's first launch on an idle stream was seen to wait for a kernel
-        spinning on another stream (docs/performance.md, "Measurements behind
-        the code").  gpuflow promises that independent streams overlap, so the
-        whole module loads when gpuflow loads it (once per module and device).
-        """
-        cu = self._cu
-        (count,) = self._call(dev, "cuModuleGetFunctionCount", cu.cuModuleGetFunctionCount, module)
-        (funcs,) = self._call(
-            dev, "cuModuleEnumerateFunctions", cu.cuModuleEnumerateFunctions, count, module
-        )
-        for f in funcs:
-            self._call(dev, "cuFuncLoad", cu.cuFuncLoad, f)
+        return self._loaded.kernel(self._dev(device), module, name)
 
     def launch(
         self,
@@ -992,9 +936,7 @@ class CudaBackend(CudaContexts):
     def close(self) -> None:
         """Unload the modules (this waits until the device is idle); other
         handles go with the process."""
-        with self._module_lock:
-            modules, self._modules = list(self._modules.values()), {}
-        for mod in modules:
+        for mod in self._loaded.drop():
             mod.unload()
         parts, self._partitions = self._partitions, []
         _green.destroy(self._cu, parts)

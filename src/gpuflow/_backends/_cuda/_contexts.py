@@ -80,6 +80,7 @@ class CudaContexts(Backend):
 
     name = "cuda"
     setup_waits_for_idle = True
+    loads_wait_for_kernels = True
 
     def __init__(self, num_devices: int | None = None, *, marks: str = "auto") -> None:
         """The first ``num_devices`` devices (all by default); ``marks`` as

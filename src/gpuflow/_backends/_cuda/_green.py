@@ -52,7 +52,7 @@ def granule(dev: Dev, resource: Any) -> tuple[int, int]:
 class CudaPartition:
     """A green context of some of a device's SMs, and the kernels loaded in it."""
 
-    __slots__ = ("asked", "ctx", "dev", "functions", "green", "lock", "sms")
+    __slots__ = ("asked", "ctx", "dev", "functions", "green", "lock", "modules", "sms")
 
     def __init__(self, dev: Dev, green: Any, ctx: Any, sms: int, asked: int) -> None:
         self.dev = dev
@@ -60,6 +60,8 @@ class CudaPartition:
         self.ctx = ctx  # its CUcontext (cuCtxFromGreenCtx), to load modules in
         self.sms = sms
         self.asked = asked
+        #: module image -> the CUmodule loaded in this context (once an image)
+        self.modules: dict[bytes, Any] = {}
         #: (module image, kernel name) -> the CUfunction loaded in this context
         self.functions: dict[tuple[bytes, str], Any] = {}
         self.lock = threading.Lock()
@@ -150,7 +152,9 @@ def create_stream(cu: Any, call: Call, part: CudaPartition, cuda_priority: int) 
 
 
 def function(cu: Any, part: CudaPartition, image: bytes, name: str) -> Any:
-    """Kernel ``name`` of module ``image`` loaded in ``part``'s context (once)."""
+    """Kernel ``name`` of module ``image`` loaded in ``part``'s context (the
+    module once an image: a load waits for the device's running kernels, so
+    gpuflow loads ahead, :func:`load`)."""
     key = (image, name)
     f = part.functions.get(key)
     if f is not None:
@@ -161,7 +165,7 @@ def function(cu: Any, part: CudaPartition, image: bytes, name: str) -> Any:
         if f is None:
             check(cu.cuCtxPushCurrent(part.ctx), "cuCtxPushCurrent", dev)
             try:
-                (mod,) = check(cu.cuModuleLoadData(image), "cuModuleLoadData", dev)
+                mod = _module(cu, part, image)
                 (f,) = check(
                     cu.cuModuleGetFunction(mod, name.encode()), "cuModuleGetFunction", dev
                 )
@@ -169,6 +173,30 @@ def function(cu: Any, part: CudaPartition, image: bytes, name: str) -> Any:
                 check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent", dev)
             part.functions[key] = f
     return f
+
+
+def load(cu: Any, part: CudaPartition, image: bytes, names: Sequence[str]) -> None:
+    """Module ``image`` loaded in ``part``'s context now, with its kernels
+    ``names``: what their first launches there would load."""
+    for name in names:
+        function(cu, part, image, name)
+
+
+def _module(cu: Any, part: CudaPartition, image: bytes) -> Any:
+    """``image`` loaded in ``part``'s context, current now (under its lock)."""
+    mod = part.modules.get(image)
+    if mod is None:
+        dev = part.dev
+        (mod,) = check(cu.cuModuleLoadData(image), "cuModuleLoadData", dev)
+        # whole, as in the device's context (._modules): a lazy first launch would load too
+        (count,) = check(cu.cuModuleGetFunctionCount(mod), "cuModuleGetFunctionCount", dev)
+        (funcs,) = check(
+            cu.cuModuleEnumerateFunctions(count, mod), "cuModuleEnumerateFunctions", dev
+        )
+        for f in funcs:
+            check(cu.cuFuncLoad(f), "cuFuncLoad", dev)
+        part.modules[image] = mod
+    return mod
 
 
 def destroy(cu: Any, parts: Sequence[CudaPartition]) -> None:

@@ -86,6 +86,7 @@ from .._records import (
     activity_tag,
 )
 from ._comm import SimComms, new_unique_id
+from ._loads import Loads
 from ._marks import SimCompletion
 from ._sms import DEFAULT_SMS, SimPartition, SimSMs
 
@@ -196,6 +197,8 @@ class SimKernel:
     name: str
     reference: Callable[..., Any]
     generation: int
+    #: its module (the source): what a context loads, once
+    module: str = ""
 
 
 class SimStream:
@@ -334,6 +337,7 @@ class SimBackend(Backend):
     made by :func:`gpuflow.lowlevel.new_sim_backend`."""
 
     name = "sim"
+    loads_wait_for_kernels = True  # (as a driver's: ._loads)
 
     def __init__(
         self,
@@ -364,6 +368,8 @@ class SimBackend(Backend):
         self._comms = SimComms(self)
         # marks, and the driver thread that calls host signals, never a stream
         self._completion = SimCompletion(self)
+        #: the modules loaded, and the kernels a load waits for
+        self.loads = Loads()
 
     def _wake_all(self) -> None:
         """Under the lock: something every waiter must see (a fault, a reset, closing)."""
@@ -743,7 +749,27 @@ class SimBackend(Backend):
                 f"kernel {name!r} has no NumPy reference: the sim backend runs "
                 f"gf.compile(..., references={{{name!r}: fn}})"
             )
-        return SimKernel(device, name, ref, self._dev(device).generation)
+        dev = self._dev(device)
+        self._load(dev, None, module.source)
+        return SimKernel(device, name, ref, dev.generation, module.source)
+
+    def load_ahead(
+        self, device: int, module: ModuleSource | None, partitions: Sequence[Any]
+    ) -> None:
+        if module is None:
+            return  # (sim's fills and arange are no kernels of a module)
+        dev = self._dev(device)
+        for context in (None, *partitions):
+            self._load(dev, context, module.source)
+
+    def _load(self, dev: SimDevice, context: SimPartition | None, module: str) -> None:
+        """``module`` loaded into ``context`` of ``dev`` (None: its own), as
+        the driver loads: once, waiting for the device's running kernels."""
+        generation = dev.generation
+        self.loads.load(
+            dev.index, generation, context, module,
+            lambda: dev.fault is not None or dev.generation != generation,
+        )  # fmt: skip
 
     def launch(
         self,
@@ -778,8 +804,16 @@ class SimBackend(Backend):
         blocks = grid[0] * grid[1] * grid[2]
         block_s = getattr(kernel.reference, BLOCK_TIME_ATTR, None)
         dev = self._devices[kernel.device]
+        partition = getattr(stream, "partition", None)
+        if partition is not None:  # (its first launch there loads it there, as CUDA's)
+            self._load(dev, partition, kernel.module)
+        running = self.loads.kernel_running
 
         def run() -> None:
+            with running(dev.index):
+                kernel_body()
+
+        def kernel_body() -> None:
             values: list[Any] = []
             for a in args:
                 if isinstance(a, PointerArg):
