@@ -109,6 +109,7 @@ def test_both_backends_name_driver_codes_as_the_driver_does() -> None:
     assert codes.error_class(codes.CUDA_ERROR_INVALID_VALUE) is gf.DeviceError
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 @pytest.mark.anyio
 async def test_a_fault_fails_the_await_within_100_ms() -> None:
     x = await gf.zeros(16, F32)

@@ -215,6 +215,7 @@ async def mixed_deadlines(policy: gf.SchedulingPolicy | None) -> tuple[int, int]
     return counts[0], counts[1]
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 async def test_mixed_deadlines_round_robin_misses_far_more_than_the_default() -> None:
     rr_requests, rr = await mixed_deadlines(gf.StreamPoolRoundRobin())
     requests, ours = await mixed_deadlines(None)
@@ -273,6 +274,7 @@ async def test_from_the_first_request_no_fast_run_queues_behind_slow_work() -> N
     assert len(missed) <= 1, f"fast requests that missed their deadline: {missed}"
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 async def test_a_burst_beyond_the_pool_never_queues_a_run_behind_long_work() -> None:
     """80 requests started at once, more than the pool's bound of 32
     streams: 20 run 0.5 s of GPU work, 60 short work, each under a 0.3 s

@@ -120,6 +120,7 @@ async def test_runs_started_in_a_class_block_take_streams_of_that_level() -> Non
     assert not {s for s in seen if s.priority == 3} & set(gf.lowlevel.pool_streams())
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 @pytest.mark.anyio
 async def test_a_busy_level_grows_its_own_pool_and_never_waits_for_another_level() -> None:
     x = [await gf.zeros(64, np.float32) for _ in range(8)]
