@@ -845,4 +845,31 @@ MUTATIONS = [
         "        pass\n",
         ("tests/backends/test_cuda_stand_in.py",),
     ),
+    Mutation(
+        "V3",
+        "a run right after the last one its stream reached is missing from gf.in_flight()",
+        "_core/_facts.py",
+        "            if run._number <= reached or not isinstance(run, Run) or run.done:\n",
+        "            if run._number <= reached + 1 or not isinstance(run, Run) or run.done:\n",
+        ("tests/core/test_in_flight.py",),
+    ),
+    Mutation(
+        "V4",
+        "a latency class's streams are made at its first use again (on CUDA, under load, a wait)",
+        "_core/_runtime.py",
+        "            if backend.setup_waits_for_idle:\n"
+        "                # every latency class's pool, now:",
+        "            if False:\n"
+        "                # every latency class's pool, now:",
+        ("tests/backends/test_cuda_stand_in.py::"
+         "test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
+    ),
+    Mutation(
+        "V7",
+        "a new runtime replaces one with runs in flight",
+        "_core/_runtime.py",
+        "    _refuse_with_runs_in_flight()\n",
+        "",
+        ("tests/core/test_devices.py::test_a_new_runtime_is_refused_while_runs_are_in_flight",),
+    ),
 ]

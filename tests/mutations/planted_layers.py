@@ -496,4 +496,56 @@ MUTATIONS = [
         "                    if False:\n",
         ("tests/core/test_latency_classes.py::test_a_kernel_waiting_for_sms_ends_with_its_devices_context",),
     ),
+    Mutation(
+        "V1",
+        "a launch one past a device's limit is built (off by one)",
+        "_kernels/_kernel.py",
+        "                if n > top:\n",
+        "                if n > top + 1:\n",
+        ("tests/kernels/test_kernels.py::"
+         "test_a_launch_past_the_devices_limits_is_refused_when_built",),
+    ),
+    Mutation(
+        "V2",
+        "a stream lease made inside a latency class does not take it",
+        "_scopes/_scope.py",
+        "    cls = class_here(priority, sms, busy_poll_us)\n"
+        "    return StreamLease(",
+        "    cls = class_here(priority if priority is not ENCLOSING else 0, None, busy_poll_us)\n"
+        "    return StreamLease(",
+        ("tests/core/test_latency_classes.py",),
+    ),
+    Mutation(
+        "V5",
+        "a module is loaded into the reserved SMs' context at a first launch, not ahead",
+        "_kernels/_kernel.py",
+        "                be.load_ahead(device, self, rt.partitions_of(device))\n",
+        "                be.load_ahead(device, self, [])\n",
+        ("tests/core/test_latency_classes.py",),
+    ),
+    Mutation(
+        "V6",
+        "sim loads a module at once, whatever runs on the device",
+        "_backends/_sim/_loads.py",
+        "            while not before.isdisjoint(running) and not abandoned():\n",
+        "            while False:\n",
+        ("tests/kernels/test_kernels.py::"
+         "test_a_compile_in_the_loop_stalls_it_behind_running_kernels_and_compile_async_does_not",),
+    ),
+    Mutation(
+        "V8",
+        "a stream lease entered again is taken",
+        "_scopes/_scope.py",
+        "        if self._where is not None or self._ended:\n",
+        "        if False:\n",
+        ("tests/scopes/test_scopes.py::test_a_lease_is_entered_once",),
+    ),
+    Mutation(
+        "V9",
+        "a GPU's aim is judged on sim",
+        "_tools/_bench_rows.py",
+        'judged=not gpu_aim or _backend == "cuda"',
+        "judged=True",
+        ("tests/tools/test_bench.py",),
+    ),
 ]
