@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 typedef int CUresult;
 typedef unsigned long long u64;
 static __thread void *current_ctx = 0;
@@ -118,12 +119,34 @@ CUresult cuMemsetD32Async(u64 p, unsigned v, size_t n, void *s) { unsigned *q = 
  * parameters (8 bytes each), for the program to check what was passed */
 int standin_record = 0;
 u64 standin_params[8];
+/* a module load waits for the kernels running on the device, as the driver's
+ * does: with standin_kernel_ns set, a launch counts as running that long
+ * (nothing else waits for it), and a load sleeps until the last one ends;
+ * the loads that waited are counted */
+long long standin_kernel_ns = 0;
+int standin_load_waits = 0;
+static u64 busy_until = 0;
+static u64 now_ns(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+    return (u64)t.tv_sec * 1000000000ull + (u64)t.tv_nsec; }
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shmem, void *s, void **params, void **extra) {
     for (int i = 0; i < standin_record && i < 8; i++) standin_params[i] = *(u64 *)params[i];
+    if (standin_kernel_ns > 0) {
+        u64 end = now_ns() + (u64)standin_kernel_ns;
+        if (end > busy_until) busy_until = end;
+    }
     return 0;
 }
-CUresult cuModuleLoadData(void **m, const void *image) { standin_modules++; *m = handle(); return 0; }
+CUresult cuModuleLoadData(void **m, const void *image) {
+    u64 now = now_ns();
+    if (busy_until > now) {
+        struct timespec t = {(time_t)((busy_until - now) / 1000000000ull),
+                             (long)((busy_until - now) % 1000000000ull)};
+        standin_load_waits++;
+        nanosleep(&t, 0);
+    }
+    standin_modules++; *m = handle(); return 0; }
 CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = handle(); return 0; }
 CUresult cuModuleGetFunctionCount(unsigned *n, void *m) { *n = 0; return 0; }
 CUresult cuStreamEndCapture(void *s, void **g) { *g = handle(); return 0; }

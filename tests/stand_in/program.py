@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import time
 
 from gpuflow._backends import _nvrtc
 
@@ -188,12 +189,25 @@ for cls in [dict(sms="interactive"), dict(priority=5), dict(sms="interactive", p
 assert green_sms.value in (16, 116) and modules.value == loaded, modules.value - loaded
 assert streams.value == made, streams.value - made
 # a module compiled now is loaded into each context at once (the device's and
-# the two green contexts'), never at a first launch
+# the two green contexts'), never at a first launch; a load waits for the
+# kernels running on the device, as the driver's does: a class's first run
+# under load then waits for nothing
+kernel_ns = ctypes.c_longlong.in_dll(standin, "standin_kernel_ns")
+load_waits = ctypes.c_int.in_dll(standin, "standin_load_waits")
+kernel_ns.value = 200_000_000  # (each launch: 0.2 s of "running" kernel)
+mod.nothing(gf.LaunchConfig(1, 1)).sync()
+t0 = time.monotonic()
 late = gf.compile('extern "C" __global__ void late() {}')
+assert time.monotonic() - t0 > 0.1 and load_waits.value == 1, load_waits.value  # it waited
 assert modules.value == loaded + 3, modules.value - loaded
-with gf.latency_class(sms="interactive"):
+mod.nothing(gf.LaunchConfig(1, 1)).sync()  # the batch, "running" 0.2 s
+t0 = time.monotonic()
+with gf.latency_class(sms="interactive", priority=5):
     late.late(gf.LaunchConfig(1, 1)).sync()
+    gf.zeros(4, np.float64).sync()  # (8-byte fills: a built-in kernel)
+assert time.monotonic() - t0 < 0.1 and load_waits.value == 1, load_waits.value
 assert modules.value == loaded + 3, modules.value - loaded
+kernel_ns.value = 0
 # two partitions: the second split off a green context of what the first
 # left (the driver splits no split's output), that context destroyed after
 gf.init_device_contexts(backend="cuda", reserve_sms={"interactive": 12, "bulk": 8})
