@@ -115,6 +115,7 @@ def _end(proc: subprocess.Popen[str], within: float) -> tuple[str, str, float]:
     return out, err, time.monotonic() - t0
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 @pytest.mark.parametrize("shape", ["bare", "lease", "group"])
 @pytest.mark.parametrize("loop", LOOPS)
 def test_ctrl_c_reaches_the_program_at_once_and_a_second_ends_the_exit_wait(
@@ -140,6 +141,7 @@ def test_ctrl_c_reaches_the_program_at_once_and_a_second_ends_the_exit_wait(
     assert proc.returncode == 0 and err == "", err  # no traceback, nothing ignored
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 @pytest.mark.parametrize("loop", LOOPS)
 def test_without_a_second_ctrl_c_the_exit_waits_for_the_gpu(
     tmp_path: Path, device_backend: str, loop: str

@@ -127,14 +127,17 @@ async def test_a_blocking_sync_in_flight_makes_its_stream_busy() -> None:
     started = threading.Event()
 
     def blocking() -> None:
+        op = K.slow_fill(x, 1.0, SLOW / 2)
         started.set()
-        K.slow_fill(x, 1.0, SLOW / 2).sync_on(pool[2])
+        op.sync_on(pool[2])
 
     seen: list[gf.Stream] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(anyio.to_thread.run_sync, blocking)
         await anyio.to_thread.run_sync(started.wait)
-        await anyio.sleep(0.02)  # the thread is inside sync_on now
+        with anyio.fail_after(5):
+            while not pool[2].load():  # (until the thread is inside sync_on)
+                await anyio.sleep(0.001)
         for _ in range(2 * POOL):
             await probe(seen)
     assert pool[2] not in seen
