@@ -24,6 +24,7 @@ from helpers.child import run_child
 
 import gpuflow as gf
 from gpuflow import testing
+from gpuflow._core import discard_runtime
 
 #: fixtures shared by the test folders (``lib``: the interop tests' other library)
 pytest_plugins = ["helpers.interop"]
@@ -73,8 +74,11 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip("sim variant of a cuda-only test: needs a real CUDA device")
     if name == "cuda" and request.node.get_closest_marker("sim_only"):
         pytest.skip("exercises a property of the simulator itself")
-    if name == "cuda":
-        gf.init_device_contexts(backend=_cuda_backend())
+    # whatever a test before left in flight (which failed that test) goes
+    backend = _cuda_backend() if name == "cuda" else None
+    discard_runtime(keep=backend)
+    if backend is not None:
+        gf.init_device_contexts(backend=backend)
     else:
         gf.init_device_contexts(backend=name, num_devices=2)
     # the replaced runtime is garbage now; on CUDA a finalizer of its driver

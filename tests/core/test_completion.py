@@ -769,6 +769,7 @@ async def test_a_fast_await_is_not_held_by_slow_work_queued_behind_it(
     np.testing.assert_array_equal(await gf.to_host(y), np.full(64, 2.0, F32))
 
 
+@pytest.mark.alone  # (bounds the time it takes)
 @pytest.mark.anyio
 async def test_a_run_left_to_the_thread_as_the_loop_sleeps_is_seen_done_at_its_end() -> None:
     # a short run with a long one queued behind it: once the loop's budget

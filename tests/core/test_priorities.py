@@ -176,3 +176,30 @@ def test_a_reset_device_makes_a_levels_pool_anew(device_backend: str) -> None:
     probe(seen).sync()
     assert [s.priority for s in seen] == [2, 2, 0] and seen[0] is not seen[1]
     assert not seen[0].current() and seen[1].current()
+
+
+@pytest.mark.sim_only  # (a sim told that making a stream waits, as CUDA's does)
+def test_where_making_a_stream_waits_every_level_is_made_ahead_and_again_after_a_reset() -> None:
+    from gpuflow._backends._sim._backend import SimBackend
+
+    class Waiting(SimBackend):
+        setup_waits_for_idle = True  # (as cuda: the pools' streams are made when it starts)
+
+    gf.init_device_contexts(backend=Waiting(1), reserve_sms={"interactive": 8})
+    be = gf.lowlevel.current_backend_object()
+    top = be.stream_priorities(0)
+
+    def made() -> int:  # (the backend streams sim holds)
+        return len(be._streams)  # type: ignore[attr-defined]
+
+    before = made()
+    with gf.latency_class(priority=top, sms="interactive"):
+        gf.zeros(4, np.float32).sync()  # a class's first run makes no stream
+    with gf.latency_class(priority=1):
+        gf.zeros(4, np.float32).sync()
+    assert made() == before
+    gf.reset_device(0)  # the pools again, every level's too (and no deadlock)
+    after = made()
+    with gf.latency_class(priority=top, sms="interactive"):
+        gf.zeros(4, np.float32).sync()
+    assert made() == after

@@ -539,8 +539,9 @@ def test_modules_load_ahead_where_loading_waits_for_running_kernels() -> None:
 
 
 def _new_source() -> str:
-    """The test kernels' source as a module never loaded before (a comment of its own)."""
-    return K.SOURCE + f"\n// {uuid.uuid4()}\n"
+    """The test kernels' source as a module never loaded before: a kernel of
+    its own (a comment would leave the binary, which the driver loads, as it was)."""
+    return K.SOURCE + f'\nextern "C" __global__ void new_{uuid.uuid4().hex}() {{}}\n'
 
 
 async def _while_a_kernel_runs(seconds: float, work: Any) -> tuple[float, float]:

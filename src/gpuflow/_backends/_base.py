@@ -230,6 +230,31 @@ class Backend(Communicators, abc.ABC):
             "of a device's SMs (the cuda backend has them, as green contexts)"
         )
 
+    def release_partitions(self, partitions: Sequence[Any]) -> None:
+        """``partitions`` (of :meth:`partition_sms`) serve no runtime any
+        more and no stream of them is left: destroy them (on CUDA, their
+        green contexts).  Default: nothing to release.
+
+        Parameters
+        ----------
+        partitions
+            Partitions of this backend's.
+        """
+
+    def live_objects(self) -> dict[str, list[Any]]:
+        """What the backend holds now for gpuflow, by kind, for the
+        quiescence check (:func:`gpuflow.testing.assert_quiescent`):
+        ``"partitions"`` (of :meth:`partition_sms`, not released) and, where
+        the backend has them, ``"staging"`` (pinned staging buffers still
+        busy with a copy).  (The streams gpuflow made, gpuflow counts
+        itself.)  Default: nothing counted.
+
+        Returns
+        -------
+        dict[str, list[Any]]
+        """
+        return {}
+
     def partition_size(self, partition: Any) -> int:
         """How many SMs ``partition`` (of :meth:`partition_sms`) has.
 

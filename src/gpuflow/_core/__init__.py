@@ -25,6 +25,7 @@ from ._facts import device_info as device_info
 from ._facts import graph_exec_handle as graph_exec_handle
 from ._facts import in_flight as in_flight
 from ._facts import pool_streams as pool_streams
+from ._facts import resource_leaks as resource_leaks
 from ._finalizers import finalize_later as finalize_later
 from ._finalizers import run_finalized as run_finalized
 from ._handoff import Handoff as Handoff
@@ -157,6 +158,7 @@ __all__ = [
     "stream_elsewhere",
     "refuse_blocking",
     "reset_device",
+    "resource_leaks",
     "resolve",
     "run_finalized",
     "runtime_started",

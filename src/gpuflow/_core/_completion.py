@@ -654,6 +654,11 @@ class Completer:
         """Runs handed over whose work has not been seen to finish."""
         return self._pending
 
+    def lanes(self) -> list[Lane]:
+        """Every lane the completer keeps now (a snapshot).  Any thread."""
+        with self._lock:
+            return list(self._lanes.values())
+
     def pending_by_lane(self) -> list[tuple[Lane, list[Completable]]]:
         """Each lane with runs pending, and those runs in mark order: a
         snapshot.  Any thread."""

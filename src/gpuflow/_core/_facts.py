@@ -15,7 +15,7 @@ from ._loops import task_name
 from ._run import Run
 from ._runtime import Runtime, current_device, current_runtime, ensure_runtime
 from ._statistics import CompletionStatistics
-from ._stream import Stream
+from ._stream import Stream, live_streams, made_streams
 
 if TYPE_CHECKING:
     from ._operation import Graph
@@ -210,6 +210,44 @@ def in_flight() -> list[RunInFlight]:
                 waits_for=_waits_for(rt, run, ahead, now),
             ))  # fmt: skip
             ahead = run
+    return found
+
+
+def resource_leaks() -> list[str]:
+    """What the current runtime's backend holds that nothing of gpuflow's
+    accounts for, each kind named with its count: backend streams no
+    :class:`Stream` holds (a replaced runtime's, a retired one's), completion
+    lanes of streams gone with no run pending, partitions of reserved SMs
+    (green contexts) no runtime or stream uses, and pinned staging buffers
+    still busy.  Empty at rest.  Any thread (for the quiescence check)."""
+    rt = current_runtime()
+    if rt is None:
+        return []
+    be = rt.backend
+    held = live_streams()
+    mine = [s for s in held if s._runtime.backend is be]
+    raws = {id(s.raw) for s in mine} | {id(raw) for raw in rt.spares()}
+    live = be.live_objects()
+    found = []
+    streams = [raw for raw in made_streams(be) if id(raw) not in raws]
+    if streams:
+        found.append(f"{len(streams)} backend stream(s) no stream of gpuflow's holds: "
+                     + ", ".join(map(repr, streams[:3])))
+    lanes = [lane for lane in rt.completer.lanes() if not lane.runs and id(lane.raw) not in raws]
+    if lanes:
+        found.append(f"{len(lanes)} completion lane(s) of streams gone: "
+                     + ", ".join(repr(lane.raw) for lane in lanes[:3]))
+    used = {id(p) for d in rt.devices for p in rt.partitions_of(d)}
+    for s in mine:
+        if not be.stream_destroyed(s.raw) and not s._runtime.is_foreign(s):
+            used.add(id(s._runtime.partition_of(s)))
+    parts = [p for p in live.get("partitions", []) if id(p) not in used]
+    if parts:
+        found.append(f"{len(parts)} partition(s) of reserved SMs no runtime or stream uses: "
+                     + ", ".join(map(repr, parts[:3])))
+    staging = live.get("staging", [])
+    if staging:
+        found.append(f"{len(staging)} pinned staging buffer(s) still busy")
     return found
 
 

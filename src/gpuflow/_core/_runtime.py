@@ -30,7 +30,7 @@ from ._latency import (
     busy_poll_s,
     class_here,
 )
-from ._stream import Stream
+from ._stream import Stream, gone, live_streams, made, made_streams
 
 #: The device current in this task or thread (None: the runtime's default):
 #: :func:`current_device` and :func:`use_device` read and set it.
@@ -161,12 +161,22 @@ class Runtime:
     def _create(self, device: int, priority: int, sms: str | None) -> Any:
         """A backend stream of that level (a backend is given no more
         arguments than the level needs)."""
+        be = self.backend
         part = self._rest.get(device) if sms is None else self.partitions[device][sms]
         if part is not None:
-            return self.backend.create_stream(device, priority, part)
-        if priority:
-            return self.backend.create_stream(device, priority)
-        return self.backend.create_stream(device)
+            raw = be.create_stream(device, priority, part)
+        elif priority:
+            raw = be.create_stream(device, priority)
+        else:
+            raw = be.create_stream(device)
+        made(be, raw)
+        return raw
+
+    def _destroy(self, raw: Any) -> None:
+        """Destroy a backend stream this runtime made (its lane retired first)."""
+        self.completer.retire_stream(raw)
+        self.backend.destroy_stream(raw)
+        gone([raw])
 
     def adopt(self, device: int, raw: Any, priority: int = 0, sms: str | None = None) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
@@ -253,7 +263,7 @@ class Runtime:
                     del self._interop[stale]  # made before a reset: invalid now
                 s = self._interop[key] = made
                 return s
-        self.backend.destroy_stream(made.raw)  # another thread made it first
+        self._destroy(made.raw)  # another thread made it first
         return s
 
     def rest_partition(self, device: int) -> Any:
@@ -428,7 +438,7 @@ class Runtime:
             )
             # raises (and changes nothing of ours) where the driver refuses
             self.backend.reset_device(device)
-            self._spares.pop(device, None)  # gone with the context
+            gone(self._spares.pop(device, []))  # gone with the context
             self._pools.pop(device, None)
             old = self.device_streams.pop(device, [])
             for key in [key for key in self._levels if key[0] == device]:
@@ -436,14 +446,14 @@ class Runtime:
             self._generations[device] += 1
             self._lives[device] = object()
             self._make_pool(device)
-            if self.backend.setup_waits_for_idle:
-                self._make_levels(device)
+        if self.backend.setup_waits_for_idle:  # (after the lock: each level takes it)
+            self._make_levels(device)
         with self._handles_lock:  # other libraries' streams there: named anew from now
             for raw in [raw for raw, s in self._foreign.items() if s.device == device]:
                 self.completer.retire_stream(raw)
                 del self._foreign[raw]
         for s in old:
-            self.backend.destroy_stream(s.raw)
+            self._destroy(s.raw)
 
     def close(self, backend: bool = True) -> None:
         """Retire this runtime (its arrays and streams become invalid); close
@@ -461,10 +471,43 @@ class Runtime:
             made += [s.raw for s in self._interop.values()]
             self._spares.clear()
         for raw in made:
-            self.completer.retire_stream(raw)
-            be.destroy_stream(raw)
+            self._destroy(raw)
         if backend:
             be.close()
+            gone(made_streams(be))  # (whatever is left went with it)
+        else:  # (the backend goes on: its partitions no stream uses go now)
+            used = self.partitions_in_use()
+            be.release_partitions(
+                [p for d in self.devices for p in self.partitions_of(d) if id(p) not in used]
+            )
+
+    def spares(self) -> list[Any]:
+        """The backend streams made ahead for the pools to grow into, not yet taken."""
+        with self._lock:
+            return [raw for spares in self._spares.values() for raw in spares]
+
+    def partition_of(self, stream: Stream) -> Any:
+        """The partition of SMs ``stream`` was made in (None: none reserved)."""
+        if stream.sms is not None:
+            return self.partitions[stream.device][stream.sms]
+        return self._rest.get(stream.device)
+
+    def partitions_in_use(self) -> set[int]:
+        """The ids of this runtime's partitions a stream not yet destroyed
+        was made in (a ``new_stream()`` the program still holds, say)."""
+        be = self.backend
+        return {
+            id(part)
+            for s in live_streams()
+            if s._runtime is self
+            and not self.is_foreign(s)
+            and not be.stream_destroyed(s.raw)
+            and (part := self.partition_of(s)) is not None
+        }
+
+    def is_foreign(self, stream: Stream) -> bool:
+        """Whether ``stream`` is another library's (gpuflow made no backend stream for it)."""
+        return self._foreign.get(stream.raw) is stream
 
 
 class _Current:
@@ -846,6 +889,7 @@ def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
     except Exception:  # a faulted device: what still waits for it leaks
         pass
     rt.backend.destroy_stream(raw)
+    gone([raw])
 
 
 def current_backend() -> str:

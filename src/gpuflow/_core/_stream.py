@@ -9,6 +9,7 @@ per-device pool that :func:`init_device_contexts` creates, and
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import _finalizers
@@ -19,6 +20,42 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
 
 _blocking_lock = threading.Lock()
+
+#: Every Stream alive, of every runtime (what the quiescence check holds the
+#: backends' streams against: a backend stream no Stream holds is a leak).
+_live: weakref.WeakSet[Stream] = weakref.WeakSet()
+
+
+def live_streams() -> list[Stream]:
+    """Every :class:`Stream` alive now, of every runtime.  Any thread."""
+    return list(_live)
+
+
+#: Every backend stream a runtime made, until gpuflow destroys it (or it goes
+#: with its device's context or its backend), by id: its backend and itself.
+#: What the quiescence check holds against the Streams alive: a backend
+#: stream made and held by none is a leak.
+_made: dict[int, tuple[object, Any]] = {}
+_made_lock = threading.Lock()
+
+
+def made(backend: object, raw: Any) -> None:
+    """``backend`` made ``raw`` for a runtime."""
+    with _made_lock:
+        _made[id(raw)] = (backend, raw)
+
+
+def gone(raws: list[Any]) -> None:
+    """``raws`` were destroyed (or went with their context or backend)."""
+    with _made_lock:
+        for raw in raws:
+            _made.pop(id(raw), None)
+
+
+def made_streams(backend: object) -> list[Any]:
+    """The backend streams runtimes made on ``backend`` and did not destroy."""
+    with _made_lock:
+        return [raw for be, raw in _made.values() if be is backend]
 
 
 class Stream:
@@ -81,6 +118,7 @@ class Stream:
         #: once the stream is destroyed, an event recorded after all its work
         #: (what a free still ordered after a use on it waits for)
         self._final: list[Any] = []
+        _live.add(self)
 
     def current(self) -> bool:
         """The stream belongs to the runtime in use and to its device's

@@ -12,7 +12,13 @@ import time
 import anyio
 import anyio.lowlevel
 
-from .._core import current_runtime, ensure_runtime, refuse_blocking, run_finalized
+from .._core import (
+    current_runtime,
+    ensure_runtime,
+    refuse_blocking,
+    resource_leaks,
+    run_finalized,
+)
 from .._scopes import held_leases, leases_held
 
 #: How often the waits look again whether every run has finished.
@@ -129,7 +135,26 @@ def problems(
     uaf = use_after_free_count() - base.uses_after_free
     if uaf > 0:
         found.append(f"{uaf} use(s) after free detected")
+    if not pending:  # (what runs still hold is theirs until they end)
+        found += _leaks()
     return found
+
+
+#: How long the leak check lets finalizers finish what they began: a free
+#: done drops the last reference to a stream, whose finalizer then retires it.
+_LEAKS_SETTLE_S = 0.2
+
+
+def _leaks() -> list[str]:
+    """:func:`resource_leaks`, once what finalizers queued is done (each
+    may queue more: the last reference a free held goes with it)."""
+    deadline = time.monotonic() + _LEAKS_SETTLE_S
+    while True:
+        run_finalized()
+        leaks = resource_leaks()
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(_POLL_S)
 
 
 def _raise(found: list[str]) -> None:

@@ -139,6 +139,12 @@ class CudaBackend(CudaContexts):
         except Exception as exc:
             warnings.warn(f"gpuflow: destroying {stream!r} failed: {exc!r}", stacklevel=2)
 
+    def live_objects(self) -> dict[str, list[Any]]:
+        self._staging.sweep_all()  # (copies done are delivered: their buffers free)
+        with self._staging.lock:
+            staging = [p.buf for dev in self._devices for p in dev.pending]
+        return {"partitions": list(self._partitions), "staging": staging}
+
     def stream_destroyed(self, stream: Any) -> bool:
         return bool(stream.destroyed)
 

@@ -267,6 +267,11 @@ class CudaContexts(Backend):
     def sm_count(self, device: int) -> int:
         return _green.sm_count(self._cu, self._dev(device))
 
+    def release_partitions(self, partitions: Sequence[Any]) -> None:
+        gone = [p for p in self._partitions if p in partitions]
+        self._partitions = [p for p in self._partitions if p not in partitions]
+        _green.destroy(self._cu, gone)
+
     def partition_sms(self, device: int, sizes: Sequence[int]) -> list[Any]:
         parts = _green.partition_sms(self._cu, self._call, self._dev(device), sizes)
         self._partitions += parts

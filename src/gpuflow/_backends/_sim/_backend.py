@@ -358,6 +358,7 @@ class SimBackend(Backend):
         self._streams: list[SimStream] = []
         self._handles: dict[int, SimStream] = {}  # stream handle -> stream, until destroyed
         self._default_streams: dict[int, SimStream] = {}  # device -> its legacy default stream
+        self._partitions: list[SimPartition] = []  # made, not released
         # the buffers not yet freed, by start address (sorted), for foreign_buffer
         self._starts: list[int] = []
         self._live: weakref.WeakValueDictionary[int, SimBuffer] = weakref.WeakValueDictionary()
@@ -488,9 +489,20 @@ class SimBackend(Backend):
     def partition_sms(self, device: int, sizes: Sequence[int]) -> list[SimPartition]:
         dev = self._dev(device)
         try:
-            return dev.sms.partition(device, list(sizes))
+            parts = dev.sms.partition(device, list(sizes))
         except ValueError as exc:
             raise UsageError(f"cannot reserve SMs on sim device {device}: {exc}") from None
+        with self.cond:
+            self._partitions += parts
+        return parts
+
+    def release_partitions(self, partitions: Sequence[Any]) -> None:
+        with self.cond:
+            self._partitions = [p for p in self._partitions if p not in partitions]
+
+    def live_objects(self) -> dict[str, list[Any]]:
+        with self.cond:
+            return {"partitions": list(self._partitions)}
 
     def partition_size(self, partition: Any) -> int:
         return len(partition.sms)
