@@ -269,7 +269,7 @@ async def test_a_refused_wait_stream_leaves_no_run_in_flight() -> None:
     """A wait refused before anything was enqueued (its stream is being
     captured) is a run that ended: a scope that tracked it would otherwise
     wait for it for ever (a stream lease's exit, which is shielded)."""
-    from gpuflow._core._run import enter_scope, leave_scope
+    from gpuflow._core._scoped import enter_scope, leave_scope
 
     fake = FakeLib()
     be = backend()

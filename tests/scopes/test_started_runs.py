@@ -128,6 +128,29 @@ async def test_a_failed_run_nobody_awaited_is_raised_at_the_scope_exit() -> None
         reset_after_fault()
 
 
+@pytest.mark.sim_only  # (the fault made to come before the run's mark: sim's own timing)
+async def test_a_started_run_the_device_fails_before_its_mark_is_enqueued_fails_at_its_await(
+) -> None:
+    be = gf.lowlevel.current_backend_object()
+
+    def once_faulted(_out: object) -> gf.DeviceOperation[None]:
+        # (still enqueueing the run: the kernel has faulted before its mark)
+        deadline = time.monotonic() + 5
+        while be.device_fault(0) is None:
+            assert time.monotonic() < deadline, "the kernel did not fault"
+            time.sleep(0.001)
+        return gf.value(None)
+
+    try:
+        async with gf.open_stream_lease() as lease:
+            started = lease.start_run(fault_op().then(once_faulted))  # (returns: no raise)
+            assert isinstance(started.failed(), gf.DeviceFaultError)
+            with pytest.raises(gf.DeviceFaultError, match="ILLEGAL_ADDRESS"):
+                await started
+    finally:
+        reset_after_fault()
+
+
 @pytest.mark.faults_device
 async def test_a_failed_run_awaited_is_raised_by_the_await_not_again_at_the_exit() -> None:
     try:

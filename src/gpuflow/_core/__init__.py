@@ -66,8 +66,6 @@ from ._policy import latency_class as latency_class
 from ._policy import stream_elsewhere as stream_elsewhere
 from ._run import Run as Run
 from ._run import ended_by as ended_by
-from ._run import enter_scope as enter_scope
-from ._run import leave_scope as leave_scope
 from ._run import start_run as start_run
 from ._runtime import MemoryStats as MemoryStats
 from ._runtime import Runtime as Runtime
@@ -85,6 +83,8 @@ from ._runtime import new_stream as new_stream
 from ._runtime import reset_device as reset_device
 from ._runtime import runtime_started as runtime_started
 from ._runtime import use_device as use_device
+from ._scoped import enter_scope as enter_scope
+from ._scoped import leave_scope as leave_scope
 from ._statistics import CompletionStatistics as CompletionStatistics
 from ._stream import Stream as Stream
 from ._stream_protocols import describe_stream as describe_stream

@@ -38,13 +38,12 @@ import time
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 
-from .._errors import UsageError, UsageTypeError
+from .._errors import DeviceError, UsageError, UsageTypeError
 from . import _cancel_points, _finalizers, _trace
 from ._completion import BusyPoll, Communicating, Lane
 from ._execution import ExecutionContext
@@ -54,6 +53,7 @@ from ._loops import Loop, Posts, current_loop, refuse_blocking
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, AtLevel, SchedulingPolicy, StreamPoolLeastLoaded
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
+from ._scoped import current_scopes
 from ._stream import Stream
 from ._unusual import UNUSUAL
 
@@ -550,44 +550,6 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
 # -- starting a run: its stream, its checks, its scopes ----------------------------------
 
 
-class Scope(Protocol):
-    """A structured scope that tracks the runs started inside it (gpuflow's
-    own: stream leases and device groups)."""
-
-    def _track(self, run: Run) -> None:
-        """Wait for ``run`` at the scope's exit: a run started inside it."""
-
-    @property
-    def _pinned(self) -> Stream | None:
-        """The stream every run started inside stays on (a stream lease's),
-        or None."""
-
-
-#: The scopes the current task runs in, innermost last.
-current_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("gpuflow_scopes", default=())
-
-
-def enter_scope(scope: Scope) -> Any:
-    """Put ``scope`` on :data:`current_scopes` for this task and the tasks it
-    starts: runs take the long path from now on (:mod:`._unusual`), which
-    gives the scope each run started in it; the token :func:`leave_scope`
-    takes."""
-    token = current_scopes.set((*current_scopes.get(), scope))
-    UNUSUAL.begin()
-    return token
-
-
-def leave_scope(token: Any) -> None:
-    """Take a scope off :data:`current_scopes`.  An async generator holding
-    the scope may be closed from another task, whose context never had it:
-    then there is nothing to take off, and the scope must still be left."""
-    UNUSUAL.end()
-    try:
-        current_scopes.reset(token)
-    except ValueError:
-        pass
-
-
 def ended_by(exc: BaseException) -> str:
     """How a wait ended, for a message: "was cancelled", or what it raised."""
     if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -811,7 +773,9 @@ def start_run(
     await on ``device`` would put it but without waiting for a stream; the
     run, which no task awaits yet (the completer completes it, unless a task
     awaits it later: :meth:`Run.wait`), and its output, host values not yet
-    resolved."""
+    resolved.  A run started for a task to await later (``how`` is
+    ``"start_run"``) that the device fails once its work is enqueued is
+    returned failed: its await, or its scope's exit, raises that."""
     policy: SchedulingPolicy | None = None
     if stream is None:
         stream, policy = _choose(op, None, device, False)
@@ -824,9 +788,20 @@ def start_run(
     except BaseException as exc:
         if traced is not None:
             traced.ended(exc)
+        try:
+            rt.completer.submit(stream.raw, run, polled=False)
+        except Exception:  # the original failure is the one to report
+            pass
         raise
-    finally:
+    try:
         rt.completer.submit(stream.raw, run, polled=False)  # (no task awaits it)
+    except DeviceError as exc:
+        # the device faulted under the work just enqueued (before its mark):
+        # the run failed with it, and a started run's failure is its await's
+        if how != "start_run" or run.error is None:
+            if traced is not None:
+                traced.ended(exc)
+            raise
     if traced is not None:
         traced.ended(None)
     return run, out
