@@ -566,8 +566,8 @@ MUTATIONS = [
         "E4",
         "a run no task awaits takes a mark the loops read (a word written between kernels)",
         '_core/_run.py',
-        'rt.completer.submit(stream.raw, run, polled=False)',
-        'rt.completer.submit(stream.raw, run)',
+        'rt.completer.submit(stream.raw, run, polled=False)  # (no task awaits it)',
+        'rt.completer.submit(stream.raw, run)  # (no task awaits it)',
         ('tests/core/test_completion_lifetimes.py::test_silent_marks_and_marks_a_loop_reads_share_a_stream',),
     ),
     Mutation(

@@ -428,6 +428,8 @@ LAYER_HOOKS: dict[tuple[str, str], set[str]] = {
         "_end_blocking",
     },
     ("gpuflow._core._execution", "ExecutionContext"): {"_runtime"},
+    # what a run asks of the scopes it starts in (a lease pins its stream)
+    ("gpuflow._core._scoped", "Scope"): {"_track", "_pinned"},
     # the runs a collective's communicators may fail; what gf.in_flight()
     # reads of a run (what it runs, since when, who waits, what it waits for)
     ("gpuflow._core._run", "Run"): {"_comms", "_what", "_since", "_task", "_waits", "_number"},
