@@ -872,4 +872,57 @@ MUTATIONS = [
         "",
         ("tests/core/test_devices.py::test_a_new_runtime_is_refused_while_runs_are_in_flight",),
     ),
+    Mutation(
+        "T1",
+        "a class of reserved SMs at the default priority takes the default pool",
+        "_core/_run.py",
+        "        if cls is not None and (cls.priority or cls.sms is not None):\n",
+        "        if cls is not None and cls.priority:\n",
+        ("tests/together/test_features_together.py::test_a_class_of_reserved_sms_keeps_a_pool_of_its_own_however_it_grows",),
+    ),
+    Mutation(
+        "T1b",
+        "a class's pool of reserved SMs at the default priority grows into the default pool",
+        "_core/_runtime.py",
+        "            if priority or sms is not None:\n"
+        "                streams = self._levels.get((device, priority, sms))\n",
+        "            if priority:\n"
+        "                streams = self._levels.get((device, priority, sms))\n",
+        ("tests/together/test_features_together.py::test_a_class_of_reserved_sms_keeps_a_pool_of_its_own_however_it_grows",),
+    ),
+    Mutation(
+        "T2",
+        "a runtime replaced leaves its latency classes' streams alive",
+        "_core/_runtime.py",
+        "            made += [s.raw for streams in self._levels.values() for s in streams]\n",
+        "",
+        ("tests/together/test_features_together.py::test_a_runtime_replaced_on_its_backend_leaves_no_stream_of_any_level",),
+    ),
+    Mutation(
+        "T4",
+        "a runtime replaced while its backend goes on leaves its green contexts",
+        "_core/_runtime.py",
+        "        else:  # (the backend goes on: its partitions no stream uses go now)\n"
+        "            self.release_partitions()\n",
+        "",
+        ("tests/backends/test_cuda_stand_in.py::"
+         "test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
+    ),
+    Mutation(
+        "T7",
+        "a run that cannot wait prefers a leased stream to a stalled one",
+        "_core/_policy.py",
+        "key=lambda s: (s.leased, s.stalled(stalled_before), s.load())",
+        "key=lambda s: (s.stalled(stalled_before), s.leased, s.load())",
+        ("tests/together/test_features_together.py::test_a_run_that_cannot_wait_takes_an_unleased_stream_even_when_all_are_stalled",),
+    ),
+    Mutation(
+        "T14",
+        "a stream retired with nothing pending keeps its completion lane",
+        "_core/_completion.py",
+        "                if not lane.runs:\n"
+        "                    del self._lanes[raw]\n",
+        "                pass\n",
+        ("tests/together/test_features_together.py::test_a_stream_dropped_with_nothing_pending_goes_with_its_lane_at_once",),
+    ),
 ]

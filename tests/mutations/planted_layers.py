@@ -548,4 +548,37 @@ MUTATIONS = [
         "judged=True",
         ("tests/tools/test_bench.py",),
     ),
+    Mutation(
+        "T3",
+        "sim's SMs left to other work begin where the asked, not the rounded, reservation ends",
+        "_backends/_sim/_sms.py",
+        "            start += n\n",
+        "            start += asked or n\n",
+        ("tests/together/test_features_together.py::test_a_reservation_rounded_up_leaves_the_rest_its_own_sms",),
+    ),
+    Mutation(
+        "T5",
+        "a scope's prune drops the started runs that failed, unawaited",
+        "_scopes/_scope.py",
+        "                s for s in started"
+        " if not s._awaited and not (s.done() and s.failed() is None)\n",
+        "                s for s in started if not s.done()\n",
+        ("tests/together/test_features_together.py::test_a_group_that_started_many_runs_still_raises_the_failure_nobody_awaited",),
+    ),
+    Mutation(
+        "T6",
+        "a group left by a child's error raises its unawaited failure alone",
+        "_scopes/_scope.py",
+        "                self._tracked.raise_unawaited(raised)\n",
+        "                self._tracked.raise_unawaited(None)\n",
+        ("tests/together/test_features_together.py::test_a_group_left_by_a_childs_error_also_raises_the_failure_nobody_awaited",),
+    ),
+    Mutation(
+        "T10",
+        "cancel_at_every_point counts a lease its caller holds as the pipeline's",
+        "_testing/_cancel_at_every_point.py",
+        "    leases = Baseline.now().leases\n",
+        "    leases: frozenset[object] = frozenset()\n",
+        ("tests/together/test_features_together.py::test_cancel_at_every_point_inside_a_callers_own_lease_passes_a_correct_pipeline",),
+    ),
 ]

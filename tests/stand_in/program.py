@@ -215,6 +215,16 @@ assert green.value == 3, green.value
 for name, sms in [(None, 108), ("bulk", 8), ("interactive", 16)]:
     gf.new_stream(sms=name, priority=1)
     assert green_sms.value == sms, (name, green_sms.value)
+# a new runtime on the same backend: the old runtime's green contexts, which
+# no stream uses any more, are destroyed (a stream the program holds keeps its own)
+held = gf.new_stream(sms="bulk", priority=1)
+reused = gf.lowlevel.current_backend_object()
+gf.init_device_contexts(backend=reused)
+assert green.value == 1, green.value  # the one of the stream still held
+del held
+gc.collect()
+gf.memory_stats()  # (a safe point: the dropped stream's finalizer's work is done)
+assert green.value == 0, green.value  # (went with its last stream)
 for reserve, words in [
     ({"interactive": 126}, "128 SMs (rounded up to multiples of 8, at least 8 a partition) and at "
      "least 8 left for the rest do not fit in the device's 132"),

@@ -18,12 +18,14 @@ from . import _cancel_points as cancel_points
 from ._completion import Poller as Poller
 from ._execution import ExecutionContext as ExecutionContext
 from ._facts import DeviceInfo as DeviceInfo
+from ._facts import MemoryStats as MemoryStats
 from ._facts import RunInFlight as RunInFlight
 from ._facts import current_backend_object as current_backend_object
 from ._facts import current_completion_statistics as current_completion_statistics
 from ._facts import device_info as device_info
 from ._facts import graph_exec_handle as graph_exec_handle
 from ._facts import in_flight as in_flight
+from ._facts import memory_stats as memory_stats
 from ._facts import pool_streams as pool_streams
 from ._facts import resource_leaks as resource_leaks
 from ._finalizers import finalize_later as finalize_later
@@ -67,7 +69,6 @@ from ._policy import stream_elsewhere as stream_elsewhere
 from ._run import Run as Run
 from ._run import ended_by as ended_by
 from ._run import start_run as start_run
-from ._runtime import MemoryStats as MemoryStats
 from ._runtime import Runtime as Runtime
 from ._runtime import current_backend as current_backend
 from ._runtime import current_device as current_device
@@ -78,7 +79,6 @@ from ._runtime import device_count_option as device_count_option
 from ._runtime import discard_runtime as discard_runtime
 from ._runtime import ensure_runtime as ensure_runtime
 from ._runtime import init_device_contexts as init_device_contexts
-from ._runtime import memory_stats as memory_stats
 from ._runtime import new_stream as new_stream
 from ._runtime import reset_device as reset_device
 from ._runtime import runtime_started as runtime_started

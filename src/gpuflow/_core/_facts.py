@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._backends import Backend, LaunchLimits
 from ._completion import Lane
+from ._finalizers import run_finalized
 from ._loops import task_name
 from ._run import Run
 from ._runtime import Runtime, current_device, current_runtime, ensure_runtime
@@ -249,6 +250,57 @@ def resource_leaks() -> list[str]:
     if staging:
         found.append(f"{len(staging)} pinned staging buffer(s) still busy")
     return found
+
+
+class MemoryStats(NamedTuple):
+    """Device memory of one device, as :func:`memory_stats` reports it."""
+
+    device: int
+    #: bytes of the arrays gpuflow allocated that are still alive (as
+    #: ``torch.cuda.memory_allocated`` or CuPy's ``MemoryPool.used_bytes``)
+    in_use_bytes: int
+    #: bytes the backend holds for the device: on ``cuda`` the memory pool's
+    #: reserved memory (freed memory stays in the pool for reuse, as
+    #: ``torch.cuda.memory_reserved``); on ``sim`` what is not yet freed in
+    #: stream order; None where a backend cannot tell
+    reserved_bytes: int | None
+    #: how many of gpuflow's allocations are alive
+    live_allocations: int
+
+
+def memory_stats(device: int | None = None) -> MemoryStats:
+    """How much memory of ``device`` (default: the current device) gpuflow uses.
+
+    ``in_use_bytes`` and ``live_allocations`` count the arrays gpuflow
+    allocated and a program (or GPU work still running) still holds; an
+    array stops counting as soon as its last reference goes, although its
+    memory is freed only after the work enqueued before that (in stream
+    order), which ``reserved_bytes`` shows.  Another library's memory taken
+    with :func:`gpuflow.from_dlpack` is not counted.  On ``cuda`` the
+    reserved bytes are the device's default memory pool's, which other
+    libraries allocating from that pool share.  The counts are of the
+    current runtime (:func:`init_device_contexts` starts new ones).  Any
+    thread; cheap enough to poll.
+
+    Parameters
+    ----------
+    device
+        The device's ordinal (None: the current device).
+
+    Returns
+    -------
+    MemoryStats
+
+    Raises
+    ------
+    gpuflow.UsageError
+        ``device`` is not one of the runtime's devices.
+    """
+    rt = ensure_runtime()
+    dev = rt.check_device(current_device() if device is None else device)
+    run_finalized()  # (so that reserved_bytes sees the frees of arrays dropped so far)
+    nbytes, count = rt.memory.totals(dev)
+    return MemoryStats(dev, nbytes, rt.backend.memory_reserved(dev), count)
 
 
 def current_backend_object() -> Backend:

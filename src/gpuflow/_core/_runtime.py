@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._backends import Backend, load_backend
 from .._errors import DeviceFaultError, UsageError, UsageTypeError
@@ -88,6 +88,9 @@ class Runtime:
         #: and the one of the SMs left, where gpuflow's other streams are made
         self.partitions: dict[int, dict[str, Any]] = {}
         self._rest: dict[int, Any] = {}
+        #: the ids of the partitions released once the runtime was retired
+        #: (None: they went with the backend)
+        self._released: set[int] | None = set()
         for d in devices:
             if reserve_sms:
                 names = list(reserve_sms)
@@ -475,11 +478,26 @@ class Runtime:
         if backend:
             be.close()
             gone(made_streams(be))  # (whatever is left went with it)
+            self._released = None
         else:  # (the backend goes on: its partitions no stream uses go now)
-            used = self.partitions_in_use()
-            be.release_partitions(
-                [p for d in self.devices for p in self.partitions_of(d) if id(p) not in used]
-            )
+            self.release_partitions()
+
+    def release_partitions(self) -> None:
+        """Once the runtime is retired and its backend goes on: release its
+        partitions of reserved SMs that no stream uses any more (those a
+        stream still uses go with their last one: ``_retire_stream``)."""
+        released = self._released
+        if self.live or released is None:
+            return
+        used = self.partitions_in_use()
+        with self._lock:
+            free = [
+                p for d in self.devices for p in self.partitions_of(d)
+                if id(p) not in used and id(p) not in released
+            ]  # fmt: skip
+            released.update(map(id, free))
+        if free:
+            self.backend.release_partitions(free)
 
     def spares(self) -> list[Any]:
         """The backend streams made ahead for the pools to grow into, not yet taken."""
@@ -890,6 +908,10 @@ def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
         pass
     rt.backend.destroy_stream(raw)
     gone([raw])
+    try:  # (the last stream of a retired runtime's partition: the partition goes too)
+        rt.release_partitions()
+    except Exception as exc:  # never from a finalizer
+        warnings.warn(f"gpuflow: releasing reserved SMs failed: {exc!r}", stacklevel=1)
 
 
 def current_backend() -> str:
@@ -905,57 +927,6 @@ def current_backend() -> str:
         the defaults where there is none yet.
     """
     return ensure_runtime().backend.name
-
-
-class MemoryStats(NamedTuple):
-    """Device memory of one device, as :func:`memory_stats` reports it."""
-
-    device: int
-    #: bytes of the arrays gpuflow allocated that are still alive (as
-    #: ``torch.cuda.memory_allocated`` or CuPy's ``MemoryPool.used_bytes``)
-    in_use_bytes: int
-    #: bytes the backend holds for the device: on ``cuda`` the memory pool's
-    #: reserved memory (freed memory stays in the pool for reuse, as
-    #: ``torch.cuda.memory_reserved``); on ``sim`` what is not yet freed in
-    #: stream order; None where a backend cannot tell
-    reserved_bytes: int | None
-    #: how many of gpuflow's allocations are alive
-    live_allocations: int
-
-
-def memory_stats(device: int | None = None) -> MemoryStats:
-    """How much memory of ``device`` (default: the current device) gpuflow uses.
-
-    ``in_use_bytes`` and ``live_allocations`` count the arrays gpuflow
-    allocated and a program (or GPU work still running) still holds; an
-    array stops counting as soon as its last reference goes, although its
-    memory is freed only after the work enqueued before that (in stream
-    order), which ``reserved_bytes`` shows.  Another library's memory taken
-    with :func:`gpuflow.from_dlpack` is not counted.  On ``cuda`` the
-    reserved bytes are the device's default memory pool's, which other
-    libraries allocating from that pool share.  The counts are of the
-    current runtime (:func:`init_device_contexts` starts new ones).  Any
-    thread; cheap enough to poll.
-
-    Parameters
-    ----------
-    device
-        The device's ordinal (None: the current device).
-
-    Returns
-    -------
-    MemoryStats
-
-    Raises
-    ------
-    gpuflow.UsageError
-        ``device`` is not one of the runtime's devices.
-    """
-    rt = ensure_runtime()
-    dev = rt.check_device(current_device() if device is None else device)
-    run_finalized()  # (so that reserved_bytes sees the frees of arrays dropped so far)
-    nbytes, count = rt.memory.totals(dev)
-    return MemoryStats(dev, nbytes, rt.backend.memory_reserved(dev), count)
 
 
 def reset_device(device: int | None = None) -> None:
