@@ -2,7 +2,8 @@
 
 A program pressed Ctrl-C while it awaits a long kernel gets
 :class:`KeyboardInterrupt` at once, whether or not a stream lease (or a
-device group) encloses the await, and under every loop: the scopes it
+device group) encloses the await, however many nurseries down (a
+lease in a device group's grandchild), and under every loop: the scopes it
 leaves do not wait for the GPU, and what the GPU still uses stays alive,
 as for a cancelled await.  At exit gpuflow waits for that work so that it
 is released in order, and says so in one line; a second Ctrl-C ends the
@@ -57,10 +58,21 @@ async def main():
     elif shape == "lease":
         async with gf.open_stream_lease():
             await work(x)
-    else:  # a lease in a child task of a device group
+    elif shape == "group":  # a lease in a child task of a device group
         async def child():
             async with gf.open_stream_lease():
                 await work(x)
+
+        async with gf.open_device_group() as group:
+            group.start_soon(child)
+    else:  # two nurseries down: a lease in a grandchild, through a task group
+        async def grandchild():
+            async with gf.open_stream_lease():
+                await work(x)
+
+        async def child():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(grandchild)
 
         async with gf.open_device_group() as group:
             group.start_soon(child)
@@ -116,7 +128,7 @@ def _end(proc: subprocess.Popen[str], within: float) -> tuple[str, str, float]:
 
 
 @pytest.mark.alone  # (bounds the time it takes)
-@pytest.mark.parametrize("shape", ["bare", "lease", "group"])
+@pytest.mark.parametrize("shape", ["bare", "lease", "group", "two-down"])
 @pytest.mark.parametrize("loop", LOOPS)
 def test_ctrl_c_reaches_the_program_at_once_and_a_second_ends_the_exit_wait(
     tmp_path: Path, device_backend: str, loop: str, shape: str

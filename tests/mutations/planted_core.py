@@ -925,4 +925,49 @@ MUTATIONS = [
         "                pass\n",
         ("tests/together/test_features_together.py::test_a_stream_dropped_with_nothing_pending_goes_with_its_lane_at_once",),
     ),
+    Mutation(
+        "T8",
+        "an await woken for a stream a blocking run took goes to the back of the queue",
+        "_core/_run.py",
+        "                    ticket = d.wait_for_stream(device, first=True)  # (first again)\n",
+        "                    ticket = d.wait_for_stream(device)\n",
+        ("tests/together/test_features_together.py::test_awaits_at_the_bound_keep_their_order_past_a_blocking_run_and_a_newcomer",),
+    ),
+    Mutation(
+        "T8b",
+        "a new await takes an idle stream before the awaits already waiting",
+        "_core/_run.py",
+        "        if ensure_runtime().completer.stream_waiters(device):\n"
+        "            return None, policy  # (behind the awaits that came first)\n",
+        "",
+        ("tests/together/test_features_together.py::test_awaits_at_the_bound_keep_their_order_past_a_blocking_run_and_a_newcomer",),
+    ),
+    Mutation(
+        "T9",
+        "under Trio, a lease two nurseries below the Ctrl-C holds the interrupt until its GPU work ends",
+        "_core/_loops.py",
+        "            nursery = nursery.parent_task.parent_nursery\n",
+        "            nursery = None\n",
+        ("tests/core/test_interrupts.py::test_ctrl_c_reaches_the_program_at_once_and_a_second_ends_the_exit_wait",),
+    ),
+    Mutation(
+        "T11",
+        "a write on the stream that wrote an array last skips the wait for another library's use",
+        "_core/_hazards.py",
+        "            if self.writer is stream and not self.readers and self.foreign is _NO_FOREIGN:\n",
+        "            if self.writer is stream and not self.readers:\n",
+        ("tests/together/test_features_together.py::test_a_write_on_the_last_writers_stream_waits_for_another_librarys_use_since",),
+    ),
+    Mutation(
+        "T13",
+        "a graph launch refused takes the pending updates with it",
+        "_core/_operation.py",
+        "        _capture.check_launch(g.recording, ctx)\n"
+        "        with g._lock:\n"
+        "            updates, g._updates = g._updates, []\n",
+        "        with g._lock:\n"
+        "            updates, g._updates = g._updates, []\n"
+        "        _capture.check_launch(g.recording, ctx)\n",
+        ("tests/together/test_features_together.py::test_a_refused_graph_launch_keeps_the_updates_for_the_next_launch",),
+    ),
 ]

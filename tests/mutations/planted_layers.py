@@ -581,4 +581,14 @@ MUTATIONS = [
         "    leases: frozenset[object] = frozenset()\n",
         ("tests/together/test_features_together.py::test_cancel_at_every_point_inside_a_callers_own_lease_passes_a_correct_pipeline",),
     ),
+    Mutation(
+        "T12",
+        "an export to one of gpuflow's streams is not a write there: later uses elsewhere skip the consumer's",
+        "_memory/_export.py",
+        "        if own and not arrival:\n"
+        "            alloc.before_write(consumer)\n",
+        "        if False:\n"
+        "            alloc.before_write(consumer)\n",
+        ("tests/together/test_features_together.py::test_an_export_to_a_gpuflow_stream_orders_later_uses_after_the_consumers_writes",),
+    ),
 ]

@@ -9,12 +9,14 @@ in ``tests/mutations`` that it catches.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from helpers import interop
 from helpers import kernels as K
 
 import gpuflow as gf
@@ -177,6 +179,73 @@ async def test_a_run_that_cannot_wait_takes_an_unleased_stream_even_when_all_are
             await gf.wait_stream(s)
 
 
+# -- 8. at the pool's bound, awaits are served in the order they came ----------------------------
+
+
+def _block_until(cond: Any, timeout: float = 10.0) -> None:
+    """Hold the event loop (as a task that computes would) until ``cond()``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+async def test_awaits_at_the_bound_keep_their_order_past_a_blocking_run_and_a_newcomer() -> None:
+    """Two awaits ``a`` and ``b`` wait for a stream; the stream ``a`` is woken
+    for is taken by a blocking ``sync`` of another thread before ``a`` looks,
+    and a new await ``c`` comes the moment another stream goes idle, before
+    ``a`` has looked again: ``a`` keeps its place at the head, and ``c``
+    queues behind ``b``.  (The loop is held, as by a task that computes,
+    where a wake-up must wait: a test of the order, not of timing.)"""
+    policy = gf.StreamPoolLeastLoaded(max_streams=4)  # (the pool's four: no growth)
+    pool = gf.lowlevel.pool_streams()[:4]
+    xs = [await gf.zeros(64, F32) for _ in range(5)]
+    for x, stream, seconds in zip(xs[:4], pool, [0.15, 0.3, 0.8, 0.8], strict=True):
+        K.slow_fill(x, 1.0, seconds).enqueue_on(stream)
+    order: list[str] = []
+    took: dict[str, gf.Stream] = {}
+
+    def request(name: str, then: gf.DeviceOperation[Any] | None = None) -> Any:
+        def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
+            order.append(name)
+            took[name] = ctx.stream
+            return gf.value(None) if then is None else then
+
+        return gf.with_context(fn)
+
+    async def waiter(name: str) -> None:
+        await request(name).run(policy)
+
+    failed: list[BaseException] = []
+
+    def blocking() -> None:
+        try:
+            request("sync", K.slow_fill(xs[4], 1.0, 0.2)).sync(policy)
+        except BaseException as exc:  # (said by the test, not lost with the thread)
+            failed.append(exc)
+            order.append("sync")
+
+    sync = threading.Thread(target=blocking)
+    async with anyio.create_task_group() as tg:
+        for name in ("a", "b"):
+            tg.start_soon(waiter, name)
+            await anyio.sleep(0.01)  # (each waits before the next comes)
+        assert order == []
+        _block_until(pool[0].idle)  # the loop busy: ``a`` is woken, but has not looked
+        sync.start()  # another thread's blocking run takes that stream first
+        _block_until(lambda: "sync" in order)
+        await anyio.sleep(0.05)  # ``a`` looks, finds every stream busy, and waits again
+        assert order == ["sync"]
+        _block_until(pool[1].idle)  # another goes idle, and ``c`` comes before ``a`` looks
+        await waiter("c")
+    sync.join()
+    assert failed == []
+    assert took["sync"] is pool[0]
+    assert order == ["sync", "a", "b", "c"], "an await was served out of turn"
+    for s in pool:
+        await gf.wait_stream(s)
+
+
 # -- 10. cancel_at_every_point inside a caller's own lease ----------------------------------------
 
 
@@ -190,6 +259,49 @@ async def test_cancel_at_every_point_inside_a_callers_own_lease_passes_a_correct
     async with gf.open_stream_lease():  # held throughout: not the pipeline's to give back
         report = await testing.cancel_at_every_point(pipeline)
     assert report.points == 4 and report.runs == 5
+
+
+# -- 11. a write on the last writer's stream waits for another library's use since -------------
+
+
+async def test_a_write_on_the_last_writers_stream_waits_for_another_librarys_use_since() -> None:
+    fake = interop.FakeLib()  # another library, on a stream of its own
+    x = await gf.zeros(interop.N, F32)
+    async with gf.open_stream_lease():  # every gpuflow write of x on one stream
+        await interop.late_fill(x, 1.0, seconds=0.0)
+        fake.late_scale(x, 2.0)  # reads x, and 0.3 s later writes it doubled
+        await interop.add(x, 10.0)  # on the stream that wrote x last: after the other's write
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(interop.N, 12.0, F32))
+
+
+# -- 12. an export to one of gpuflow's streams hands the array over ------------------------------
+
+
+async def test_an_export_to_a_gpuflow_stream_orders_later_uses_after_the_consumers_writes() -> None:
+    fake = interop.FakeLib()
+    x = await gf.full(interop.N, 1.0, F32)
+    consumer = gf.new_stream()  # a stream of gpuflow's, no pool stream: the read goes elsewhere
+    with fake.on(consumer):  # the other library works on gpuflow's stream
+        fake.late_scale(x, 3.0)  # exported to it, then written there 0.3 s later
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(interop.N, 3.0, F32))
+    await gf.wait_stream(consumer)
+
+
+# -- 13. a refused graph launch keeps the pending updates --------------------------------------
+
+
+@pytest.mark.sim_only  # (two simulated devices)
+async def test_a_refused_graph_launch_keeps_the_updates_for_the_next_launch() -> None:
+    gf.init_device_contexts(backend="sim", num_devices=2)
+    x, y = await gf.zeros(64, F32), await gf.zeros(64, F32)
+    graph = gf.copy(x, out=y).capture()
+    graph.update(gf.copy(await gf.full(64, 5.0, F32), out=x))
+    with pytest.raises(gf.UsageError, match="launched on device 1"):
+        await graph.launch().run(gf.SingleStream(device=1))
+    with pytest.raises(gf.UsageError, match="cannot itself be captured"):
+        graph.launch().capture()
+    np.testing.assert_array_equal(await gf.to_host(x), np.zeros(64, F32))  # not yet run
+    np.testing.assert_array_equal(await gf.to_host(graph.launch()), np.full(64, 5.0, F32))
 
 
 # -- 14. a stream retired with nothing pending releases its lane and stream at once --------------
