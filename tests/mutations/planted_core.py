@@ -944,7 +944,7 @@ MUTATIONS = [
     ),
     Mutation(
         "T9",
-        "under Trio, a lease two nurseries below the Ctrl-C holds the interrupt until its GPU work ends",
+        "under Trio, a lease two nurseries below Ctrl-C holds the interrupt until its GPU is done",
         "_core/_loops.py",
         "            nursery = nursery.parent_task.parent_nursery\n",
         "            nursery = None\n",
@@ -954,7 +954,8 @@ MUTATIONS = [
         "T11",
         "a write on the stream that wrote an array last skips the wait for another library's use",
         "_core/_hazards.py",
-        "            if self.writer is stream and not self.readers and self.foreign is _NO_FOREIGN:\n",
+        "            if self.writer is stream and not self.readers"
+        " and self.foreign is _NO_FOREIGN:\n",
         "            if self.writer is stream and not self.readers:\n",
         ("tests/together/test_features_together.py::test_a_write_on_the_last_writers_stream_waits_for_another_librarys_use_since",),
     ),

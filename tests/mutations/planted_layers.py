@@ -583,7 +583,7 @@ MUTATIONS = [
     ),
     Mutation(
         "T12",
-        "an export to one of gpuflow's streams is not a write there: later uses elsewhere skip the consumer's",
+        "an export to a stream of gpuflow's is no write there: later uses skip the consumer's",
         "_memory/_export.py",
         "        if own and not arrival:\n"
         "            alloc.before_write(consumer)\n",
