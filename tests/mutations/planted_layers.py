@@ -591,4 +591,22 @@ MUTATIONS = [
         "            alloc.before_write(consumer)\n",
         ("tests/together/test_features_together.py::test_an_export_to_a_gpuflow_stream_orders_later_uses_after_the_consumers_writes",),
     ),
+    Mutation(
+        "E10",
+        "a stream destroyed after a capture loses the event recorded before it",
+        "_backends/_cuda/_backend.py",
+        "                if stream.pre_capture:\n"
+        "                    dev.events.append(stream.pre_capture)\n"
+        "                    stream.pre_capture = 0\n",
+        "",
+        ("tests/backends/test_cuda_stand_in.py::test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
+    ),
+    Mutation(
+        "E11",
+        "an event dropped never goes back to its device's pool",
+        "_backends/_cuda/_handles.py",
+        "            dev.events.append(self.handle)\n",
+        "            pass\n",
+        ("tests/backends/test_cuda_stand_in.py::test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
+    ),
 ]

@@ -194,18 +194,19 @@ assert streams.value == made, streams.value - made
 # under load then waits for nothing
 kernel_ns = ctypes.c_longlong.in_dll(standin, "standin_kernel_ns")
 load_waits = ctypes.c_int.in_dll(standin, "standin_load_waits")
-kernel_ns.value = 200_000_000  # (each launch: 0.2 s of "running" kernel)
+# (each launch: 1.5 s of "running" kernel, longer than a compile on a loaded machine)
+kernel_ns.value = 1_500_000_000
 mod.nothing(gf.LaunchConfig(1, 1)).sync()
 t0 = time.monotonic()
 late = gf.compile('extern "C" __global__ void late() {}')
 assert time.monotonic() - t0 > 0.1 and load_waits.value == 1, load_waits.value  # it waited
 assert modules.value == loaded + 3, modules.value - loaded
-mod.nothing(gf.LaunchConfig(1, 1)).sync()  # the batch, "running" 0.2 s
+mod.nothing(gf.LaunchConfig(1, 1)).sync()  # the batch, "running" 1.5 s
 t0 = time.monotonic()
 with gf.latency_class(sms="interactive", priority=5):
     late.late(gf.LaunchConfig(1, 1)).sync()
     gf.zeros(4, np.float64).sync()  # (8-byte fills: a built-in kernel)
-assert time.monotonic() - t0 < 0.1 and load_waits.value == 1, load_waits.value
+assert time.monotonic() - t0 < 0.75 and load_waits.value == 1, load_waits.value
 assert modules.value == loaded + 3, modules.value - loaded
 kernel_ns.value = 0
 # two partitions: the second split off a green context of what the first
@@ -253,5 +254,18 @@ except gf.DeviceError as exc:
 assert green.value == 0, green.value
 gf.init_device_contexts(backend="cuda")
 assert green.value == 0, green.value  # destroyed with the backend that made them
+testing.assert_quiescent(timeout=5.0)
+
+# every event the backend made is pooled or held by what uses it: one lost
+# (taken from the pool and dropped) is named by the quiescence check
+backend = gf.lowlevel.current_backend_object()
+dev0 = backend._devices[0]
+lost = backend._record(dev0, gf.lowlevel.pool_streams()[0].raw.handle)
+try:
+    testing.assert_quiescent(timeout=5.0)
+    raise AssertionError("an event lost went unseen")
+except AssertionError as exc:
+    assert "1 event(s) neither pooled nor held by anything" in str(exc), exc
+dev0.events.append(lost)
 testing.assert_quiescent(timeout=5.0)
 print("stand-in program done")

@@ -246,7 +246,8 @@ class Backend(Communicators, abc.ABC):
         quiescence check (:func:`gpuflow.testing.assert_quiescent`):
         ``"partitions"`` (of :meth:`partition_sms`, not released) and, where
         the backend has them, ``"staging"`` (pinned staging buffers still
-        busy with a copy).  (The streams gpuflow made, gpuflow counts
+        busy with a copy) and ``"events"`` (events it made that are neither
+        pooled for reuse nor held by anything: lost).  (The streams gpuflow made, gpuflow counts
         itself.)  Default: nothing counted.
 
         Returns

@@ -219,8 +219,9 @@ def resource_leaks() -> list[str]:
     accounts for, each kind named with its count: backend streams no
     :class:`Stream` holds (a replaced runtime's, a retired one's), completion
     lanes of streams gone with no run pending, partitions of reserved SMs
-    (green contexts) no runtime or stream uses, and pinned staging buffers
-    still busy.  Empty at rest.  Any thread (for the quiescence check)."""
+    (green contexts) no runtime or stream uses, pinned staging buffers
+    still busy, and events the backend made that are neither pooled nor held
+    (on ``cuda``).  Empty at rest.  Any thread (for the quiescence check)."""
     rt = current_runtime()
     if rt is None:
         return []
@@ -249,6 +250,9 @@ def resource_leaks() -> list[str]:
     staging = live.get("staging", [])
     if staging:
         found.append(f"{len(staging)} pinned staging buffer(s) still busy")
+    events = live.get("events", [])
+    if events:
+        found.append(f"{len(events)} event(s) neither pooled nor held by anything")
     return found
 
 

@@ -177,7 +177,13 @@ class Stream:
         bool
         """
         lane = self._lane
-        return lane is not None and lane.since < since and lane.read() <= lane.completed
+        # (an idle stream is not stalled: nothing of it waits to be finished)
+        return (
+            lane is not None
+            and lane.since < since
+            and lane.completed < lane.issued
+            and lane.read() <= lane.completed
+        )
 
     def _begin_blocking(self) -> None:
         """A blocking run (``sync``) starts on the stream: it counts as busy

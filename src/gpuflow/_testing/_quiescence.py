@@ -165,7 +165,9 @@ def _raise(found: list[str]) -> None:
 def assert_quiescent(timeout: float = 5.0) -> None:
     """Wait up to ``timeout`` s for every run, and any other work enqueued on
     gpuflow's streams, to finish; then assert that no run is pending, no
-    stream lease is held and no use after free was seen.
+    stream lease is held, no use after free was seen, and nothing gpuflow
+    made is left that nothing holds (backend streams, completion lanes,
+    partitions of reserved SMs, pinned staging buffers, events on ``cuda``).
 
     The wait blocks the calling thread (it sleeps a millisecond at a time),
     so it is refused (:class:`gpuflow.UsageError`) in a thread that runs an
@@ -179,8 +181,8 @@ def assert_quiescent(timeout: float = 5.0) -> None:
     Raises
     ------
     AssertionError
-        A run pending after ``timeout``, a stream lease held, or a use after
-        free seen, each named.
+        A run pending after ``timeout``, a stream lease held, a use after
+        free seen, or a resource left, each named.
     gpuflow.UsageError
         Called in a thread that runs an event loop.
     """

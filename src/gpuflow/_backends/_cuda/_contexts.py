@@ -180,6 +180,7 @@ class CudaContexts(Backend):
 
     def _new_event(self, dev: Dev) -> int:
         (ev,) = self._call(dev, "cuEventCreate", self._cu.cuEventCreate, _EVENT_DISABLE_TIMING)
+        dev.made_events.append(int(ev))
         return int(ev)
 
     def _record(self, dev: Dev, stream_handle: int) -> int:
@@ -444,6 +445,7 @@ class CudaContexts(Backend):
             dev.token = Token()  # every thread sets the new context; old handles are stale
             dev.fault = None
             dev.events = []
+            dev.made_events = []
             dev.builtins = None
             self._staging.drop(dev)  # pinned staging memory went with the context
             self._setup_context(dev)

@@ -49,6 +49,7 @@ class Dev:
         "host_bytes",
         "index",
         "lock",
+        "made_events",
         "name",
         "peers",
         "pending",
@@ -68,6 +69,8 @@ class Dev:
         self.pool: Any = None
         self.lock = threading.RLock()
         self.events: list[int] = []  # recycled CUevents (disable-timing)
+        #: every CUevent made in this life of the context (for the leak count)
+        self.made_events: list[int] = []
         self.side = 0  # a private stream for allocations made during a capture
         self.builtins: dict[str, Any] | None = None
         self.free_host: dict[int, list[HostBuf]] = {}
