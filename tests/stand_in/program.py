@@ -11,6 +11,7 @@ import ctypes
 import gc
 import sys
 import time
+from typing import Any
 
 from gpuflow._backends import _nvrtc
 
@@ -258,9 +259,9 @@ testing.assert_quiescent(timeout=5.0)
 
 # every event the backend made is pooled or held by what uses it: one lost
 # (taken from the pool and dropped) is named by the quiescence check
-backend = gf.lowlevel.current_backend_object()
-dev0 = backend._devices[0]
-lost = backend._record(dev0, gf.lowlevel.pool_streams()[0].raw.handle)
+cuda_backend: Any = gf.lowlevel.current_backend_object()
+dev0 = cuda_backend._devices[0]
+lost = cuda_backend._record(dev0, gf.lowlevel.pool_streams()[0].raw.handle)
 try:
     testing.assert_quiescent(timeout=5.0)
     raise AssertionError("an event lost went unseen")
