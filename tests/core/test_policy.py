@@ -122,21 +122,27 @@ async def test_with_every_stream_busy_the_least_loaded_is_chosen() -> None:
 
 
 async def test_a_blocking_sync_in_flight_makes_its_stream_busy() -> None:
+    """From its start, before it has enqueued anything (its host code runs
+    first), to its end: a blocking run in flight is pending work."""
     pool = gf.lowlevel.pool_streams()
     x = await gf.zeros(N, F32)
-    started = threading.Event()
+    started, go = threading.Event(), threading.Event()
 
-    def blocking() -> None:
-        op = K.slow_fill(x, 1.0, SLOW / 2)
+    def host_first(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
         started.set()
-        op.sync_on(pool[2])
+        go.wait(10)  # (the run is in flight; nothing is enqueued yet)
+        return K.slow_fill(x, 1.0, SLOW / 2)
 
     seen: list[gf.Stream] = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(anyio.to_thread.run_sync, blocking)
+        tg.start_soon(anyio.to_thread.run_sync, gf.with_context(host_first).sync_on, pool[2])
         await anyio.to_thread.run_sync(started.wait)
+        assert pool[2].load() == 1 and not pool[2].idle()
+        for _ in range(2 * POOL):
+            await probe(seen)
+        go.set()
         with anyio.fail_after(5):
-            while not pool[2].load():  # (until the thread is inside sync_on)
+            while not pool[2].load() or pool[2].idle():  # (its kernel, enqueued: busy still)
                 await anyio.sleep(0.001)
         for _ in range(2 * POOL):
             await probe(seen)

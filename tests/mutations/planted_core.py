@@ -928,10 +928,32 @@ MUTATIONS = [
     Mutation(
         "T8",
         "an await woken for a stream a blocking run took goes to the back of the queue",
-        "_core/_run.py",
-        "                    ticket = d.wait_for_stream(device, first=True)  # (first again)\n",
-        "                    ticket = d.wait_for_stream(device)\n",
+        "_core/_handoff.py",
+        "        ticket.handed = False\n"
+        "        ticket.event = anyio.Event()\n"
+        "        return False\n",
+        "        ticket.handed = False\n"
+        "        ticket.event = anyio.Event()\n"
+        "        self._queue.remove(ticket)\n"
+        "        self._queue.append(ticket)\n"
+        "        return False\n",
         ("tests/together/test_features_together.py::test_awaits_at_the_bound_keep_their_order_past_a_blocking_run_and_a_newcomer",),
+    ),
+    Mutation(
+        "T8c",
+        "awaits woken together take their streams in the order their loop resumes them",
+        "_core/_handoff.py",
+        "        if self._queue and self._queue[0] is ticket:\n",
+        "        if ticket.handed or (self._queue and self._queue[0] is ticket):\n",
+        ("tests/together/test_features_together.py::test_awaits_woken_together_take_their_streams_in_the_order_they_came",),
+    ),
+    Mutation(
+        "T8d",
+        "a new await does not count the awaits woken and on their way",
+        "_core/_completion.py",
+        "        return 0 if waiters is None else len(waiters)\n",
+        "        return 0 if waiters is None else waiters.waiting()\n",
+        ("tests/together/test_features_together.py::test_a_new_await_waits_behind_the_one_woken_for_an_idle_stream",),
     ),
     Mutation(
         "T8b",
@@ -970,5 +992,14 @@ MUTATIONS = [
         "            updates, g._updates = g._updates, []\n"
         "        _capture.check_launch(g.recording, ctx)\n",
         ("tests/together/test_features_together.py::test_a_refused_graph_launch_keeps_the_updates_for_the_next_launch",),
+    ),
+    Mutation(
+        "U1",
+        "a reset keeps the stream other libraries' arrays arrive on, never destroyed",
+        "_core/_runtime.py",
+        "            for made in [k for k in self._interop if k[0] == device]:\n"
+        "                old.append(self._interop.pop(made))  # (made anew at its next use)\n",
+        "",
+        ("tests/together/test_features_together.py::test_a_reset_retires_the_stream_other_libraries_arrays_arrive_on",),
     ),
 ]

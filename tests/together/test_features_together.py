@@ -9,6 +9,7 @@ in ``tests/mutations`` that it catches.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -246,6 +247,63 @@ async def test_awaits_at_the_bound_keep_their_order_past_a_blocking_run_and_a_ne
         await gf.wait_stream(s)
 
 
+async def test_awaits_woken_together_take_their_streams_in_the_order_they_came() -> None:
+    """Every stream goes idle at once: the awaits waiting are all woken, and
+    take their streams in the order they came, whatever order their loop
+    resumes them in (Trio's varies)."""
+    policy = gf.StreamPoolLeastLoaded(max_streams=4)
+    pool = gf.lowlevel.pool_streams()[:4]
+    order: list[int] = []
+
+    def note(i: int) -> Any:
+        def fn(ctx: gf.ExecutionContext) -> Any:
+            order.append(i)
+            return gf.value(None)
+
+        return gf.with_context(fn)
+
+    async def waiter(i: int) -> None:
+        await note(i).run(policy)
+
+    for _ in range(4):
+        order.clear()
+        for stream in pool:
+            K.spin(1, 0.05).enqueue_on(stream)
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(waiter, i)
+                await anyio.sleep(0.005)
+        assert order == [0, 1, 2], "awaits woken together took their streams out of turn"
+
+
+async def test_a_new_await_waits_behind_the_one_woken_for_an_idle_stream() -> None:
+    policy = gf.StreamPoolLeastLoaded(max_streams=4)
+    pool = gf.lowlevel.pool_streams()[:4]
+    for stream, seconds in zip(pool, [0.1, 0.8, 0.8, 0.8], strict=True):
+        K.spin(1, seconds).enqueue_on(stream)
+    order: list[str] = []
+
+    def note(name: str) -> Any:
+        def fn(ctx: gf.ExecutionContext) -> Any:
+            order.append(name)
+            return gf.value(None)
+
+        return gf.with_context(fn)
+
+    async def first() -> None:
+        await note("a").run(policy)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        await anyio.sleep(0.02)  # (``a`` waits)
+        _block_until(pool[0].idle)  # ``a`` is woken (by the completer's thread)...
+        time.sleep(0.05)  # (however slowly that thread is scheduled)
+        await note("b").run(policy)  # ...and has not looked yet when ``b`` comes
+    assert order == ["a", "b"], "a new await took the stream the first was woken for"
+    for s in pool:
+        await gf.wait_stream(s)
+
+
 # -- 10. cancel_at_every_point inside a caller's own lease ----------------------------------------
 
 
@@ -318,3 +376,31 @@ async def test_a_stream_dropped_with_nothing_pending_goes_with_its_lane_at_once(
     from gpuflow._core import resource_leaks
 
     assert resource_leaks() == []  # its backend stream and its completion lane went
+
+
+# -- what the stateful test (test_stateful.py) found where features meet -------------------------
+
+
+async def test_a_reset_retires_the_stream_other_libraries_arrays_arrive_on() -> None:
+    x = await gf.full(interop.N, 2.0, F32)
+    y = await gf.copy(gf.from_dlpack(interop.DlpackOnly(x)))  # (arrives on the interop stream)
+    del x, y
+    gf.reset_device(0)
+    x = await gf.full(interop.N, 3.0, F32)
+    y = await gf.copy(gf.from_dlpack(interop.DlpackOnly(x)))  # a new one, after the reset
+    np.testing.assert_array_equal(await gf.to_host(y), np.full(interop.N, 3.0, F32))
+    del x, y
+    await testing.assert_quiescent_async()  # (the old one's backend stream and lane went)
+
+
+async def test_a_reset_under_an_abandoned_run_on_a_stream_of_its_own_leaves_nothing() -> None:
+    x = await gf.zeros(64, F32)
+    policy = gf.SingleStream(device=0)  # (a stream of its own)
+    with anyio.move_on_after(0.05):  # the await abandoned: its kernel goes on
+        await K.slow_fill(x, 1.0, 0.5).run(policy)
+    del policy  # its stream, retired: its lane waits for that run...
+    gc.collect()
+    gf.memory_stats()  # (a safe point: the stream's finalizer's work is done)
+    gf.reset_device(0)  # ...which the reset fails
+    del x
+    await testing.assert_quiescent_async()

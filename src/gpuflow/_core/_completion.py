@@ -694,17 +694,26 @@ class Completer:
             return waiters.join(first)
 
     def stream_turn(self, device: int, ticket: Ticket) -> bool:
-        """Whether it is ``ticket``'s turn to take a stream of ``device`` (it
-        was woken, or every await that came before it has one)."""
+        """Whether it is ``ticket``'s turn to take a stream of ``device``:
+        every await that came before it has one (see :class:`Handoff`)."""
         with self._lock:
             return self._stream_waiters[device].first(ticket)
+
+    def stream_not_found(self, device: int, ticket: Ticket) -> bool:
+        """``ticket``, whose turn it is, found no idle stream (a run that
+        cannot wait took the one it was woken for): whether to look again
+        at once (a stream went idle meanwhile, for the await after it)."""
+        with self._lock:
+            return self._stream_waiters[device].found_nothing(ticket)
 
     def leave_stream_queue(self, device: int, ticket: Ticket, used: bool) -> None:
         """``ticket``'s task stops waiting: it found a stream (``used``), or
         it was cancelled, and then a wake-up it was given goes to the next."""
         with self._lock:
-            handed = self._stream_waiters[device].leave(ticket)
+            handed, nxt = self._stream_waiters[device].leave(ticket)
             self.waiting -= 1
+        if nxt is not None:  # (woken before its turn: its turn now)
+            nxt.wake()
         if handed and not used:
             self.stream_freed(device)
 

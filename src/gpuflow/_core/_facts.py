@@ -217,7 +217,8 @@ def in_flight() -> list[RunInFlight]:
 def resource_leaks() -> list[str]:
     """What the current runtime's backend holds that nothing of gpuflow's
     accounts for, each kind named with its count: backend streams no
-    :class:`Stream` holds (a replaced runtime's, a retired one's), completion
+    :class:`Stream` holds (a replaced runtime's, a retired one's), streams
+    the runtime keeps of a device context reset since, completion
     lanes of streams gone with no run pending, partitions of reserved SMs
     (green contexts) no runtime or stream uses, pinned staging buffers
     still busy, and events the backend made that are neither pooled nor held
@@ -235,6 +236,10 @@ def resource_leaks() -> list[str]:
     if streams:
         found.append(f"{len(streams)} backend stream(s) no stream of gpuflow's holds: "
                      + ", ".join(map(repr, streams[:3])))
+    stale = rt.kept_stale()
+    if stale:
+        found.append(f"{len(stale)} stream(s) of a device reset since, kept by the runtime: "
+                     + ", ".join(map(repr, stale[:3])))
     lanes = [lane for lane in rt.completer.lanes() if not lane.runs and id(lane.raw) not in raws]
     if lanes:
         found.append(f"{len(lanes)} completion lane(s) of streams gone: "

@@ -38,29 +38,35 @@ class Ticket:
 
 
 class Handoff:
-    """A FIFO of :class:`Ticket`\\ s.  Every method but :meth:`wait` is called
-    under the owner's lock (one lock guards the queue and what it hands out).
+    """A FIFO of :class:`Ticket`\\ s.  Every method is called under the
+    owner's lock (one lock guards the queue and what it hands out).
 
-    A waiter handed its turn keeps it until it leaves (every waiter leaves,
-    handed or not): where waiters also look for themselves (an await looks at
-    the streams every ``stall_s``, whoever was to wake it), the next one's
-    turn comes only then, not while the first is still on its way to take
-    what it was woken for.
+    A waiter keeps its place until it leaves, handed something or not:
+    :meth:`hand` marks the first waiter not yet handed anything, and where
+    waiters take what they were woken for themselves (an await takes an
+    idle stream), only the first in the queue may take (:meth:`first`).
+    Waiters woken together (several streams went idle at once) thus take in
+    the order they came, whatever order their loop resumes them in; one
+    woken that finds nothing left (a run that cannot wait took it) keeps its
+    place at the head.
     """
 
-    __slots__ = ("_handed", "_queue")
+    __slots__ = ("_queue",)
 
     def __init__(self) -> None:
         self._queue: collections.deque[Ticket] = collections.deque()
-        #: the waiters handed their turn that have not left yet
-        self._handed = 0
 
     def __len__(self) -> int:
+        """The waiters, handed something or not."""
         return len(self._queue)
+
+    def waiting(self) -> int:
+        """The waiters not handed anything yet."""
+        return sum(not t.handed for t in self._queue)
 
     def join(self, first: bool = False) -> Ticket:
         """The calling task's ticket, at the end of the queue (at its head where
-        ``first``: a waiter that was woken and found nothing left for it)."""
+        ``first``)."""
         ticket = Ticket()
         if first:
             self._queue.appendleft(ticket)
@@ -69,31 +75,48 @@ class Handoff:
         return ticket
 
     def hand(self, value: Any) -> Ticket | None:
-        """Give ``value`` to the first waiter; its ticket, to :meth:`Ticket.wake`
-        once the lock is released (None where nobody waits)."""
-        if not self._queue:
-            return None
-        ticket = self._queue.popleft()
-        ticket.queued = False
-        ticket.handed = True
-        ticket.value = value
-        self._handed += 1
-        return ticket
+        """Give ``value`` to the first waiter not handed anything yet; its
+        ticket, to :meth:`Ticket.wake` once the lock is released (None where
+        every waiter was handed something)."""
+        for ticket in self._queue:
+            if not ticket.handed:
+                ticket.handed = True
+                ticket.value = value
+                return ticket
+        return None
 
     def first(self, ticket: Ticket) -> bool:
-        """Whether it is ``ticket``'s turn: it was handed something, or it is
-        at the head of the queue and no waiter handed its turn before it is
-        still on its way."""
-        if ticket.handed:
+        """Whether it is ``ticket``'s turn to take: it is first in the queue.
+        One that is not, woken all the same, waits again (its event made
+        anew: the head's leaving wakes it)."""
+        if self._queue and self._queue[0] is ticket:
             return True
-        return not self._handed and bool(self._queue) and self._queue[0] is ticket
+        if ticket.event.is_set():
+            ticket.event = anyio.Event()  # (in its own task: the caller's)
+        return False
 
-    def leave(self, ticket: Ticket) -> bool:
-        """Take ``ticket`` out of the queue; whether it was handed something
-        first (which its owner, leaving, must then pass on)."""
+    def found_nothing(self, ticket: Ticket) -> bool:
+        """``ticket``, first, was woken for what it then did not find (taken
+        by one who cannot wait).  Whether to look again at once: another
+        waiter was handed something meanwhile, which goes to ``ticket``
+        instead; else ``ticket`` waits for the next hand, in its place."""
+        for other in self._queue:
+            if other is not ticket and other.handed:
+                other.handed = False
+                ticket.handed = True
+                return True
+        ticket.handed = False
+        ticket.event = anyio.Event()
+        return False
+
+    def leave(self, ticket: Ticket) -> tuple[bool, Ticket | None]:
+        """Take ``ticket`` out of the queue: whether it was handed something
+        (which its owner, leaving, must then pass on), and the next waiter
+        to wake (outside the lock): the new first, where it was handed
+        something and waits for its turn."""
+        was_first = bool(self._queue) and self._queue[0] is ticket
         if ticket.queued:
             ticket.queued = False
             self._queue.remove(ticket)
-        elif ticket.handed:
-            self._handed -= 1
-        return ticket.handed
+        nxt = self._queue[0] if was_first and self._queue else None
+        return ticket.handed, (nxt if nxt is not None and nxt.handed else None)

@@ -653,9 +653,9 @@ async def _idle_stream(
                 if stream is not None:
                     used = True
                     return stream
-                if ticket.handed:  # woken, and a run that could not wait took it
-                    d.leave_stream_queue(device, ticket, used=True)
-                    ticket = d.wait_for_stream(device, first=True)  # (first again)
+                # woken, and a run that could not wait took it: first still
+                if d.stream_not_found(device, ticket):
+                    continue
             with anyio.move_on_after(policy.stall_s):
                 await ticket.event.wait()
     finally:

@@ -262,8 +262,6 @@ class Runtime:
         with self._handles_lock:
             s = self._interop.get(key)
             if s is None:
-                for stale in [k for k in self._interop if k[0] == device]:
-                    del self._interop[stale]  # made before a reset: invalid now
                 s = self._interop[key] = made
                 return s
         self._destroy(made.raw)  # another thread made it first
@@ -455,6 +453,8 @@ class Runtime:
             for raw in [raw for raw, s in self._foreign.items() if s.device == device]:
                 self.completer.retire_stream(raw)
                 del self._foreign[raw]
+            for made in [k for k in self._interop if k[0] == device]:
+                old.append(self._interop.pop(made))  # (made anew at its next use)
         for s in old:
             self._destroy(s.raw)
 
@@ -503,6 +503,17 @@ class Runtime:
         """The backend streams made ahead for the pools to grow into, not yet taken."""
         with self._lock:
             return [raw for spares in self._spares.values() for raw in spares]
+
+    def kept_stale(self) -> list[Stream]:
+        """The streams this runtime keeps (its pools, levels and interop
+        streams) of a device context reset since: none, where every reset
+        retired what it made."""
+        with self._lock:
+            kept = [s for streams in self.device_streams.values() for s in streams]
+            kept += [s for streams in self._levels.values() for s in streams]
+        with self._handles_lock:
+            kept += list(self._interop.values())
+        return [s for s in kept if not self.current(s)]
 
     def partition_of(self, stream: Stream) -> Any:
         """The partition of SMs ``stream`` was made in (None: none reserved)."""

@@ -263,7 +263,7 @@ class _LeasePool:
 
     async def acquire(self, holder: StreamLease) -> Stream:
         with self.lock:
-            if self.free and not self.waiters:
+            if self.free and not self.waiters.waiting():
                 self.held += 1
                 self.holders.add(holder)
                 return self._take()
@@ -272,7 +272,7 @@ class _LeasePool:
             await ticket.event.wait()
         except BaseException:
             with self.lock:
-                handed = self.waiters.leave(ticket)
+                handed, _ = self.waiters.leave(ticket)
             if handed:  # handed over just as we were cancelled: pass it on
                 self.release(ticket.value)
             raise
