@@ -588,6 +588,7 @@ async def test_long_awaits_of_two_tasks_are_polled_for_the_budget_then_sleep(
 
 
 @pytest.mark.anyio
+@pytest.mark.alone  # (a loop starved of the CPU is one the completer thread serves)
 async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wake_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -604,6 +605,7 @@ async def test_a_loop_busy_with_other_work_polls_past_the_budget_and_arms_no_wak
 
 
 @pytest.mark.anyio
+@pytest.mark.alone  # (a loop starved of the CPU is one the completer thread serves)
 async def test_the_completer_thread_leaves_a_busy_loops_runs_to_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -2,7 +2,8 @@
 that the test suite catches every one.
 
 Each mutation (``planted_core.py`` for ``src/gpuflow/_core/``,
-``planted_layers.py`` for the layers above it and the backends) is a bug
+``planted_layers.py`` for the layers above it and the backends,
+``planted_together.py`` for where features meet) is a bug
 that once slipped past a green suite, or one worth guarding in the same
 places: the run, completion, hazard, scope, policy and simulator code.
 For each, this script copies ``src/`` to a temporary directory, applies
@@ -16,6 +17,7 @@ Run it before changing the run, completion, hazard or scope code, and after:
     python tests/mutations/mutate.py              # every mutation
     python tests/mutations/mutate.py M3 M5        # some of them
     python tests/mutations/mutate.py --list
+    python tests/mutations/mutate.py --tests tests/together/test_stateful.py T1 T8
 
 It needs nothing but the standard library and pytest; every mutation
 takes about an hour and a half on two cores, a few of them a few minutes
@@ -26,6 +28,7 @@ every mutation was caught.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -42,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutation import Mutation  # noqa: E402
 from planted_core import MUTATIONS as CORE  # noqa: E402
 from planted_layers import MUTATIONS as LAYERS  # noqa: E402
+from planted_together import MUTATIONS as TOGETHER  # noqa: E402
 
-MUTATIONS: list[Mutation] = [*CORE, *LAYERS]
+MUTATIONS: list[Mutation] = [*CORE, *LAYERS, *TOGETHER]
 
 
 def _loop_of(nodeid: str) -> str | None:
@@ -109,8 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", help="mutations to run (default: all)")
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
     p.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    p.add_argument(
+        "--tests", action="append", metavar="ARG",
+        help="pytest arguments to run against every mutation instead of its own tests "
+        "(repeatable): which mutations another test finds",
+    )  # fmt: skip
     args = p.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
     if args.list or not chosen:
         for m in MUTATIONS:
             print(f"{m.name:5} {m.path:18} {m.what}")

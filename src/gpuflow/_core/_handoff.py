@@ -112,11 +112,11 @@ class Handoff:
     def leave(self, ticket: Ticket) -> tuple[bool, Ticket | None]:
         """Take ``ticket`` out of the queue: whether it was handed something
         (which its owner, leaving, must then pass on), and the next waiter
-        to wake (outside the lock): the new first, where it was handed
-        something and waits for its turn."""
+        to wake (outside the lock): the new first, where ``ticket`` was
+        first (its turn now, to take what it was handed or to look again
+        from time to time, as only the first does)."""
         was_first = bool(self._queue) and self._queue[0] is ticket
         if ticket.queued:
             ticket.queued = False
             self._queue.remove(ticket)
-        nxt = self._queue[0] if was_first and self._queue else None
-        return ticket.handed, (nxt if nxt is not None and nxt.handed else None)
+        return ticket.handed, (self._queue[0] if was_first and self._queue else None)

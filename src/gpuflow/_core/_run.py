@@ -648,14 +648,18 @@ async def _idle_stream(
     try:
         while True:
             # (first after joining: a stream that went idle before woke nobody)
-            if d.stream_turn(device, ticket):
-                stream = policy.idle_stream(device, home)
-                if stream is not None:
-                    used = True
-                    return stream
-                # woken, and a run that could not wait took it: first still
-                if d.stream_not_found(device, ticket):
-                    continue
+            if not d.stream_turn(device, ticket):
+                # (not first: the head's leaving wakes it; only the head
+                # looks again unasked, else a thousand waiters would poll)
+                await ticket.event.wait()
+                continue
+            stream = policy.idle_stream(device, home)
+            if stream is not None:
+                used = True
+                return stream
+            # woken, and a run that could not wait took it: first still
+            if d.stream_not_found(device, ticket):
+                continue
             with anyio.move_on_after(policy.stall_s):
                 await ticket.event.wait()
     finally:
