@@ -1,10 +1,12 @@
 """One suite for every backend and every event loop.
 
-Every test runs on ``sim`` (always) and on ``cuda`` (where a CUDA device is
-present; skipped, never failed, elsewhere).  Async tests run under asyncio,
-uvloop (where installed) and Trio through AnyIO's pytest plugin.  After each
-test the runtime must be quiescent: nothing pending, no lease held, no use
-after free seen.
+Every test runs on each backend of one list, ``--backends`` (by default
+``sim``, always, and ``cuda``, where a CUDA device is present: skipped,
+never failed, elsewhere); a backend registered with
+``gpuflow.lowlevel.register_backend`` by a plugin (``-p``) runs the suite
+unchanged.  Async tests run under asyncio, uvloop (where installed) and
+Trio through AnyIO's pytest plugin.  After each test the runtime must be
+quiescent: nothing pending, no lease held, no use after free seen.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from helpers.child import run_child
 
 import gpuflow as gf
 from gpuflow import testing
+from gpuflow._backends import backend_names
 from gpuflow._core import discard_runtime
 
 #: fixtures shared by the test folders (``lib``: the interop tests' other library)
@@ -46,36 +49,76 @@ def anyio_backend(request: pytest.FixtureRequest) -> object:
     return request.param
 
 
-_CUDA: list[Any] = []
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backends",
+        default="sim,cuda",
+        metavar="NAMES",
+        help="the backends every test runs on, comma-separated (default: sim,cuda; cuda's "
+        "variants skip where no CUDA device is present); any name registered with "
+        "gpuflow.lowlevel.register_backend, by a plugin given with -p",
+    )
 
 
-def _cuda_backend() -> Any:
-    """One cuda backend for the session, as a long-running program has one
-    (each test still gets a runtime of its own: streams, pools, completer);
-    a new one where a test left a device faulted."""
+@pytest.hookimpl(tryfirst=True)  # (the backend first in a test's id: test_x[sim-trio])
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test, once a backend of ``--backends`` (``device_backend``)."""
+    if "device_backend" not in metafunc.fixturenames:
+        return
+    names = [n.strip() for n in str(metafunc.config.getoption("backends")).split(",")]
+    registered = backend_names()
+    unknown = [n for n in names if n not in registered or n == "auto"]
+    if unknown or not names:
+        raise pytest.UsageError(
+            f"--backends: {', '.join(unknown) or 'none named'}: not a registered backend "
+            f"(registered: {', '.join(n for n in registered if n != 'auto')})"
+        )
+    params = [pytest.param(n, marks=pytest.mark.gpu) if n == "cuda" else n for n in names]
+    metafunc.parametrize("device_backend", params, indirect=True)
+
+
+#: The session's backends of real devices, by name: made once, as a
+#: long-running program makes its backend (each test still gets a runtime of
+#: its own: streams, pools, completer), and again where a test left a device
+#: faulted.  A simulation is made anew for each test.
+_SHARED: dict[str, Any] = {}
+_SIMULATED: set[str] = {"sim"}
+
+
+def _shared_backend(name: str) -> Any:
+    """The session's backend ``name``, or None where it is a simulation."""
     from gpuflow._backends import load_backend
 
-    if _CUDA and any(_CUDA[0].device_fault(d) is not None for d in range(CUDA_DEVICES)):
-        _CUDA.clear()
-    if not _CUDA:
-        _CUDA.append(load_backend("cuda", None))
-    return _CUDA[0]
+    if name in _SIMULATED:
+        return None
+    be = _SHARED.get(name)
+    if be is not None and any(be.device_fault(d) is not None for d in range(be.device_count)):
+        be = None
+    if be is None:
+        be = load_backend(name, None)
+        if be.simulated:
+            be.close()
+            _SIMULATED.add(name)
+            return None
+        _SHARED[name] = be
+    return be
 
 
-@pytest.fixture(
-    params=["sim", pytest.param("cuda", marks=pytest.mark.gpu)], autouse=True, scope="function"
-)
+@pytest.fixture(autouse=True, scope="function")
 def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Initialise gpuflow on each backend; ``sim`` gets two devices."""
+    """Initialise gpuflow on the test's backend (``--backends``); a
+    simulation gets two devices."""
     name = str(request.param)
     if name == "cuda" and CUDA_DEVICES == 0:
         pytest.skip(NO_CUDA)
-    if name == "sim" and request.node.get_closest_marker("cuda_only"):
-        pytest.skip("sim variant of a cuda-only test: needs a real CUDA device")
-    if name == "cuda" and request.node.get_closest_marker("sim_only"):
+    backend = _shared_backend(name)
+    if request.node.get_closest_marker("cuda_only") and (
+        backend is None or not backend.cuda_native
+    ):
+        pytest.skip(f"{name} variant of a cuda-only test: needs a real CUDA device")
+    if name != "sim" and request.node.get_closest_marker("sim_only"):
         pytest.skip("exercises a property of the simulator itself")
     # whatever a test before left in flight (which failed that test) goes
-    backend = _cuda_backend() if name == "cuda" else None
     discard_runtime(keep=backend)
     if backend is not None:
         gf.init_device_contexts(backend=backend)
@@ -93,6 +136,9 @@ def device_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def pytest_report_header(config: pytest.Config) -> str:
     loops = ", ".join(str(p.id) for p in LOOPS)
+    backends = str(config.getoption("backends"))
+    if backends != "sim,cuda":
+        return f"gpuflow: every test on {backends}; loops {loops}"
     if CUDA_DEVICES:
         return f"gpuflow: every test on sim and on cuda ({CUDA_DEVICES} device(s)); loops {loops}"
     return (

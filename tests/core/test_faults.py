@@ -21,6 +21,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers import simulated
 
 import gpuflow as gf
 from gpuflow import testing
@@ -40,7 +41,7 @@ def fault_deadline() -> float:
     the H200 the driver's own first failing cuStreamQuery came 141 ms after the
     launch (benchmarks/probe_latency.py, section h), so no await can learn of
     the fault sooner: there the bound is that floor plus the 100 ms."""
-    return 0.1 if gf.current_backend() == "sim" else 0.25
+    return 0.1 if simulated() else 0.25
 
 
 def warm(module: gf.Module) -> gf.Module:
@@ -66,7 +67,7 @@ def resetting(*devices: int) -> Iterator[None]:
     try:
         yield
     finally:
-        if gf.current_backend() == "sim":
+        if simulated():
             for d in devices:
                 gf.reset_device(d)
 
@@ -137,7 +138,7 @@ async def test_a_fault_fails_the_await_within_100_ms() -> None:
         assert_fault(later.value)
         with pytest.raises(gf.DeviceFaultError, match=STICKY_0):
             await gf.value(1)  # even a run without GPU work: the context is gone
-    if gf.current_backend() == "sim":  # recovered (the CUDA driver refuses to)
+    if simulated():  # recovered (the CUDA driver refuses to)
         x = await gf.arange(5, dtype=np.int32)
         np.testing.assert_array_equal(await gf.to_host(x), np.arange(5, dtype=np.int32))
 
@@ -185,7 +186,7 @@ def test_a_launch_operation_loads_its_kernel_again_for_each_context_life() -> No
     gf.reset_device(0)  # a healthy device: its context is made again
     np.testing.assert_array_equal(op.sync(), [1])
     nothing.sync()
-    if gf.current_backend() == "sim":  # (another CUDA runtime would retain the context anew)
+    if simulated():  # (another CUDA runtime would retain the context anew)
         gf.init_device_contexts(backend="sim", num_devices=2)
         np.testing.assert_array_equal(op.sync(), [1])
         np.testing.assert_array_equal(op.sync(gf.SingleStream(device=1)), [1])
@@ -205,7 +206,7 @@ def test_a_fault_fails_sync_and_stream_synchronize() -> None:
             gf.to_host(x).sync()
         with pytest.raises(gf.DeviceFaultError, match=STICKY_0):
             gf.value(1).sync()
-    if gf.current_backend() != "sim":
+    if not simulated():
         return  # the CUDA driver keeps the fault for the life of the process
     np.testing.assert_array_equal(gf.to_host(gf.ones(8, F32)).sync(), np.ones(8, F32))
     # arrays and streams made before the reset belong to the old context
@@ -220,7 +221,7 @@ async def test_pending_work_on_the_faulted_device_fails_too() -> None:
     n = 64
     a, b = await gf.zip(gf.zeros(n, F32), gf.zeros(n, F32))
     failures: dict[str, float] = {}
-    seconds = 0.4 if gf.current_backend() == "sim" else 1.0
+    seconds = 0.4 if simulated() else 1.0
     fault = fault_op()  # compiled before the clock starts
     outcomes: dict[str, str] = {}
 
@@ -251,7 +252,7 @@ async def test_pending_work_on_the_faulted_device_fails_too() -> None:
             )
         assert set(failures) == {"running", "behind"}
         assert outcomes["behind"] == "fault"
-        if gf.current_backend() == "sim":  # sim stops every stream at the fault
+        if simulated():  # sim stops every stream at the fault
             assert failures["behind"] < fault_deadline()
             assert outcomes["running"] == "fault"
             assert failures["running"] < 0.03 + fault_deadline() + 0.05 < seconds
@@ -261,7 +262,7 @@ async def test_pending_work_on_the_faulted_device_fails_too() -> None:
             # completes; the await learns of it within the usual bound after that
             assert failures["behind"] < seconds + fault_deadline()
         assert testing.pending_runs() == 0
-    if gf.current_backend() != "sim":
+    if not simulated():
         return
     # the old slow kernel may still be running on the old context: nothing of it
     # reaches the new one

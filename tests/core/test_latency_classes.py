@@ -18,6 +18,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers import simulated
 from helpers.completion import reinit
 
 import gpuflow as gf
@@ -111,9 +112,11 @@ async def test_reserved_sms_serve_their_class_alone() -> None:
 
 @pytest.mark.anyio
 async def test_a_class_takes_its_own_level_and_nests() -> None:
-    reserve = gf.current_backend() == "sim"
+    reserve = simulated()
     if reserve:  # (on cuda, the fixture's runtime reserves nothing)
-        gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"interactive": 8})
+        gf.init_device_contexts(
+            backend=gf.current_backend(), num_devices=2, reserve_sms={"interactive": 8}
+        )
     seen: list[gf.Stream] = []
 
     def see(ctx: gf.ExecutionContext) -> gf.DeviceOperation[None]:
@@ -177,7 +180,7 @@ def test_reserve_sms_checks_its_argument_before_any_backend_starts(
 ) -> None:
     old = CURRENT.runtime
     with pytest.raises(error, match=match):
-        gf.init_device_contexts(backend="sim", reserve_sms=reserve)
+        gf.init_device_contexts(backend=gf.current_backend(), reserve_sms=reserve)
     assert CURRENT.runtime is old  # nothing replaced
 
 
@@ -220,8 +223,10 @@ async def test_a_class_names_only_reserved_sms_and_checks_before_anything_runs()
     with pytest.raises(gf.UsageError, match="no SMs named 'fast'"):
         async with gf.open_stream_lease(sms="fast"):
             raise AssertionError("entered")
-    if gf.current_backend() == "sim":
-        gf.init_device_contexts(backend="sim", reserve_sms={"interactive": 8, "bulk": 8})
+    if simulated():
+        gf.init_device_contexts(
+            backend=gf.current_backend(), reserve_sms={"interactive": 8, "bulk": 8}
+        )
         with pytest.raises(gf.UsageError, match=r"\(reserved: 'interactive', 'bulk'\)"):
             gf.new_stream(sms="fast")
 
@@ -265,7 +270,7 @@ def test_a_kernel_waiting_for_sms_ends_with_its_devices_context() -> None:
 @pytest.mark.sim_only
 @pytest.mark.anyio
 async def test_a_runs_part_on_another_device_keeps_its_class() -> None:
-    gf.init_device_contexts(backend="sim", num_devices=2)
+    gf.init_device_contexts(backend=gf.current_backend(), num_devices=2)
     x = await gf.full(4, 1.0, np.float32).run(gf.SingleStream(device=1))
     be = gf.lowlevel.current_backend_object()
     with gf.testing.record_activity() as record:
@@ -346,9 +351,11 @@ async def test_a_request_in_a_lease_inside_its_class_is_served_as_its_class() ->
 
 @pytest.mark.anyio
 async def test_leases_groups_and_streams_made_in_a_class_take_it_unless_given_their_own() -> None:
-    reserve = gf.current_backend() == "sim"
+    reserve = simulated()
     if reserve:  # (on cuda, the fixture's runtime reserves nothing)
-        gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"interactive": 8})
+        gf.init_device_contexts(
+            backend=gf.current_backend(), num_devices=2, reserve_sms={"interactive": 8}
+        )
     sms = "interactive" if reserve else None
     seen: list[gf.Stream] = []
     with gf.latency_class(priority=2, sms=sms):

@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers import simulated
 
 import gpuflow as gf
 from gpuflow import testing
@@ -191,7 +192,7 @@ async def test_a_faulted_run_is_marked(tmp_path: Path) -> None:
                     anyio.fail_after(5):
                 await fault
     finally:
-        if gf.current_backend() == "sim":  # cuda keeps the fault for the process (a child)
+        if simulated():  # cuda keeps the fault for the process (a child)
             gf.reset_device(0)
     (e,) = runs(load(path))
     assert e["name"] == "kernel null_write"
@@ -331,7 +332,7 @@ async def test_the_readme_program_shows_its_kernel_and_copy_inside_its_run(tmp_p
     assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in itertools.pairwise(shown))
     assert shown[2]["args"]["what"] == "kernel 'saxpy'"
     assert shown[3]["args"]["what"].startswith("copy from ")
-    if gf.current_backend() == "sim":  # its slice is the device's: the first item to the end
+    if simulated():  # its slice is the device's: the first item to the end
         assert run["ts"] == pytest.approx(shown[0]["ts"], abs=1e-3)
 
 

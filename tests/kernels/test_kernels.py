@@ -13,6 +13,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers import simulated
 
 import gpuflow as gf
 
@@ -232,7 +233,7 @@ async def test_reference_gets_flat_typed_views_and_python_scalars() -> None:
     x = await gf.from_host(np.ones((4, 8), F32))
     await m.scale(K.cfg(32), x, 2.0, 32)
     np.testing.assert_array_equal(await gf.to_host(x), np.full((4, 8), 2, F32))
-    if gf.current_backend() == "sim":
+    if simulated():
         assert seen == {"dtype": np.dtype(F32), "ndim": 1, "size": 32, "s": float, "n": int}
 
 

@@ -19,6 +19,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers import simulated
 from helpers.child import run_child
 
 import gpuflow as gf
@@ -515,7 +516,7 @@ async def test_device_group_children_run_on_their_device() -> None:
 async def test_device_group_without_devices_means_every_device() -> None:
     devices = all_devices()
     assert devices == sorted(set(devices)) and devices[0] == 0
-    if gf.current_backend() == "sim":
+    if simulated():
         assert devices == [0, 1]  # conftest initialises two sim devices
     with pytest.raises(gf.UsageError, match=rf"device {devices[-1] + 1} is not initialised"):
         gf.open_device_group([devices[-1] + 1])

@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import kernels as K
+from helpers import simulated
 
 import gpuflow as gf
 
@@ -37,7 +38,7 @@ def fault_op() -> gf.DeviceOperation[Any]:
 
 def reset_after_fault() -> None:
     # on cuda the test runs in a child process of its own (the fault is sticky)
-    if gf.current_backend() == "sim":
+    if simulated():
         gf.reset_device(0)
 
 

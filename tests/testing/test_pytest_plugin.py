@@ -282,9 +282,41 @@ def test_devices(gpuflow_runtime):
     bad.stderr.fnmatch_lines(["*--gpuflow-devices: a positive number of devices, not '0'*"])
     wrong = user.runpytest_subprocess(*PLUGIN, "--gpuflow-backend", "tpu", timeout=120)
     assert wrong.ret != 0
-    wrong.stderr.fnmatch_lines(["*--gpuflow-backend: invalid choice: 'tpu'*"])
+    wrong.stderr.fnmatch_lines(["*--gpuflow-backend 'tpu': no backend of that name is "
+                                "registered (registered: auto, cuda, sim)*"])
     helped = user.runpytest_subprocess(*PLUGIN, "--help", timeout=120)
-    helped.stdout.fnmatch_lines(["*--gpuflow-backend={sim,cuda,auto}*", "*--gpuflow-devices=N*"])
+    helped.stdout.fnmatch_lines(["*--gpuflow-backend=NAME*", "*--gpuflow-devices=N*"])
+
+
+@pytest.mark.sim_only
+def test_the_backend_option_takes_any_registered_name(user: pytest.Pytester) -> None:
+    """A backend a user's conftest registers is one ``--gpuflow-backend``
+    takes, as ``sim`` and ``cuda``; a name nobody registered is refused,
+    listing those that are."""
+    user.makeconftest('''
+import gpuflow as gf
+from gpuflow._backends import SimBackend
+
+class Mine(SimBackend):
+    name = "mine"
+
+gf.lowlevel.register_backend("mine", Mine)
+''')  # fmt: skip
+    user.makepyfile(test_user='''
+import gpuflow as gf
+
+def test_backend(gpuflow_runtime):
+    assert gpuflow_runtime == "mine" == gf.current_backend()
+    assert gf.to_host(gf.ones(3)).sync().tolist() == [1.0, 1.0, 1.0]
+
+def test_each_test_its_own(gpuflow_runtime):
+    assert gf.lowlevel.current_backend_object().device_count == 2
+''')  # fmt: skip
+    _run(user, "mine", "--gpuflow-devices", "2").assert_outcomes(passed=2)
+    wrong = _run(user, "theirs")
+    assert wrong.ret != 0
+    wrong.stderr.fnmatch_lines(["*--gpuflow-backend 'theirs': no backend of that name is "
+                                "registered (registered: auto, cuda, sim, mine)*"])
 
 
 @pytest.mark.sim_only

@@ -69,6 +69,14 @@ class Backend(Communicators, abc.ABC):
     #: context that runs them, when they are compiled or the runtime starts,
     #: never on the way to a launch.
     loads_wait_for_kernels: ClassVar[bool] = False
+    #: Whether its streams, buffers and events are the CUDA driver's own, in
+    #: the devices' primary contexts: then another CUDA library of the
+    #: process (PyTorch, CuPy) can run on its streams and use its buffers.
+    cuda_native: ClassVar[bool] = False
+    #: Whether it simulates its devices rather than drives them: it makes
+    #: as many as asked for, its times are its own clock's, and a fault
+    #: ends with a reset (as :mod:`gpuflow`'s ``sim``).
+    simulated: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

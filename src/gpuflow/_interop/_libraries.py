@@ -444,7 +444,7 @@ StreamAdapter = Callable[[Stream], AbstractContextManager[Any] | None]
 
 def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     torch: Any = sys.modules.get("torch")
-    if torch is None or stream._runtime.backend.name != "cuda" or not torch.cuda.is_available():
+    if torch is None or not stream._runtime.backend.cuda_native or not torch.cuda.is_available():
         return None
     external = torch.cuda.ExternalStream(
         stream.__cuda_stream__()[1], device=torch.device("cuda", stream.device)
@@ -454,7 +454,7 @@ def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
 
 def _cupy_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
     cupy: Any = sys.modules.get("cupy")
-    if cupy is None or stream._runtime.backend.name != "cuda":
+    if cupy is None or not stream._runtime.backend.cuda_native:
         return None
     handle = stream.__cuda_stream__()[1]
     stack = contextlib.ExitStack()

@@ -5,13 +5,16 @@ installing gpuflow is enough (``-p no:gpuflow`` turns it off; with plugin
 autoloading disabled, ``-p gpuflow`` loads it).  Nothing happens to a test
 that does not ask for the fixture.
 
-* ``--gpuflow-backend`` ``sim`` (the default: any machine, CI), ``cuda`` or
-  ``auto`` (``cuda`` where a CUDA device is present, else ``sim``), and
+* ``--gpuflow-backend`` ``sim`` (the default: any machine, CI), ``cuda``,
+  ``auto`` (``cuda`` where a CUDA device is present, else ``sim``) or the
+  name of any backend registered with
+  :func:`gpuflow.lowlevel.register_backend` (by a plugin, or the
+  ``conftest.py`` of the directory pytest starts in), and
   ``--gpuflow-devices N`` (default: every device the backend has; ``sim``
   has one unless told).
 * ``gpuflow_runtime`` initialises gpuflow on that backend before the test
-  (a runtime of its own for each test; on ``cuda`` the backend itself is
-  shared by the session, as a long-running program has one) and yields the
+  (a runtime of its own for each test; a backend that drives CUDA devices
+  is shared by the session, as a long-running program has one) and yields the
   backend's name.  After the test function, it waits for the GPU to finish
   what the test enqueued (up to :data:`DRAIN_S` seconds) and fails the
   test, saying what, when a run is still pending, a stream lease is still
@@ -31,28 +34,28 @@ from collections.abc import Iterator
 
 import pytest
 
-from .._backends import Backend, cuda_probe, load_backend
+from .._backends import Backend, backend_names, cuda_probe, load_backend
 from .._core import device_count_option, discard_runtime, init_device_contexts
 from ._quiescence import Baseline, problems, settle
 
-#: What ``--gpuflow-backend`` takes.
-BACKENDS = ("sim", "cuda", "auto")
 #: How long, after a test, the GPU may take to finish what the test enqueued.
 DRAIN_S = 5.0
 
 _FIXTURE = "gpuflow_runtime"
 _baseline_key = pytest.StashKey[Baseline]()
-_cuda_key = pytest.StashKey[Backend]()
+_shared_key = pytest.StashKey[Backend]()
+_simulated_key = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpuflow", "gpuflow (the gpuflow_runtime fixture)")
     group.addoption(
         "--gpuflow-backend",
-        choices=BACKENDS,
         default="sim",
+        metavar="NAME",
         help="the backend gpuflow_runtime initialises: sim (default; needs no GPU), "
-        "cuda, or auto (cuda where a CUDA device is present, else sim)",
+        "cuda, auto (cuda where a CUDA device is present, else sim), or any name "
+        "given to gpuflow.lowlevel.register_backend",
     )
     group.addoption(
         "--gpuflow-devices",
@@ -64,24 +67,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _backend(config: pytest.Config, devices: int | None) -> str | Backend:
-    """The backend to initialise: a name (a new backend for each test), or
-    the session's cuda backend, made on first use and again after a fault."""
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse a backend nobody registered, before any test (a plugin or
+    the root ``conftest.py`` registers one before this runs)."""
     choice = str(config.getoption("gpuflow_backend"))
-    if choice == "sim" or (choice == "auto" and cuda_probe()[0] == 0):
-        return "sim"
-    be = config.stash.get(_cuda_key, None)
+    names = backend_names()
+    if choice not in names:
+        raise pytest.UsageError(
+            f"--gpuflow-backend {choice!r}: no backend of that name is registered "
+            f"(registered: {', '.join(names)})"
+        )
+
+
+def _backend(config: pytest.Config, devices: int | None) -> str | Backend:
+    """The backend to initialise: a simulation's name (a new backend for
+    each test), or the session's backend of real devices, made on first use
+    and again after a fault."""
+    choice = str(config.getoption("gpuflow_backend"))
+    if choice == "auto":
+        choice = "cuda" if cuda_probe()[0] else "sim"
+    if config.stash.get(_simulated_key, False):
+        return choice
+    be = config.stash.get(_shared_key, None)
     if be is not None and any(be.device_fault(d) is not None for d in range(be.device_count)):
         be = None  # a sticky fault lasts as long as the backend
     if be is None:
-        be = config.stash[_cuda_key] = load_backend("cuda", devices)
+        be = load_backend(choice, devices)
+        if be.simulated:  # (cheap to make: each test's own, nothing of one seen by the next)
+            be.close()
+            config.stash[_simulated_key] = True
+            return choice
+        config.stash[_shared_key] = be
     return be
 
 
 @pytest.fixture
 def gpuflow_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
     """gpuflow, initialised on ``--gpuflow-backend`` for this test; yields the
-    backend's name (``"sim"`` or ``"cuda"``).  The test fails when, once it
+    backend's name (``"sim"``, ``"cuda"``, ...).  The test fails when, once it
     has returned and the GPU has had up to 5 s to finish, a run is still
     pending, a stream lease is still held or a use after free was seen."""
     config = request.config

@@ -65,7 +65,7 @@ def _backend_lines(reserve: dict[str, int] | None = None) -> list[str]:
         why = f"; {BACKEND_ENV}={chosen!r}" if chosen else ""
         lines = [f"backend: {be.name} (what init_device_contexts() picks here{why})"]
         n = be.device_count
-        if be.name == "sim":
+        if be.simulated:
             how = (
                 "the simulation makes as many as asked for: "
                 "gf.init_device_contexts(num_devices=N); `python -m gpuflow demo` asks for 2, "

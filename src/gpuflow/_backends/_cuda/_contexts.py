@@ -81,6 +81,7 @@ class CudaContexts(Backend):
     name = "cuda"
     setup_waits_for_idle = True
     loads_wait_for_kernels = True
+    cuda_native = True
 
     def __init__(self, num_devices: int | None = None, *, marks: str = "auto") -> None:
         """The first ``num_devices`` devices (all by default); ``marks`` as

@@ -338,6 +338,7 @@ class SimBackend(Backend):
 
     name = "sim"
     loads_wait_for_kernels = True  # (as a driver's: ._loads)
+    simulated = True
 
     def __init__(
         self,
