@@ -702,8 +702,8 @@ def driver_share() -> int:
 
 
 #: The steps of an await that ``--pieces`` times (``module:attribute``):
-#: a run's start (its stream, its checks: ``_start``/``_begin`` on the long
-#: path, the policy and ``startable`` on the straight line) and its mark
+#: a run's start (its stream, its checks: ``_start``/``_begin`` where the
+#: await is unusual, the policy and ``startable`` where not) and its mark
 #: (``Lane.submit``), the kernel's launch, the await's inline read and the
 #: run's completion; for ``gf.wait_stream``, resolving the other library's
 #: stream, its mark there and reading its event; for a collective, its

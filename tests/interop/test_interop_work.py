@@ -182,7 +182,7 @@ async def test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_d
     stream object (whose handle names the stream its completion is marked
     on, and a wake-up may be enqueued on later) until that work is done,
     whatever happens to the await; also while a trace records, where the
-    await does not take the straight line."""
+    await is unusual."""
     fake = FakeLib()
     x = await gf.zeros(N, F32)
     fake.late_fill_untracked(x.ptr, 5.0, seconds=0.3)

@@ -521,12 +521,11 @@ MUTATIONS = [
     ),
     Mutation(
         "W3b",
-        "a lone await of another library's stream in a scope keeps nothing of it while its "
-        "run is in flight",
+        "an await whose cancellation points are watched is marked only after the in-flight one",
         '_core/_run.py',
-        '        run.hold((op,))  # (as on the straight line: used until the mark is reached)\n',
-        '        pass\n',
-        ('tests/interop/test_interop_work.py::test_a_cancelled_lone_wait_keeps_the_stream_object_until_the_work_is_done',),
+        '            lane.submit(run)\n            mark_on = None\n',
+        '            pass\n',
+        ('tests/testing/test_cancel_points.py',),
     ),
     Mutation(
         "Q1",
@@ -715,30 +714,30 @@ MUTATIONS = [
         ("tests/core/test_policy.py::test_an_await_woken_for_a_stream_keeps_its_turn_until_it_"
          "has_looked",),
     ),
-    # -- the common await's straight line (_run.await_run)
+    # -- the await's shortest form (_run.await_run)
     Mutation(
         "R1",
-        "the common await's straight line is taken while a scope (or a trace, a watcher) is on",
+        "the await takes its shortest form while a scope (or a trace, a watcher) is on",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
-        "    if policy is not None or not op._ordinary or _finalizers.queue:\n",
+        "    unusual = UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue\n",
+        "    unusual = policy is not None or not op._ordinary or _finalizers.queue\n",
         ("tests/scopes/test_scopes.py", "tests/testing/test_cancel_points.py"),
     ),
     Mutation(
         "R2",
-        "the common await's straight line is taken though a policy was given",
+        "the await takes its shortest form though a policy was given",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
-        "    if UNUSUAL.n or not op._ordinary or _finalizers.queue:\n",
+        "    unusual = UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue\n",
+        "    unusual = UNUSUAL.n or not op._ordinary or _finalizers.queue\n",
         ("tests/core/test_policy.py", "tests/core/test_running.py"),
     ),
     Mutation(
         "R3",
-        "the common await's straight line is taken by a collective (not ordinary: it "
+        "the await takes its shortest form for a collective (not ordinary: it "
         "asks for its rank's previous stream first)",
         "_core/_run.py",
-        "    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:\n",
-        "    if UNUSUAL.n or policy is not None or _finalizers.queue:\n",
+        "    unusual = UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue\n",
+        "    unusual = UNUSUAL.n or policy is not None or _finalizers.queue\n",
         ("tests/comm/test_comm.py",),
     ),
     Mutation(

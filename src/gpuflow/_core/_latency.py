@@ -64,7 +64,7 @@ class LatencyClass(NamedTuple):
 
 
 #: The class of the runs the current task starts (None: the default class,
-#: which the runs on the straight line of an await are).
+#: which the runs of an await where nothing is unusual are).
 current_class_var: ContextVar[LatencyClass | None] = ContextVar(
     "gpuflow_latency_class", default=None
 )

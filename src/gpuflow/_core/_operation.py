@@ -276,15 +276,17 @@ class DeviceOperation(Generic[T]):
         """
         return _run.run_enqueue_on(self, stream)  # type: ignore[no-any-return]
 
-    def __await__(self) -> Generator[Any, None, T]:
-        """Run on a stream chosen by the policy (or the lease) and await the result.
+    #: ``await op``: run on a stream chosen by the policy (or the lease) and
+    #: await the result.  Cancelling the awaiting task raises the loop's
+    #: cancellation at once; work already enqueued finishes on the GPU, and
+    #: what it uses is kept alive until then.  (The run's own generator
+    #: function, with no call between: every await makes one object.)
+    if TYPE_CHECKING:
 
-        Cancelling the awaiting task raises the loop's cancellation at once;
-        work already enqueued finishes on the GPU, and what it uses is kept
-        alive until then.  (Below the class, this is the run's own
-        generator, with no call between: every await makes one.)
-        """
-        return _run.await_run(self)
+        def __await__(self) -> Generator[Any, None, T]: ...
+
+    else:
+        __await__ = _run.await_run
 
     async def run(self, policy: SchedulingPolicy | None = None) -> T:
         """``await op`` with an explicit scheduling policy.
@@ -314,9 +316,8 @@ class DeviceOperation(Generic[T]):
         return await _run.RunAwaitable(self, policy)  # type: ignore[no-any-return]
 
     # -- for the run path ----------------------------------------------------------------
-    #: nothing about it takes an ``await`` off the straight line (an
-    #: operation that sets :attr:`_has_home` says False): see
-    #: ``_run.await_run``
+    #: nothing about it makes an ``await`` of it unusual (an operation that
+    #: sets :attr:`_has_home` says False): see ``_run.await_run``
     _ordinary = True
     #: where its work was prepared once (a launch whose arguments are final):
     #: the device context's life it is valid in (``Stream.life``), and the
@@ -443,10 +444,6 @@ class DeviceOperation(Generic[T]):
 
     def __repr__(self) -> str:
         return f"<gpuflow.DeviceOperation {self.label()}>"
-
-
-# ``await op`` makes the run's generator itself (see DeviceOperation.__await__)
-DeviceOperation.__await__ = _run.await_run  # type: ignore[method-assign,assignment]
 
 
 class _Value(DeviceOperation[T]):

@@ -22,11 +22,12 @@ Every way of running an operation (``await op``, ``op.run(policy)``,
    runs its callbacks, and wakes the tasks parked on it;
 6. **resolve**: host data the work copied becomes the run's output.
 
-The common await (no policy given, no scope open, no trace recording, no
-cancellation-point watcher, no capture, nothing queued for the finalizers,
-an operation with nothing unusual about it) takes a straight line through
-these steps: :func:`await_run` checks one count (:mod:`._unusual`) and the
-operation to know that it is common.  Whatever happens after something was
+:func:`await_run` is the one definition of the await: it asks once what
+is unusual (a policy given, a scope open, a trace recording, a
+cancellation-point watcher, a capture, a latency class, frees queued for
+the finalizers, an operation that is not ordinary: one count,
+:mod:`._unusual`, and the operation), and where nothing is, each step takes
+its shortest form.  Whatever happens after something was
 enqueued, the run keeps what that work uses until the GPU is done with it.
 """
 
@@ -841,83 +842,41 @@ def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
 def await_run(
     op: DeviceOperation[Any], policy: SchedulingPolicy | None = None
 ) -> Generator[Any, None, Any]:
-    """``await op`` (``op.run(policy)``): start a run, enqueue it, mark it,
-    wait for it, resolve its output.
+    """``await op`` (``op.run(policy)``): the one definition of the await.
+    Its steps, each once: the stream (the policy's, or an idle pool stream),
+    the run's checks and its scopes, the enqueue, the mark, the wait, the
+    output.
 
-    The common case on a straight line: nothing unusual on
-    (:data:`._unusual.UNUSUAL`), no policy given, an ordinary operation,
-    nothing for the finalizers; an idle stream of the default policy's; a
-    device without a fault.  An operation that waits for another library's
-    stream alone (``gf.wait_stream(s)``) takes a line of its own beside it:
-    its run is marked on that stream, and enqueues nothing else.  Anything
-    else takes :func:`_await_long`."""
-    if UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue:
-        return (yield from _await_long(op, policy))
+    What makes an await unusual (:data:`._unusual.UNUSUAL`: a scope, a
+    trace, a capture, a cancellation-point watcher, a latency class; or a
+    policy given, an operation that is not ordinary, frees queued) is asked
+    here once; where nothing is, each step takes its shortest form: an idle
+    stream of the default policy's, a run with nothing to check, a launch
+    prepared once.  An operation that waits for another library's stream
+    alone (``gf.wait_stream(s)``) runs there: nothing is enqueued but its
+    mark."""
+    unusual = UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue
+    watcher = _cancel_points.watcher if unusual else None  # (a test's; None otherwise)
+    if watcher is not None:
+        yield from watcher(_cancel_points.BEFORE_ENQUEUE, op).__await__()
     loop = current_loop()
     # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
     if loop.may_be_cancelled():
         yield from loop.checkpoint_if_cancelled().__await__()
     rt = CURRENT.runtime or ensure_runtime()
+    traced: _trace.TracedRun | None = None
+    out: Any = None
     home = op._stream_alone() if op._awaited_alone else None
     if home is not None:
-        # another library's stream: nothing is enqueued but the run's mark there
-        if not rt.startable(home):
-            return (yield from _await_long(op, policy, loop))
-        run = Run(home.device, op)
-        run.hold((op,))  # (what it names is used until the mark is reached)
-        _submit_foreign(rt, home, run)
-        yield from _wait(run, loop)
-        return None
-    device = current_device_var.get()
-    if device is None:
-        device = rt.default_device
-    stream = None if rt.completer.waiting else DEFAULT_POLICY.idle_stream(device)
-    if stream is None or not rt.startable(stream):
-        return (yield from _await_long(op, policy, loop))
-    run = Run(device, op)
-    out: Any = None
-    direct = op._direct
-    lane = stream._lane
-    assert lane is not None  # (every pool stream has one)
-    try:
-        if direct is not None and direct[0] is stream._life:
-            direct[1](stream.raw)  # (prepared once: a launch with its arguments final)
+        # another library's stream: no stream of ours waits for it, and
+        # nothing is enqueued but the run's mark there
+        if unusual or not rt.startable(home):
+            rt, run = _begin(op, home)  # (which says why it cannot start)
         else:
-            out = op.execute(ExecutionContext(rt, stream, DEFAULT_POLICY, run))
-    except BaseException:
-        try:
-            lane.submit(run)
-        except Exception:  # the original failure is the one to report
-            pass
-        raise
-    yield from _wait(run, loop, lane)
-    return out if out is None else resolve(out)
-
-
-def _await_long(
-    op: DeviceOperation[Any], policy: SchedulingPolicy | None, loop: Loop | None = None
-) -> Generator[Any, None, Any]:
-    """``await op`` where something is unusual: a cancellation-point watcher,
-    a scope, a trace, a capture, a policy given, an operation that waits for
-    another library's stream alone or a collective, a stream to wait for."""
-    watcher = _cancel_points.watcher  # (a test's; None otherwise)
-    if watcher is not None:
-        yield from watcher(_cancel_points.BEFORE_ENQUEUE, op).__await__()
-    if loop is None:
-        loop = current_loop()
-        # a task whose scope is already cancelled enqueues nothing (as any checkpoint)
-        if loop.may_be_cancelled():
-            yield from loop.checkpoint_if_cancelled().__await__()
-    out: Any = None
-    # an operation that waits for another library's stream and does nothing
-    # else completes on that stream itself: no stream of ours waits for it,
-    # and nothing is enqueued but the run's mark there
-    home = op._stream_alone() if op._awaited_alone else None
-    if home is not None:
-        rt, run = _begin(op, home)
-        run.hold((op,))  # (as on the straight line: used until the mark is reached)
-        traced = _traced(op, "await", home, run) if _trace.active else None
-        if traced is not None:
+            run = Run(home.device, op)
+        run.hold((op,))  # (what it names is used until the mark is reached)
+        if unusual and _trace.active:
+            traced = _traced(op, "await", home, run)
             traced.enqueued()
         try:
             _submit_foreign(rt, home, run)
@@ -925,33 +884,61 @@ def _await_long(
             if traced is not None:
                 traced.ended(exc)
             raise
+        mark_on = None
     else:
-        device = current_device()
-        chosen, run_policy = _choose(op, policy, device, True)
-        if chosen is None:  # (every stream busy: see StreamPoolLeastLoaded)
-            assert isinstance(run_policy, StreamPoolLeastLoaded)
-            chosen = yield from _idle_stream(op, run_policy, device).__await__()
-        rt, run, ctx = _start(op, chosen, run_policy)
-        stream = ctx.stream
-        traced = _traced(op, "await", stream, run) if _trace.active else None
+        stream = None
+        device = 0
+        if not unusual and not rt.completer.waiting:
+            current = current_device_var.get()
+            device = rt.default_device if current is None else current
+            stream = DEFAULT_POLICY.idle_stream(device)
+            if stream is not None and not rt.startable(stream):
+                stream = None  # (the checks below say why)
+        ctx = None
+        if stream is not None:
+            run = Run(device, op)
+        else:
+            # the policy's stream (a lease's, a class's, one given), waited
+            # for where every stream is busy (see StreamPoolLeastLoaded)
+            device = current_device()
+            stream, run_policy = _choose(op, policy, device, True)
+            if stream is None:
+                assert isinstance(run_policy, StreamPoolLeastLoaded)
+                stream = yield from _idle_stream(op, run_policy, device).__await__()
+            rt, run, ctx = _start(op, stream, run_policy)
+            if _trace.active:
+                traced = _traced(op, "await", stream, run)
+        if ctx is None:
+            lane = stream._lane  # (a pool stream's, made with it)
+            assert lane is not None
+        else:  # (any stream's: one whose lane was retired gets a new one, as at its first use)
+            lane = rt.completer.lane(stream.raw, stream.device)
+        direct = op._direct if ctx is None else None
         try:
-            out = op.execute(ctx)
+            if direct is not None and direct[0] is stream._life:
+                direct[1](stream.raw)  # (prepared once: a launch with its arguments final)
+            else:
+                out = op.execute(ctx or ExecutionContext(rt, stream, DEFAULT_POLICY, run))
         except BaseException as exc:
             if traced is not None:
                 traced.ended(exc)
             try:
-                rt.completer.submit(stream.raw, run)
+                lane.submit(run)
             except Exception:  # the original failure is the one to report
                 pass
             raise
-        del ctx  # (what the enqueue used: freed now, not when the GPU is done)
+        ctx = None  # (what the enqueue used: freed now, not when the GPU is done)
         if traced is not None:
             traced.enqueued()
-        rt.completer.submit(stream.raw, run)
+        mark_on = lane
+        if watcher is not None:
+            # (marked before the point: a cancellation there leaves it pending)
+            lane.submit(run)
+            mark_on = None
     try:
         if watcher is not None:
             yield from watcher(_cancel_points.IN_FLIGHT, op).__await__()
-        yield from _wait(run, loop)
+        yield from _wait(run, loop, mark_on)
     except BaseException as exc:
         if traced is not None:
             traced.ended(exc)

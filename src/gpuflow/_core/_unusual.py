@@ -1,14 +1,14 @@
-"""What sends a run down its long path: one count, read once a run.
+"""Whether anything makes a run unusual: one count, read once a run.
 
-The common await (no policy given, no scope open, no trace recording, no
-cancellation-point watcher, no capture under way) runs on a straight line
-(:func:`._run.await_run`).  Whatever would make a run unusual while it is
-on says so here, for as long as it is on: a stream lease or a device group
-open in any task, a trace recording, ``cancel_at_every_point`` running, a
-capture under way.  A run reads the count once; where it is not zero the
-run takes the long path, which asks each of them in turn (most apply to
-one task only: the long path is right for every run, the straight line for
-most).
+An await where nothing is unusual (no policy given, no scope open, no
+trace recording, no cancellation-point watcher, no capture under way)
+takes the shortest form of each step (:func:`._run.await_run`).  Whatever
+would make a run unusual while it is on says so here, for as long as it is
+on: a stream lease or a device group open in any task, a trace recording,
+``cancel_at_every_point`` running, a capture under way, a latency class.
+A run reads the count once; where it is not zero the run asks each of them
+in turn (most apply to one task only: asking is right for every run,
+skipping it for most).
 """
 
 from __future__ import annotations
