@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +76,13 @@ LOOPS = [
 ]
 
 
-def _init() -> None:
-    gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"x": 8})
+def _init(backend: gf.lowlevel.Backend | None = None) -> None:
+    """A runtime of two simulated devices: on a new backend, or on the one
+    given (a backend that goes on, as ``cuda``'s does, under a new runtime)."""
+    if backend is None:
+        gf.init_device_contexts(backend="sim", num_devices=2, reserve_sms={"x": 8})
+    else:
+        gf.init_device_contexts(backend=backend, reserve_sms={"x": 8})
 
 
 # -- the actor: one task that runs every step ---------------------------------------------------
@@ -164,7 +170,10 @@ class FeaturesTogether(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        _init()
+        #: the backend every runtime of the machine's is made on (a runtime
+        #: replaced on it must leave nothing of its own there)
+        self.backend = gf.lowlevel.new_sim_backend(2)
+        _init(self.backend)
         self.actor = Actor(self.loop)
         self.stack: list[Entry] = []
         #: per memory, what it may hold (one array, or more after a cancelled await)
@@ -173,6 +182,9 @@ class FeaturesTogether(RuleBasedStateMachine):
         #: the graph, the array it reads, its memory and the one it writes, updates pending
         self.graph: tuple[gf.Graph[Any], gf.DeviceArray, int, int, list[float]] | None = None
         self._mems = 0
+        #: the streams runs took, held past a runtime's replacement (as a
+        #: program holds ``lease.stream``): what the quiescence check sees of them
+        self.took: set[gf.Stream] = set()
         self.actor(self._fresh)
 
     async def _fresh(self) -> None:
@@ -210,6 +222,7 @@ class FeaturesTogether(RuleBasedStateMachine):
 
         def fn(ctx: gf.ExecutionContext) -> gf.DeviceOperation[Any]:
             s = ctx.stream
+            self.took.add(s)
             if lease is not None:
                 assert s is lease, f"a run in a lease ran on {s!r}, not on {lease!r}"
             else:
@@ -428,26 +441,29 @@ class FeaturesTogether(RuleBasedStateMachine):
             gf.reset_device(device)
         self.actor(self._fresh)
 
-    @rule(waiters=st.integers(2, 5))
-    def burst(self, waiters: int) -> None:
+    @rule(waiters=st.integers(1, 5), newcomer=st.booleans())
+    def burst(self, waiters: int, newcomer: bool = False) -> None:
         """Awaits past the bound of a policy of their own (every stream busy)
-        are served in the order they came."""
+        are served in the order they came; with a ``newcomer``, a new await
+        comes the moment a stream goes idle, before the first in line has
+        looked (the loop held, as by a task that computes): it queues behind
+        every await already waiting."""
         policy = gf.StreamPoolLeastLoaded(max_streams=4)
 
-        async def burst() -> list[int]:
-            order: list[int] = []
-            for s in gf.lowlevel.pool_streams(0):
-                if not s.leased:
-                    K.spin(1, 0.03).enqueue_on(s)
+        async def burst() -> list[Any]:
+            order: list[Any] = []
+            unleased = [s for s in gf.lowlevel.pool_streams(0) if not s.leased]
+            for i, s in enumerate(unleased):  # (with a newcomer, the first goes idle first)
+                K.spin(1, 0.03 if i == 0 or not newcomer else 0.15).enqueue_on(s)
 
-            def note(i: int) -> Any:
+            def note(i: Any) -> Any:
                 def fn(ctx: gf.ExecutionContext) -> Any:
                     order.append(i)
                     return gf.value(None)
 
                 return gf.with_context(fn)
 
-            async def waiter(i: int) -> None:
+            async def waiter(i: Any) -> None:
                 with gf.latency_class(priority=0, sms=None):  # (the default's pool)
                     await note(i).run(policy)
 
@@ -455,10 +471,71 @@ class FeaturesTogether(RuleBasedStateMachine):
                 for i in range(waiters):
                     tg.start_soon(waiter, i)
                     await anyio.sleep(0.002)  # (each comes before the next)
+                if newcomer:
+                    _block_until(unleased[0].idle)  # the first in line is woken...
+                    time.sleep(0.02)  # ...and has not looked (however slow the waking)
+                    await waiter("new")
             return order
 
         order = self.actor(burst)
-        assert order == list(range(waiters)), f"awaits served out of turn: {order}"
+        want: list[Any] = [*range(waiters), *(["new"] if newcomer else [])]
+        assert order == want, f"awaits served out of turn: {order}"
+
+    @rule()
+    def blocking_beside_stalled(self) -> None:
+        """A run that cannot wait (a blocking ``sync`` of another thread, with
+        a policy of its own) while every pool stream no lease holds is
+        stalled: it takes one of those, never a leased one."""
+        policy = gf.StreamPoolLeastLoaded(max_streams=4, stall_s=0.02)
+
+        async def blocking() -> None:
+            busy = [s for s in gf.lowlevel.pool_streams(0)[:4] if not s.leased]
+            for s in busy:
+                K.spin(1, 0.3).enqueue_on(s)
+            await anyio.sleep(0.05)  # (stalled: nothing finished for stall_s)
+            seen: list[gf.Stream] = []
+
+            def fn(ctx: gf.ExecutionContext) -> Any:
+                seen.append(ctx.stream)
+                return gf.value(None)
+
+            def run() -> None:
+                with gf.latency_class(priority=0, sms=None):  # (the default's pool)
+                    gf.with_context(fn).sync(policy)
+
+            await anyio.to_thread.run_sync(run)
+            assert not seen[0].leased, f"a run that cannot wait took the leased {seen[0]!r}"
+            for s in busy:
+                await gf.wait_stream(s)
+
+        self.actor(blocking)
+
+    @rule(n=st.integers(5, 9), seconds=st.sampled_from([0.005, 0.03]))
+    def crowd(self, n: int, seconds: float) -> None:
+        """More awaits at once than a pool has streams, in the scopes and
+        class in effect: the class's pool grows (into streams of its own)."""
+
+        async def crowd() -> None:
+            xs = [await gf.zeros(64, F32) for _ in range(n)]
+            async with anyio.create_task_group() as tg:
+                for x in xs:
+                    tg.start_soon(self._await, self._probe(K.slow_fill(x, 1.0, seconds, n=64), False))
+
+        self.actor(crowd)
+
+    @precondition(lambda self: any(e.kind != "class" for e in self.stack))
+    @rule(n=st.integers(1, 80))
+    def start_many(self, n: int) -> None:
+        """Runs the innermost lease or group starts, nobody awaiting them yet
+        (past the scope's pruning of its records, when there are many)."""
+        scope = next(e for e in reversed(self.stack) if e.kind != "class")
+
+        async def start() -> list[gf.StartedRun[Any]]:
+            if scope.kind == "lease":
+                return [scope.obj.start_run(gf.value(i)) for i in range(n)]
+            return [scope.obj.start_run(gf.value(i), device=0) for i in range(n)]
+
+        scope.started += [Started(run, fails=False) for run in self.actor(start)]
 
     @precondition(lambda self: self.graph is None)
     @rule(src=st.integers(0, SLOTS - 1))
@@ -497,22 +574,40 @@ class FeaturesTogether(RuleBasedStateMachine):
             pending.clear()
         self.mem[ym] = [v.copy() for v in self.mem[xm]]
 
-    @rule(slot=st.integers(0, SLOTS - 1), value=st.integers(0, 2), onto_ours=st.booleans())
-    def export(self, slot: int, value: int, onto_ours: bool) -> None:
-        """Another library scales the array, on its own stream or on one of gpuflow's."""
+    @rule(
+        slot=st.integers(0, SLOTS - 1),
+        value=st.integers(0, 2),
+        onto_ours=st.booleans(),
+        between=st.booleans(),
+    )
+    def export(self, slot: int, value: int, onto_ours: bool, between: bool = False) -> None:
+        """Another library scales the array, on its own stream or on one of
+        gpuflow's; ``between`` gpuflow's own writes (in the scopes in effect,
+        one step: nothing reads the array in between), the fill after
+        enqueued while the other's write is still to come."""
         x, mem = self.slots[slot]
         s = [-1.0, 0.5, 2.0][value]
+        seconds = 0.05 if between else 0.001
+        if between:
+            before, self.mem[mem] = self._work(slot, "fill", value + 1)
+        self.mem[mem] = [v * F32(s) for v in self.mem[mem]]
+        after_op, after = self._work(slot, "fill", value + 7)  # (scales would commute)
 
         async def export() -> None:
+            if between:
+                await self._probe(before, False)
             if onto_ours:
                 consumer = gf.new_stream(0)
                 with self.fake.on(consumer):
-                    self.fake.late_scale(x, s, seconds=0.001)
+                    self.fake.late_scale(x, s, seconds=seconds)
             else:
-                self.fake.late_scale(x, s, seconds=0.001)
+                self.fake.late_scale(x, s, seconds=seconds)
+            if between:
+                await self._probe(after_op, False)
 
         self.actor(export)
-        self.mem[mem] = [v * F32(s) for v in self.mem[mem]]
+        if between:
+            self.mem[mem] = after
 
     @rule(source=st.integers(0, SLOTS - 1), into=st.integers(0, SLOTS - 1))
     def import_copy(self, source: int, into: int) -> None:
@@ -541,12 +636,16 @@ class FeaturesTogether(RuleBasedStateMachine):
         self.actor(check)
 
     @precondition(lambda self: not self.stack)
-    @rule()
-    def replace_runtime(self) -> None:
+    @rule(keep_backend=st.booleans())
+    def replace_runtime(self, keep_backend: bool = True) -> None:
+        """A new runtime, on the backend the last one used (which must keep
+        nothing of the last one's) or on a new one."""
         self.actor(testing.assert_quiescent_async)
         self.slots, self.graph, self.mem = [], None, {}
         self.actor(self._drop_fake)
-        _init()
+        if not keep_backend:
+            self.backend = gf.lowlevel.new_sim_backend(2)
+        _init(self.backend)
         self.actor(self._fresh)
 
     async def _drop_fake(self) -> None:
@@ -572,8 +671,17 @@ class FeaturesTogether(RuleBasedStateMachine):
             self.slots, self.graph = [], None
             self.actor(self._drop_fake)
             self.actor(testing.assert_quiescent_async)
+            self.took.clear()
         finally:
             self.actor.close()
+
+
+def _block_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Hold the event loop (as a task that computes would) until ``cond()``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 # -- the seeds: the sequences behind test_features_together.py's behaviours -------------------
@@ -582,24 +690,28 @@ W = dict  # (a step's arguments)
 SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "1 a class of reserved SMs at the default priority": [
         ("enter", W(kind="class", priority=0, sms="x")),
-        *[("work", W(slot=i % 3, kind="fill", value=2, how="cancel", delay=0.0002))
-          for i in range(6)],
+        ("crowd", W(n=8, seconds=0.03)),  # (its pool grows past its four)
         ("leave", W()),
+        ("crowd", W(n=8, seconds=0.03)),  # (the default's, too)
         *[("work", W(slot=i % 3, kind="scale", value=2, how="await")) for i in range(3)],
     ],
-    "2 a runtime replaced after every level was used": [
+    "2 a runtime replaced on its backend after every level was used": [
         ("enter", W(kind="class", priority=2, sms="x")),
         ("work", W(slot=0, kind="fill", value=1, how="await")),
         ("leave", W()),
         ("enter", W(kind="class", priority=1, sms=None)),
         ("work", W(slot=1, kind="fill", value=1, how="await")),
         ("leave", W()),
-        ("replace_runtime", W()),
+        ("enter", W(kind="class", priority=0, sms="x")),
+        ("work", W(slot=2, kind="fill", value=1, how="await")),
+        ("leave", W()),
+        ("replace_runtime", W(keep_backend=True)),
+        ("replace_runtime", W(keep_backend=True)),
     ],
     "5 a group that started many runs, one failed early": [
         ("enter", W(kind="group", priority=None, sms=None)),
         ("start_a_failure", W()),
-        *[("work", W(slot=i % 3, kind="scale", value=0, how="start")) for i in range(40)],
+        ("start_many", W(n=80)),
         ("leave", W()),
     ],
     "6 a group left by a child's error with a failure nobody awaited": [
@@ -611,11 +723,16 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
     "7 a run that cannot wait beside a lease": [
         ("enter", W(kind="lease", priority=None, sms=None)),
+        ("blocking_beside_stalled", W()),
         ("burst", W(waiters=2)),
         ("work", W(slot=0, kind="fill", value=3, how="thread")),
         ("leave", W()),
     ],
-    "8 awaits at the bound": [("burst", W(waiters=5)), ("burst", W(waiters=3))],
+    "8 awaits at the bound, and a newcomer": [
+        ("burst", W(waiters=5)),
+        ("burst", W(waiters=1, newcomer=True)),
+        ("burst", W(waiters=3, newcomer=True)),
+    ],
     "10 cancel_at_every_point inside a lease": [
         ("enter", W(kind="lease", priority=None, sms=None)),
         ("cancel_at_every_point", W()),
@@ -623,12 +740,11 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
     "11 a write on the last writer's stream after another library's use": [
         ("enter", W(kind="lease", priority=None, sms=None)),
-        ("work", W(slot=0, kind="fill", value=1, how="await")),
-        ("export", W(slot=0, value=2, onto_ours=False)),
-        ("work", W(slot=0, kind="scale", value=2, how="await")),
+        ("export", W(slot=0, value=2, onto_ours=False, between=True)),
         ("leave", W()),
     ],
     "12 an export to one of gpuflow's streams": [
+        ("export", W(slot=1, value=2, onto_ours=True, between=True)),
         ("export", W(slot=1, value=2, onto_ours=True)),
         ("work", W(slot=2, kind="copy", value=1, how="await")),
     ],
@@ -641,6 +757,11 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "14 streams retired with nothing pending": [
         *[("work", W(slot=i % 3, kind="fill", value=i, how="retire")) for i in range(4)],
         ("import_copy", W(source=0, into=1)),
+    ],
+    "a reset after an array came from another library": [
+        ("import_copy", W(source=0, into=1)),
+        ("fault_and_reset", W()),
+        ("import_copy", W(source=1, into=2)),
     ],
 }
 

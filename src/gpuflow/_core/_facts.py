@@ -218,7 +218,7 @@ def resource_leaks() -> list[str]:
     """What the current runtime's backend holds that nothing of gpuflow's
     accounts for, each kind named with its count: backend streams no
     :class:`Stream` holds (a replaced runtime's, a retired one's), streams
-    the runtime keeps of a device context reset since, completion
+    a replaced runtime kept and did not destroy, streams the runtime keeps of a device context reset since, completion
     lanes of streams gone with no run pending, partitions of reserved SMs
     (green contexts) no runtime or stream uses, pinned staging buffers
     still busy, and events the backend made that are neither pooled nor held
@@ -236,6 +236,11 @@ def resource_leaks() -> list[str]:
     if streams:
         found.append(f"{len(streams)} backend stream(s) no stream of gpuflow's holds: "
                      + ", ".join(map(repr, streams[:3])))
+    replaced = {id(s._runtime): s._runtime for s in mine if not s._runtime.live}
+    alive = [s for old in replaced.values() for s in old.kept() if not be.stream_destroyed(s.raw)]
+    if alive:  # (the Streams a program still holds keep them in sight)
+        found.append(f"{len(alive)} stream(s) of a runtime replaced, not destroyed with it: "
+                     + ", ".join(map(repr, alive[:3])))
     stale = rt.kept_stale()
     if stale:
         found.append(f"{len(stale)} stream(s) of a device reset since, kept by the runtime: "

@@ -504,16 +504,19 @@ class Runtime:
         with self._lock:
             return [raw for spares in self._spares.values() for raw in spares]
 
-    def kept_stale(self) -> list[Stream]:
-        """The streams this runtime keeps (its pools, levels and interop
-        streams) of a device context reset since: none, where every reset
-        retired what it made."""
+    def kept(self) -> list[Stream]:
+        """The streams this runtime keeps: its pools, levels and interop streams."""
         with self._lock:
             kept = [s for streams in self.device_streams.values() for s in streams]
             kept += [s for streams in self._levels.values() for s in streams]
         with self._handles_lock:
             kept += list(self._interop.values())
-        return [s for s in kept if not self.current(s)]
+        return kept
+
+    def kept_stale(self) -> list[Stream]:
+        """The streams this runtime keeps of a device context reset since:
+        none, where every reset retired what it made."""
+        return [s for s in self.kept() if not self.current(s)]
 
     def partition_of(self, stream: Stream) -> Any:
         """The partition of SMs ``stream`` was made in (None: none reserved)."""
