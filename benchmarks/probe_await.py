@@ -36,21 +36,21 @@ def instrument(marks: dict[str, float]) -> None:
     """Note in ``marks`` when a run is submitted (its mark enqueued), and
     when the loop has completed it and woken its task."""
     disp = ensure_runtime().completer
-    orig_submit, orig_deliver = disp.submit, disp.deliver
+    orig_submit, orig_complete = disp.submit, disp.complete
 
     def submit(raw: Any, sub: Any) -> None:
         marks["submit0"] = pc()
         orig_submit(raw, sub)
         marks["submit1"] = pc()
 
-    def deliver(*a: Any) -> None:
+    def complete(*a: Any) -> None:
         marks.setdefault("seen", pc())
-        orig_deliver(*a)
+        orig_complete(*a)
         marks.setdefault("woken", pc())
 
     # instance attributes: the bridge looks these up on the completer at each call
     disp.submit = submit  # type: ignore[method-assign, assignment]
-    disp.deliver = deliver  # type: ignore[method-assign, assignment]
+    disp.complete = complete  # type: ignore[method-assign, assignment]
 
 
 async def segments(

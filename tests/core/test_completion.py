@@ -260,7 +260,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     spins: list[bool] = []  # per call of spin: was the other task resumed by then
     inline_reads: list[bool] = []
     resumed = anyio.Event()
-    real_spin = _run._pending_after_spin
+    real_spin = _run._spin_inline
 
     def spying(run: Any, loop: Any, lane: Any) -> bool:
         spins.append(resumed.is_set())
@@ -276,7 +276,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
         finally:
             lane.read = read
 
-    monkeypatch.setattr(_run, "_pending_after_spin", spying)
+    monkeypatch.setattr(_run, "_spin_inline", spying)
     other = Run(0)  # never submitted: finished by hand below
 
     async def other_await() -> None:
@@ -286,7 +286,7 @@ async def test_an_await_does_not_spin_while_another_await_of_its_loop_is_in_prog
     async with anyio.create_task_group() as tg:
         tg.start_soon(other_await)
         await anyio.wait_all_tasks_blocked()  # parked in its await
-        ensure_runtime().completer.finish(other)  # woken: it resumes at a later turn
+        ensure_runtime().completer.complete([other])  # woken: it resumes at a later turn
         await K.slow_fill(x, 1.0, 0.0)  # submitted and awaited before that
     assert True not in spins  # (no spin began after the other await resumed)
     assert inline_reads == []  # the other await was in progress: no inline read
@@ -316,7 +316,7 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
 
     reinit(busy_poll_us=2_000_000)
     x = await gf.zeros(64, F32)
-    real_spin = _run._pending_after_spin
+    real_spin = _run._spin_inline
 
     def spin_once_done(run: Any, loop: Any, lane: Any) -> bool:
         # sim's device is a thread of this process: the spin, holding the
@@ -325,7 +325,7 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
             time.sleep(1e-4)
         return real_spin(run, loop, lane)
 
-    monkeypatch.setattr(_run, "_pending_after_spin", spin_once_done)
+    monkeypatch.setattr(_run, "_spin_inline", spin_once_done)
     if between != "sleeps":
         share = 1.0 if between == "computes" else 0.1  # (of the time, the thread ran)
         t0 = time.perf_counter()

@@ -43,6 +43,7 @@ class _StoppedLoop:
         self.kicks = 0
         self.ended = False
         self.yielded = self.asked = self.slept_cpu = 0.0
+        self.parked = False
         self.slept_waits = 0
         self.awaiting = 0
         self.checkpoint_if_cancelled: Any = anyio.lowlevel.checkpoint_if_cancelled
@@ -607,7 +608,7 @@ async def test_every_task_waiting_for_one_run_is_woken_once_it_is_done(
                 await anyio.sleep(0.001)
             assert not sub.done and not woken
             if ended_by != "the GPU":
-                ensure_runtime().completer.finish(sub)
+                ensure_runtime().completer.complete([sub])
         while other.is_alive():
             await anyio.sleep(0.001)
     assert sorted(woken) == ["first", "other loop", "second"]
@@ -626,7 +627,7 @@ async def test_a_task_does_not_park_on_a_run_finished_as_it_parks(
     real_park = type(loop).park
 
     def finishing_park(self: Any) -> Any:
-        ensure_runtime().completer.finish(sub)
+        ensure_runtime().completer.complete([sub])
         return real_park(self)
 
     monkeypatch.setattr(type(loop), "park", finishing_park)

@@ -335,7 +335,7 @@ async def test_an_await_woken_for_a_stream_keeps_its_turn_until_it_has_looked() 
     next one's own look (every ``stall_s``) is not its turn: it would take
     the stream first, out of the order the awaits came in."""
     d = ensure_runtime().completer
-    first, second = d.wait_for_stream(0), d.wait_for_stream(0)
+    first, second = d.join_stream_queue(0), d.join_stream_queue(0)
     try:
         assert d.stream_turn(0, first) and not d.stream_turn(0, second)
         d.stream_freed(0)  # (the completer thread saw a stream go idle)

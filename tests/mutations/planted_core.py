@@ -52,9 +52,9 @@ MUTATIONS = [
         '        try:\n'
         '            stream.synchronize()\n'
         '        finally:\n'
-        '            completer.finish(run)\n',
+        '            completer.complete([run])\n',
         '    except BaseException:\n'
-        '        completer.finish(run)\n',
+        '        completer.complete([run])\n',
         ('tests/core/test_lifetimes.py',),
     ),
     Mutation(
@@ -234,11 +234,8 @@ MUTATIONS = [
         "G1",
         'a graph replay is no reader of its inputs: an update does not wait for it',
         '_core/_capture.py',
-        '                alloc.before_read(ctx.stream, ctx.run)\n'
-        '        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)\n',
-        '                alloc.before_read(ctx.stream, ctx.run)\n'
-        '                alloc.readers.pop(ctx.stream, None)\n'
-        '        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)\n',
+        '    uses = [(alloc, stream, writes) for alloc, writes in rec.hazards]\n',
+        '    uses = [(alloc, stream, writes) for alloc, writes in rec.hazards if writes]\n',
         ('tests/core/test_graph.py',),
     ),
     Mutation(

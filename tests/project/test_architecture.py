@@ -421,10 +421,10 @@ LAYER_HOOKS: dict[tuple[str, str], set[str]] = {
         "_ordinary", "_direct", "_awaited_alone", "_stream_alone", "_has_home",
         "_stream_home", "_children", "_kind", "_dot_key", "_output_dtype",
     },
-    # a stream's runtime, context life and generation, completion lane, the
+    # a stream's runtime, its context's generation, completion lane, the
     # event a destroyed one leaves, its count of blocking runs
     ("gpuflow._core._stream", "Stream"): {
-        "_runtime", "_life", "_generation", "_lane", "_final", "_begin_blocking",
+        "_runtime", "_generation", "_lane", "_final", "_begin_blocking",
         "_end_blocking",
     },
     ("gpuflow._core._execution", "ExecutionContext"): {"_runtime"},

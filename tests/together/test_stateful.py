@@ -519,7 +519,8 @@ class FeaturesTogether(RuleBasedStateMachine):
             xs = [await gf.zeros(64, F32) for _ in range(n)]
             async with anyio.create_task_group() as tg:
                 for x in xs:
-                    tg.start_soon(self._await, self._probe(K.slow_fill(x, 1.0, seconds, n=64), False))
+                    op = K.slow_fill(x, 1.0, seconds, n=64)
+                    tg.start_soon(self._await, self._probe(op, False))
 
         self.actor(crowd)
 

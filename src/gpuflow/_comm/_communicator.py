@@ -57,8 +57,8 @@ from .._core import (
     Runtime,
     current_device,
     ended_by,
+    enqueue_ordered,
     ensure_runtime,
-    hazard_lock,
     order_after,
     stream_elsewhere,
 )
@@ -942,12 +942,8 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     be = ctx._runtime.backend
     run = ctx.run
-    with hazard_lock:
-        for p in prepared:
-            for arr, s in p.reads:
-                arr._allocation.before_read(s, run)
-            for arr, s in p.writes:
-                arr._allocation.before_write(s, run)
+
+    def enqueue() -> None:
         # a rank runs its collectives in the order they were issued, as NCCL
         # requires of every rank (two on different streams could otherwise
         # run in one order on one rank and the other order on another): after
@@ -962,6 +958,10 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
             one(calls[0][3].raw)
         else:
             be.comm_group([(comm._usable()[i], call, s.raw) for comm, i, call, s in calls])
+
+    uses = [(arr._allocation, s, False) for p in prepared for arr, s in p.reads]
+    uses += [(arr._allocation, s, True) for p in prepared for arr, s in p.writes]
+    enqueue_ordered(run, uses, enqueue)
     here = ctx.stream
     if len(calls) == 1:  # (one device's rank: nothing to join)
         comm, _i, _call, s = calls[0]

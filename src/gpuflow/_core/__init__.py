@@ -34,8 +34,10 @@ from ._handoff import Handoff as Handoff
 from ._hazards import Allocation as Allocation
 from ._hazards import EventPoint as EventPoint
 from ._hazards import Point as Point
+from ._hazards import Use as Use
 from ._hazards import Uses as Uses
 from ._hazards import capture_log as capture_log
+from ._hazards import enqueue_ordered as enqueue_ordered
 from ._hazards import hazard_lock as hazard_lock
 from ._hazards import order_after as order_after
 from ._hazards import usable_stream as usable_stream
@@ -118,6 +120,7 @@ __all__ = [
     "StreamPoolLeastLoaded",
     "StreamPoolRoundRobin",
     "UNUSUAL",
+    "Use",
     "Uses",
     "LatencyClass",
     "callable_name",
@@ -143,6 +146,7 @@ __all__ = [
     "ensure_runtime",
     "enter_class",
     "graph_exec_handle",
+    "enqueue_ordered",
     "hazard_lock",
     "in_flight",
     "init_device_contexts",

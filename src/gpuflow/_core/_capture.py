@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._errors import UsageError
 from ._execution import ExecutionContext
-from ._hazards import Allocation, capture_log, hazard_lock
+from ._hazards import Allocation, capture_log, enqueue_ordered
 from ._pending import is_pending
 from ._run import Run
 from ._runtime import Runtime, current_device, ensure_runtime, new_stream
@@ -122,11 +122,7 @@ def check_launch(rec: Recording[Any], ctx: ExecutionContext) -> None:
 
 def replay(rec: Recording[T], ctx: ExecutionContext) -> T:
     """Enqueue one replay on ``ctx.stream``, ordered after the arrays' hazards."""
-    with hazard_lock:  # ordering after the hazards and enqueueing are one step
-        for alloc, writes in rec.hazards:
-            if writes:
-                alloc.before_write(ctx.stream, ctx.run)
-            else:
-                alloc.before_read(ctx.stream, ctx.run)
-        ctx.backend.launch_graph(rec.raw, ctx.stream.raw)
+    stream = ctx.stream
+    uses = [(alloc, stream, writes) for alloc, writes in rec.hazards]
+    enqueue_ordered(ctx.run, uses, ctx.backend.launch_graph, rec.raw, stream.raw)
     return rec.output

@@ -393,7 +393,7 @@ class Poller:
             if moved:
                 done = d.advance(moved, now)
                 d.polled += len(done)
-                d.complete(done, self.loop.target)
+                d.complete_reached(done, self.loop.target)
                 busy.deadline = now + d.busy_poll_s
             for lane in [lane for lane in self.lanes if not lane.runs]:
                 del self.lanes[lane]
@@ -583,11 +583,6 @@ class Completer:
             warnings.warn(f"gpuflow: enqueueing a completion mark failed: {error!r}", stacklevel=2)
         return False
 
-    def finish(self, run: Completable, error: BaseException | None = None) -> None:
-        """Complete a run that was never submitted (a blocking ``sync``, done),
-        waking whoever waits for it (a scope's exit, from its loop)."""
-        self.deliver([run], None, error)
-
     def others_polled(self, loop: Loop) -> bool:
         """Other runs of ``loop`` are pending: its poller reads them all, once a turn."""
         poller = loop.poller
@@ -681,7 +676,7 @@ class Completer:
         waiters = self._stream_waiters.get(device)
         return 0 if waiters is None else len(waiters)
 
-    def wait_for_stream(self, device: int, first: bool = False) -> Ticket:
+    def join_stream_queue(self, device: int, first: bool = False) -> Ticket:
         """The calling task's place among the awaits waiting for a stream of
         ``device`` to go idle (at the head where ``first``).  Its event is
         set when one of the device's streams has finished every run on it,
@@ -757,8 +752,9 @@ class Completer:
             ticket.wake()
         return done
 
-    def complete(self, done: Done, here: Any = None) -> None:
-        """Finish runs whose marks were reached (outside the lock)."""
+    def complete_reached(self, done: Done, here: Any = None) -> None:
+        """Complete runs whose marks were reached (outside the lock): their
+        transfers' staging first, then :meth:`complete`."""
         if not done:
             return
         backend = self._backend
@@ -768,15 +764,17 @@ class Completer:
             if lane is not None and lane is not last:
                 last = lane
                 backend.complete_transfers(lane.raw)
-        self.deliver(done, here)
+        self.complete(done, here)
 
-    def deliver(
-        self, done: Done, here: Any = None, error: BaseException | None = None
+    def complete(
+        self, done: Iterable[Completable], here: Any = None, error: BaseException | None = None
     ) -> None:
         """Complete ``done`` (failed with ``error`` where given) and wake their
         tasks: those of loop ``here`` (the loop running this) directly, the
         others with one post per loop.  (No task resumes before all are
-        complete: a wake-up only schedules its task.)"""
+        complete: a wake-up only schedules its task.)  The one way a run
+        completes: one whose mark was reached, one never submitted (a
+        blocking ``sync``, done), one its device failed."""
         posts: Posts = {}
         for run in done:
             run._complete(error, here, posts)
@@ -807,7 +805,7 @@ class Completer:
                     dropped.append(fd)
         for fd in dropped:
             os.close(fd)
-        self.deliver(done, None, error)
+        self.complete(done, None, error)
 
     def retire_stream(self, raw: Any) -> None:
         """``raw`` is about to be destroyed: its lane goes once its runs are
@@ -890,7 +888,7 @@ class Completer:
         ]
         done = self.advance(moved, now)
         self.by_thread += len(done)
-        self.complete(done)
+        self.complete_reached(done)
         if self._fast:
             with self._lock:
                 for lane in [x for x in self._fast if not x.runs or x.completed >= x.fast_for]:

@@ -218,8 +218,9 @@ def resource_leaks() -> list[str]:
     """What the current runtime's backend holds that nothing of gpuflow's
     accounts for, each kind named with its count: backend streams no
     :class:`Stream` holds (a replaced runtime's, a retired one's), streams
-    a replaced runtime kept and did not destroy, streams the runtime keeps of a device context reset since, completion
-    lanes of streams gone with no run pending, partitions of reserved SMs
+    a replaced runtime kept and did not destroy, streams the runtime keeps
+    of a device context reset since, completion lanes of streams gone with
+    no run pending, partitions of reserved SMs
     (green contexts) no runtime or stream uses, pinned staging buffers
     still busy, and events the backend made that are neither pooled nor held
     (on ``cuda``).  Empty at rest.  Any thread (for the quiescence check)."""

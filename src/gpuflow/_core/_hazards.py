@@ -37,10 +37,10 @@ import collections
 import sys
 import threading
 import warnings
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from .._errors import UsageError
 from ._finalizers import finalize_later
@@ -109,11 +109,37 @@ def refuse_in_capture(what: object) -> None:
 
 #: Ordering a use after an allocation's hazards and enqueueing that use must be
 #: one step: another thread recording the allocation's last write in between
-#: would not see this use, and its work would race with it.  Launches, copies
-#: and graph launches hold it from their first ``before_read``/``before_write``
-#: until their work is enqueued; one lock for every allocation, because a
-#: launch orders itself after several, in any order.
+#: would not see this use, and its work would race with it.  A run's work
+#: takes it in :func:`enqueue_ordered`, from its first ``before_read`` or
+#: ``before_write`` until its work is enqueued; one lock for every
+#: allocation, because a launch orders itself after several, in any order.
 hazard_lock = threading.RLock()
+
+T = TypeVar("T")
+
+#: A use of memory by a run's work: the allocation, the stream the work is
+#: enqueued on, and whether it writes there (else it only reads).
+Use = tuple["Allocation", "Stream", bool]
+
+
+def enqueue_ordered(
+    run: Point | None, uses: Iterable[Use], enqueue: Callable[..., T], *args: Any
+) -> T:
+    """Order the uses of a run's work after the hazards they meet, then
+    enqueue the work (``enqueue(*args)``): the one place a run's work is
+    ordered (a launch, a copy, a graph replay, another library's work, a
+    collective), as one step under :data:`hazard_lock`.  A read waits for the
+    last write (and other libraries' uses since); a write waits for that
+    write and for every read since.  The uses are ordered as given: reads
+    before writes, so that memory both read and written is last a write.
+    Any thread; what ``enqueue`` raises propagates."""
+    with hazard_lock:
+        for alloc, stream, writes in uses:
+            if writes:
+                alloc.before_write(stream, run)
+            else:
+                alloc.before_read(stream, run)
+        return enqueue(*args)
 
 _NO_FOREIGN: Mapping[Hashable, Any] = MappingProxyType({})
 

@@ -69,6 +69,10 @@ class Loop(Protocol):
     #: When a task of this loop last let the others run at one of gpuflow's
     #: awaits (``time.perf_counter``): see ``_run.YIELD_EVERY_S``.
     yielded: float
+    #: An await of the loop parked since ``yielded`` was taken: the loop
+    #: turns before that await resumes, so its tasks have run later than
+    #: ``yielded`` says, and the await that finds this set takes the time anew.
+    parked: bool
     #: The loop thread's CPU time and count of voluntary context switches
     #: when an await last asked whether it slept: see ``_run._slept``.
     slept_cpu: float
@@ -291,8 +295,8 @@ def _wake_future(fut: asyncio.Future[None]) -> None:
 class _Asyncio:
     __slots__ = (
         "_loop", "_new_future", "_ready", "_tells_thread", "asked", "awaiting", "call_soon",
-        "checkpoint", "checkpoint_if_cancelled", "current_task", "may_be_cancelled", "poller",
-        "post", "ready_check_s", "slept_cpu", "slept_waits", "target", "yielded",
+        "checkpoint", "checkpoint_if_cancelled", "current_task", "may_be_cancelled", "parked",
+        "poller", "post", "ready_check_s", "slept_cpu", "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -300,6 +304,7 @@ class _Asyncio:
         self._tells_thread = isinstance(loop, asyncio.BaseEventLoop)
         self.poller: Any = None
         self.yielded = self.asked = self.slept_cpu = 0.0
+        self.parked = False
         self.slept_waits = 0
         self.awaiting = 0
         # the callbacks the loop runs in its next turn: asyncio's own loop
@@ -477,8 +482,8 @@ class _Trio:
     __slots__ = (
         "_ended", "_runq", "_statistics", "_token", "_trap", "_trio", "asked", "awaiting",
         "call_soon", "checkpoint", "checkpoint_if_cancelled", "current_task",
-        "may_be_cancelled", "poller", "post", "ready_check_s", "slept_cpu", "slept_waits",
-        "target", "yielded",
+        "may_be_cancelled", "parked", "poller", "post", "ready_check_s", "slept_cpu",
+        "slept_waits", "target", "yielded",
     )  # fmt: skip
 
     def __init__(self, trio: Any) -> None:
@@ -486,6 +491,7 @@ class _Trio:
         self.poller: Any = None
         self._ended = False
         self.yielded = self.asked = self.slept_cpu = 0.0
+        self.parked = False
         self.slept_waits = 0
         self.awaiting = 0
         self._statistics = trio.lowlevel.current_statistics

@@ -320,9 +320,9 @@ class DeviceOperation(Generic[T]):
     #: sets :attr:`_has_home` says False): see ``_run.await_run``
     _ordinary = True
     #: where its work was prepared once (a launch whose arguments are final):
-    #: the device context's life it is valid in (``Stream.life``), and the
+    #: the device context's generation it is valid in, and the
     #: call that enqueues it on a raw stream of that context; else None
-    _direct: tuple[object, Callable[[Any], None]] | None = None
+    _direct: tuple[int, Callable[[Any], None]] | None = None
 
     #: an ``await`` of it alone asks :meth:`_stream_alone` where it completes
     _awaited_alone = False
@@ -549,7 +549,7 @@ class _Then(DeviceOperation[U]):
             op = op._op
         out: Any = op.execute(ctx)
         stream = ctx.stream
-        life, raw = stream._life, stream.raw
+        generation, raw = stream._generation, stream.raw
         for fn in reversed(fns):
             if out is not None and is_pending(out):
                 raise UsageError(
@@ -563,7 +563,7 @@ class _Then(DeviceOperation[U]):
                     f"{type(nxt).__name__} (use .map() for a host-side transform)"
                 )
             direct = nxt._direct
-            if direct is not None and direct[0] is life:
+            if direct is not None and direct[0] == generation:
                 direct[1](raw)  # (a launch prepared once: a chain's usual step)
                 out = None
             else:

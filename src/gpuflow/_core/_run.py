@@ -18,7 +18,7 @@ Every way of running an operation (``await op``, ``op.run(policy)``,
    completer thread, or the GPU's wake-up of a sleeping loop) sees the
    mark reached;
 5. **complete**: whoever sees the mark reached (or the device fault)
-   finishes the run (:meth:`Run.finish`): it releases what the run kept,
+   completes the run (:meth:`Completer.complete`): it releases what the run kept,
    runs its callbacks, and wakes the tasks parked on it;
 6. **resolve**: host data the work copied becomes the run's output.
 
@@ -359,11 +359,6 @@ INLINE_SPIN_S = 20e-6
 #: slept for most of that time (:func:`_slept`).
 YIELD_EVERY_S = 1e-3
 
-#: ``Loop.yielded`` of a loop an await parked in: the loop turns before that
-#: await resumes, so its tasks have been let run at a time later than any
-#: clock reading; an await that finds it set takes its own reading for it.
-_PARKED = float("inf")
-
 #: Where the system counts a thread's own waits (Linux).
 _BY_THREAD: int | None = getattr(_resource, "RUSAGE_THREAD", None)
 
@@ -402,11 +397,11 @@ def _slept(loop: Loop, since: float) -> bool:
     return slept
 
 
-def _pending_after_spin(run: Run, loop: Loop, lane: Lane) -> bool:
+def _spin_inline(run: Run, loop: Loop, lane: Lane) -> bool:
     """A lone await: read the word for up to :data:`INLINE_SPIN_S` (within
     the busy-poll budget), and complete the run here if it is reached.
-    Whether to go on reading the word at the loop's turns: the await is
-    alone and its run was not seen done.
+    Returns whether to go on reading the word at the loop's turns (the
+    await is alone and its run was not seen done).
 
     Never where other awaits of the loop are in progress, parked or woken
     and not yet resumed: their tasks would wait for the spin, and submit
@@ -430,7 +425,7 @@ def _pending_after_spin(run: Run, loop: Loop, lane: Lane) -> bool:
         reached = read()
     done = d.advance([(lane, reached)], time.monotonic())
     d.spun += len(done)
-    d.complete(done, loop.target)
+    d.complete_reached(done, loop.target)
     return False
 
 
@@ -455,7 +450,7 @@ def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]
     checkpoint = loop.checkpoint
     while True:
         yield from checkpoint().__await__()
-        loop.yielded = time.perf_counter()  # (others ran: no yield is owed when done)
+        loop.yielded, loop.parked = time.perf_counter(), False  # (others ran: none owed)
         if run.done:
             return 0.0
         now = clock()
@@ -465,7 +460,7 @@ def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]
         if reached > lane.completed:
             done = d.advance([(lane, reached)], now)
             d.polled += len(done)
-            d.complete(done, loop.target)
+            d.complete_reached(done, loop.target)
             if run.done:
                 return 0.0
         if now >= busy.deadline or loop.awaiting > 1 or d.others_polled(loop):
@@ -489,7 +484,7 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
             run._task = loop.current_task()
             mark_on.submit(run)
             mark_on.completer.poll_on(loop, mark_on, run._poll_s)
-            loop.yielded = _PARKED
+            loop.parked = True
             yield from park.__await__()
         else:
             if mark_on is not None:
@@ -507,12 +502,12 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
     budget = run._poll_s  # the busy poll left to the loop's poller: all of it
     if alone and not run.done and lane is not None:
         # (before a waiter is registered: finished here, nobody is woken)
-        if _pending_after_spin(run, loop, lane) and not run.done:
+        if _spin_inline(run, loop, lane) and not run.done:
             budget = yield from _poll_alone(run, loop, lane)
     if run.done:
         now = time.perf_counter()
-        if loop.yielded > now:  # (an await of the loop parked since: it turned)
-            loop.yielded = now
+        if loop.parked:  # (an await of the loop parked since: it turned)
+            loop.yielded, loop.parked = now, False
         yield_now = False
         since = now - loop.yielded
         if since >= YIELD_EVERY_S:
@@ -544,7 +539,7 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
     run._task = loop.current_task()
     if lane is not None:
         lane.completer.poll_on(loop, lane, budget)
-    loop.yielded = _PARKED
+    loop.parked = True
     yield from park.__await__()
 
 
@@ -644,7 +639,7 @@ async def _idle_stream(
     ``stall_s`` seconds, whoever was to say that a stream went idle."""
     d = ensure_runtime().completer
     home = op._stream_home(device) if op._has_home else None
-    ticket = d.wait_for_stream(device)
+    ticket = d.join_stream_queue(device)
     used = False
     try:
         while True:
@@ -758,14 +753,14 @@ def _sync_run(
         try:
             stream.synchronize()
         finally:
-            completer.finish(run)
+            completer.complete([run])
         raise
     if traced is not None:
         traced.enqueued()
     try:
         stream.synchronize()
     finally:
-        completer.finish(run)
+        completer.complete([run])
     if run.error is not None:  # a communicator aborted under the run
         raise run.error
     return out if out is None else resolve(out)
@@ -832,7 +827,7 @@ def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
         rt.completer.submit(stream.raw, run, True)
     except BaseException as exc:
         if not run.done:  # refused (a fault fails it instead)
-            rt.completer.finish(run, exc)
+            rt.completer.complete([run], error=exc)
         raise
 
 
@@ -915,7 +910,7 @@ def await_run(
             lane = rt.completer.lane(stream.raw, stream.device)
         direct = op._direct if ctx is None else None
         try:
-            if direct is not None and direct[0] is stream._life:
+            if direct is not None and direct[0] == stream._generation:
                 direct[1](stream.raw)  # (prepared once: a launch with its arguments final)
             else:
                 out = op.execute(ctx or ExecutionContext(rt, stream, DEFAULT_POLICY, run))

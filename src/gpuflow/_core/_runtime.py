@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import itertools
 import sys
 import threading
 import warnings
@@ -45,6 +46,11 @@ MAX_POOL_STREAMS = 32
 MAX_FOREIGN_STREAMS = 1024
 #: streams known by handle before the first sweep of dead ones
 _SWEEP_HANDLES_AT = 256
+#: Device context generations, each taken once in the process: a stream or
+#: an allocation of a replaced runtime never matches a current one's.
+_GENERATIONS = itertools.count(1)
+
+
 class Runtime:
     """Backend, devices and stream pools.  Internal: reach it through the API."""
 
@@ -64,11 +70,11 @@ class Runtime:
         self.streams_per_device = streams_per_device
         self.live = True
         self._lock = threading.Lock()
-        self._generations = {d: 0 for d in devices}
-        #: per device: an identity of its context's current life (a reset
-        #: makes a new one), which a stream keeps: one comparison says that
-        #: what was loaded for one stream serves another
-        self._lives = {d: object() for d in devices}
+        #: per device: its context's generation, a number no other runtime or
+        #: context of the process has had (a reset takes a new one), which a
+        #: stream keeps: one comparison says that what was loaded for one
+        #: stream serves another
+        self._generations = {d: next(_GENERATIONS) for d in devices}
         #: per device: the backend's state of it, whose ``fault`` every run
         #: checks (the same object for the backend's life)
         self._states = {d: backend.device_state(d) for d in devices}
@@ -183,7 +189,7 @@ class Runtime:
 
     def adopt(self, device: int, raw: Any, priority: int = 0, sms: str | None = None) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
-        s = Stream(self, device, raw, self.generation(device), self._lives[device], priority, sms)
+        s = Stream(self, device, raw, self.generation(device), priority, sms)
         s._lane = self.completer.lane(raw, device)
         try:
             handle = self.backend.stream_handle(raw)
@@ -201,16 +207,14 @@ class Runtime:
     def foreign_stream(self, raw: Any, device: int) -> Stream:
         """The :class:`Stream` of another library's backend stream ``raw``."""
         s = self._foreign.get(raw)
-        if s is not None and s._life is self._lives.get(device):
+        if s is not None and s._generation == self._generations.get(device):
             return s
         with self._handles_lock:
             if len(self._foreign) >= MAX_FOREIGN_STREAMS:
                 for old in self._foreign:  # (made again on their next use)
                     self.completer.retire_stream(old)
                 self._foreign.clear()
-            s = self._foreign[raw] = Stream(
-                self, device, raw, self.generation(device), self._lives[device]
-            )
+            s = self._foreign[raw] = Stream(self, device, raw, self.generation(device))
             s._lane = self.completer.lane(raw, device)
         return s
 
@@ -239,7 +243,7 @@ class Runtime:
     def current(self, stream: Stream) -> bool:
         """Whether ``stream`` belongs to this runtime, live, and to its
         device's context as it is now (not one a reset replaced)."""
-        return self.live and stream._life is self._lives.get(stream.device)
+        return self.live and stream._generation == self._generations.get(stream.device)
 
     def is_interop(self, stream: Stream) -> bool:
         """Whether ``stream`` is a device's interop stream (never makes one)."""
@@ -273,6 +277,8 @@ class Runtime:
         return self._rest.get(device)
 
     def generation(self, device: int) -> int:
+        """``device``'s context's generation now: a number no other context
+        of the process has had (0 for a device the runtime does not know)."""
         return self._generations.get(device, 0)
 
     def check_device(self, device: int) -> int:
@@ -397,7 +403,7 @@ class Runtime:
             state is not None
             and state.fault is None
             and self.live
-            and stream._life is self._lives[stream.device]
+            and stream._generation == self._generations[stream.device]
         )
 
     def check_startable(self, stream: Stream) -> None:
@@ -409,7 +415,7 @@ class Runtime:
             state is not None
             and state.fault is None
             and self.live
-            and stream._life is self._lives[device]
+            and stream._generation == self._generations[device]
         ):
             return
         if not self.current(stream):
@@ -444,8 +450,7 @@ class Runtime:
             old = self.device_streams.pop(device, [])
             for key in [key for key in self._levels if key[0] == device]:
                 old += self._levels.pop(key)  # (made anew at the level's next use)
-            self._generations[device] += 1
-            self._lives[device] = object()
+            self._generations[device] = next(_GENERATIONS)
             self._make_pool(device)
         if self.backend.setup_waits_for_idle:  # (after the lock: each level takes it)
             self._make_levels(device)

@@ -74,7 +74,7 @@ class Stream:
     """
 
     __slots__ = (
-        "__weakref__", "_final", "_generation", "_lane", "_life", "_runtime", "_syncs", "device",
+        "__weakref__", "_final", "_generation", "_lane", "_runtime", "_syncs", "device",
         "leased", "priority", "raw", "sms",
     )  # fmt: skip
 
@@ -84,7 +84,6 @@ class Stream:
         device: int,
         raw: Any,
         generation: int,
-        life: object,
         priority: int = 0,
         sms: str | None = None,
     ) -> None:
@@ -103,11 +102,9 @@ class Stream:
         #: the name of the reserved SMs it runs on (see
         #: :func:`gpuflow.init_device_contexts`), or None
         self.sms = sms
-        #: the device context's generation the stream was made in
+        #: the generation of the device context the stream was made in
+        #: (unique in the process: see ``Runtime.generation``)
         self._generation = generation
-        #: the device context's life (an identity, replaced at a reset) the
-        #: stream was made in: what a prepared launch checks it still runs in
-        self._life = life
         #: blocking runs (``sync``, ``sync_on``) on this stream now: the
         #: completer never sees them, a scheduling policy should
         self._syncs = 0

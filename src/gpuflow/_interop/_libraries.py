@@ -56,9 +56,9 @@ from .._core import (
     callable_name,
     current_device,
     describe_stream,
+    enqueue_ordered,
     ensure_runtime,
     finalize_later,
-    hazard_lock,
     order_after,
     stream_for,
     stream_handle,
@@ -555,10 +555,9 @@ class _Foreign(DeviceOperation[Any]):
                     f"{what}: {a!r} is on device {a.device}, the run on device {ctx.device}"
                 )
         stream = ctx.stream
-        # ordering, the foreign enqueues and the imports are one step (as a launch)
-        with hazard_lock:
-            for a in arrays:  # the code may write any array it gets
-                a._allocation.before_write(stream, ctx.run)
+
+        def enqueue() -> tuple[Any, Any]:
+            # (the foreign enqueues and the imports: one step with the ordering)
             with contextlib.ExitStack() as on_stream:
                 with _adapters_lock:
                     adapters = list(_adapters)
@@ -567,7 +566,11 @@ class _Foreign(DeviceOperation[Any]):
                     if cm is not None:
                         on_stream.enter_context(cm)
                 out = self._fn(*args, **kwargs)
-                result = self._imports(ctx, out)
+                return out, self._imports(ctx, out)
+
+        # the code may write any array it gets
+        uses = [(a._allocation, stream, True) for a in arrays]
+        out, result = enqueue_ordered(ctx.run, uses, enqueue)
         ctx.keep(args, kwargs, out)
         return result
 

@@ -30,13 +30,13 @@ import numpy as np
 
 from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, compile_source
 from .._core import (
-    Allocation,
     DeviceOperation,
     Runtime,
+    Use,
     current_device,
     current_runtime,
+    enqueue_ordered,
     ensure_runtime,
-    hazard_lock,
     runtime_started,
 )
 from .._errors import CompileError, UsageError, UsageTypeError
@@ -676,21 +676,22 @@ class _Launch(DeviceOperation[Any]):
         self._kernel = kernel
         self._config = config
         self._args = args
-        self._direct: tuple[object, Callable[[Any], None]] | None = None
+        self._direct: tuple[int, Callable[[Any], None]] | None = None
         # scalars only: nothing to resolve, no hazards, the arguments are final
         self._plain = not any(
             p.pointer or isinstance(a, DeviceOperation)
             for p, a in zip(kernel.params, args, strict=True)
         )
-        self._cache: tuple[object, Any, Callable[[Any], None] | None] | None = None
+        self._cache: tuple[int, Any, Callable[[Any], None] | None] | None = None
 
-    def _loaded(self, ctx: ExecutionContext) -> tuple[object, Any, Callable[[Any], None] | None]:
+    def _loaded(self, ctx: ExecutionContext) -> tuple[int, Any, Callable[[Any], None] | None]:
         # one launch op is usually run on one device: remember its handle
         # there (and, for a launch whose arguments are final, the backend's
-        # launcher of it), for the life of that device's context in that runtime
+        # launcher of it), for that device context's generation (unique in
+        # the process: a new runtime's never matches)
         c = self._cache
-        life = ctx.stream._life
-        if c is None or c[0] is not life:
+        generation = ctx.stream._generation
+        if c is None or c[0] != generation:
             cfg = self._config
             cfg._check(self._kernel.name, ctx.device, ctx.backend.launch_limits(ctx.device))
             raw = self._kernel.module._load(ctx, self._kernel.name)
@@ -699,16 +700,16 @@ class _Launch(DeviceOperation[Any]):
                 if self._plain
                 else None
             )
-            c = self._cache = (life, raw, launch_on)
+            c = self._cache = (generation, raw, launch_on)
             if launch_on is not None:  # (prepared once: the common await calls it)
-                self._direct = (life, launch_on)
+                self._direct = (generation, launch_on)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:
         if self._plain:
             c = self._cache
             stream = ctx.stream
-            if c is None or c[0] is not stream._life:
+            if c is None or c[0] != stream._generation:
                 c = self._loaded(ctx)
             c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its launcher)
             return None
@@ -730,8 +731,8 @@ class _Launch(DeviceOperation[Any]):
             values.append(a)
         args: list[PointerArg | np.generic] = []
         written: list[DeviceArray] = []
-        reads: list[Allocation] = []
-        writes: list[Allocation] = []
+        reads: list[Use] = []
+        writes: list[Use] = []
         stream = ctx.stream
         for p, a in zip(k.params, values, strict=True):
             if p.pointer:
@@ -746,25 +747,23 @@ class _Launch(DeviceOperation[Any]):
                 buf = a._allocation.buffer
                 args.append(PointerArg(buf, dt, a.nbytes // dt.itemsize, not p.const))
                 if p.const:
-                    reads.append(a._allocation)
+                    reads.append((a._allocation, stream, False))
                 else:
                     if a.readonly:
                         raise UsageError(
                             f"kernel {k.name!r}, parameter {p.describe()!r}: the array is "
                             "read-only memory of another library; declare the parameter const"
                         )
-                    writes.append(a._allocation)
+                    writes.append((a._allocation, stream, True))
                     written.append(a)
             else:
                 args.append(a)
         raw = self._loaded(ctx)[1]
-        with hazard_lock:  # ordering after the hazards and enqueueing are one step
-            run = ctx.run
-            for alloc in reads:
-                alloc.before_read(stream, run)
-            for alloc in writes:
-                alloc.before_write(stream, run)
-            ctx.backend.launch(raw, cfg.grid, cfg.block, cfg.shmem, args, stream.raw)
+        reads += writes
+        enqueue_ordered(
+            ctx.run, reads, ctx.backend.launch, raw, cfg.grid, cfg.block, cfg.shmem, args,
+            stream.raw,
+        )  # fmt: skip
         if not written:
             return None
         return written[0] if len(written) == 1 else tuple(written)

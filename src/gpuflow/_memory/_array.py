@@ -21,7 +21,7 @@ from .._core import (
     Allocation,
     DeviceOperation,
     PendingHost,
-    hazard_lock,
+    enqueue_ordered,
     stream_elsewhere,
 )
 from .._errors import UsageError, UsageTypeError
@@ -727,9 +727,11 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
         if a.nbytes:
             # the copy runs on the array's device; a run on another device joins it
             stream = ctx.stream if a.device == ctx.device else stream_elsewhere(a.device)
-            with hazard_lock:
-                a._allocation.before_read(stream, ctx.run)
-                ctx.backend.copy_to_host(out, a._allocation.buffer, stream.raw)
+            alloc = a._allocation
+            enqueue_ordered(
+                ctx.run, ((alloc, stream, False),), ctx.backend.copy_to_host, out, alloc.buffer,
+                stream.raw,
+            )  # fmt: skip
             ctx.keep(out)
             ctx.wait_for(stream)
         return PendingHost(out)
@@ -811,12 +813,11 @@ class _Copy(DeviceOperation[DeviceArray]):
         stream = ctx.stream
         if dst._allocation.buffer.device != stream.device:
             stream = stream_elsewhere(dst.device)
-        with hazard_lock:
-            src._allocation.before_read(stream, ctx.run)
-            dst._allocation.before_write(stream, ctx.run)
-            ctx._runtime.backend.copy_device(
-                dst._allocation.buffer, src._allocation.buffer, nbytes, stream.raw
-            )
+        s, d = src._allocation, dst._allocation
+        enqueue_ordered(
+            ctx.run, ((s, stream, False), (d, stream, True)), ctx._runtime.backend.copy_device,
+            d.buffer, s.buffer, nbytes, stream.raw,
+        )  # fmt: skip
         if stream is not ctx.stream:
             ctx.wait_for(stream)
         return dst
