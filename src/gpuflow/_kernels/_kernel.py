@@ -30,9 +30,9 @@ import numpy as np
 
 from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, compile_source
 from .._core import (
+    Allocation,
     DeviceOperation,
     Runtime,
-    Use,
     current_device,
     current_runtime,
     enqueue_ordered,
@@ -669,8 +669,14 @@ class Kernel:
         return f"<gpuflow.Kernel {self.signature}>"
 
 
+#: A launch ready to enqueue: the device context's generation it was made
+#: for, the loaded kernel, its arguments, its uses of memory (each
+#: allocation, and whether it is written) and its output.
+_Prepared = tuple[int, Any, list["PointerArg | np.generic"], list[tuple["Allocation", bool]], Any]
+
+
 class _Launch(DeviceOperation[Any]):
-    __slots__ = ("_args", "_cache", "_config", "_direct", "_kernel", "_plain")
+    __slots__ = ("_args", "_cache", "_config", "_direct", "_kernel", "_plain", "_prepared")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
         self._kernel = kernel
@@ -683,6 +689,7 @@ class _Launch(DeviceOperation[Any]):
             for p, a in zip(kernel.params, args, strict=True)
         )
         self._cache: tuple[int, Any, Callable[[Any], None] | None] | None = None
+        self._prepared: _Prepared | None = None
 
     def _loaded(self, ctx: ExecutionContext) -> tuple[int, Any, Callable[[Any], None] | None]:
         # one launch op is usually run on one device: remember its handle
@@ -713,11 +720,29 @@ class _Launch(DeviceOperation[Any]):
                 c = self._loaded(ctx)
             c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its launcher)
             return None
+        stream = ctx.stream
+        prepared = self._prepared
+        if prepared is None or prepared[0] != stream._generation:
+            prepared = self._prepare(ctx)
+        _generation, raw, args, uses, out = prepared
         cfg = self._config
+        enqueue_ordered(
+            ctx.run, [(alloc, stream, writes) for alloc, writes in uses], ctx.backend.launch,
+            raw, cfg.grid, cfg.block, cfg.shmem, args, stream.raw,
+        )  # fmt: skip
+        return out
+
+    def _prepare(self, ctx: ExecutionContext) -> _Prepared:
+        """The launch's arguments, its uses of memory (reads first) and its
+        output, its arrays checked: kept for the device context's
+        generation where every argument is final (no operation among them,
+        whose run this one's enqueues, each time)."""
         k = self._kernel
         values: list[Any] = []
+        final = True
         for p, a in zip(k.params, self._args, strict=True):
             if isinstance(a, DeviceOperation):
+                final = False
                 a = a.execute(ctx)
                 if p.pointer:
                     if not isinstance(a, DeviceArray):
@@ -731,9 +756,8 @@ class _Launch(DeviceOperation[Any]):
             values.append(a)
         args: list[PointerArg | np.generic] = []
         written: list[DeviceArray] = []
-        reads: list[Use] = []
-        writes: list[Use] = []
-        stream = ctx.stream
+        reads: list[tuple[Allocation, bool]] = []
+        writes: list[tuple[Allocation, bool]] = []
         for p, a in zip(k.params, values, strict=True):
             if p.pointer:
                 a._check_usable(ctx, f"kernel {k.name!r}, parameter {p.describe()!r}")
@@ -747,26 +771,23 @@ class _Launch(DeviceOperation[Any]):
                 buf = a._allocation.buffer
                 args.append(PointerArg(buf, dt, a.nbytes // dt.itemsize, not p.const))
                 if p.const:
-                    reads.append((a._allocation, stream, False))
+                    reads.append((a._allocation, False))
                 else:
                     if a.readonly:
                         raise UsageError(
                             f"kernel {k.name!r}, parameter {p.describe()!r}: the array is "
                             "read-only memory of another library; declare the parameter const"
                         )
-                    writes.append((a._allocation, stream, True))
+                    writes.append((a._allocation, True))
                     written.append(a)
             else:
                 args.append(a)
         raw = self._loaded(ctx)[1]
-        reads += writes
-        enqueue_ordered(
-            ctx.run, reads, ctx.backend.launch, raw, cfg.grid, cfg.block, cfg.shmem, args,
-            stream.raw,
-        )  # fmt: skip
-        if not written:
-            return None
-        return written[0] if len(written) == 1 else tuple(written)
+        out = None if not written else written[0] if len(written) == 1 else tuple(written)
+        prepared = (ctx.stream._generation, raw, args, reads + writes, out)
+        if final:  # (an array's device and context are its own for good)
+            self._prepared = prepared
+        return prepared
 
     def label(self) -> str:
         return f"kernel {self._kernel.name}"
