@@ -722,7 +722,7 @@ PIECES = (
     "gpuflow._core._completion:Completer.advance",
     "gpuflow._core._completion:Completer.complete_reached",
     "gpuflow._core._completion:Completer.complete",
-    "gpuflow._interop._libraries:_WaitStream._stream_alone",
+    "gpuflow._core._run:_foreign_home",
     "gpuflow._backends._cuda._backend:CudaBackend.foreign_stream",
     "gpuflow._backends._cuda._words:EventMarks.reached",
     "gpuflow._comm._communicator:_Collective._prepare",

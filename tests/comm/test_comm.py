@@ -277,16 +277,16 @@ async def test_the_default_policy_puts_a_collective_after_the_previous_one_when_
 @pytest.mark.sim_only  # (on CUDA a reset under a live NCCL communicator is undefined)
 async def test_a_collective_run_again_refuses_arrays_of_a_reset_device() -> None:
     """The checks a collective's later runs keep: an array of a device reset
-    since is refused by a run from the plan as by a first run, before
+    since is refused by a run from what an earlier run checked as by a first run, before
     anything is enqueued."""
     async with gf.open_communicator([0]) as comm:
         x = await put(np.ones(6, F32), 0)
         y = await put(np.zeros(6, F32), 0)
         op = comm.all_reduce([x], out=[y])
         await op
-        await op  # (from the plan)
+        await op  # (from what the first run checked)
         await anyio.to_thread.run_sync(gf.reset_device, 0)
-        for run in (op, comm.all_reduce([x], out=[y])):  # planned, then first
+        for run in (op, comm.all_reduce([x], out=[y])):  # checked before, then first
             with pytest.raises(gf.UsageError, match="reset or replaced"):
                 await run
         z = await put(np.ones(6, F32), 0)  # arrays made since are taken
@@ -304,9 +304,9 @@ async def test_a_collective_of_a_replaced_runtime_names_its_array() -> None:
         x = await put(np.ones(6, F32), 0)
         op = comm.all_reduce([x])
         await op
-        await op  # (from the plan)
+        await op  # (from what the first run checked)
         gf.init_device_contexts(backend=gf.current_backend())
-        for run in (op, comm.all_reduce([x])):  # planned, then first
+        for run in (op, comm.all_reduce([x])):  # checked before, then first
             with pytest.raises(gf.UsageError, match=r"all_reduce\(\) input: .*DeviceArray"):
                 await run
 
@@ -425,8 +425,8 @@ async def test_a_collective_reads_after_a_write_on_another_stream_and_before_a_l
         np.testing.assert_array_equal(await get(xs[0]), np.full(4, 5.0, F32))
 
 
-async def test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run() -> None:
-    """A collective run again from its plan (one rank: the backend's issuer
+async def test_a_collective_run_again_orders_its_uses_as_a_first_run() -> None:
+    """A collective run again from what its first run checked (one rank: the backend's issuer
     of its call) reads after a write on another stream, writes after one,
     and a later write on a third stream waits for its read."""
     async with gf.open_communicator([0]) as comm:
@@ -434,7 +434,7 @@ async def test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run() -
         y = await put(np.zeros(4, F32), 0)
         op = comm.all_reduce([x], out=[y])
         s1, s2, s3 = gf.new_stream(0), gf.new_stream(0), gf.new_stream(0)
-        for _ in range(3):  # the first run, then two from the plan on s2
+        for _ in range(3):  # the first run, then two from what it checked, on s2
             op.enqueue_on(s2)
             await gf.wait_stream(s2)
         K.slow_fill(x, 3.0, 0.2).enqueue_on(s1)
@@ -449,12 +449,12 @@ async def test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run() -
 
 
 @pytest.mark.sim_only  # the record of what the streams ran is the simulator's
-async def test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one() -> None:
+async def test_a_collective_run_again_runs_after_the_ranks_previous_one() -> None:
     async with gf.open_communicator([0]) as comm:
         x = await put(np.ones(64, F32), 0)
         op = comm.all_reduce([x], out=[await put(np.zeros(64, F32), 0)])
         s1, s2 = gf.new_stream(0), gf.new_stream(0)
-        for _ in range(3):  # (planned on s2)
+        for _ in range(3):  # (checked on s2)
             op.enqueue_on(s2)
             await gf.wait_stream(s2)
         with testing.record_activity() as activity:

@@ -232,7 +232,7 @@ MUTATIONS = [
         '_comm/_communicator.py',
         '                order_after(be, s, tail[0], tail[1])\n',
         '                pass\n',
-        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_runs_after_the_ranks_previous_one',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_runs_after_the_ranks_previous_one',),
     ),
     Mutation(
         "C12",
@@ -240,7 +240,7 @@ MUTATIONS = [
         '_comm/_communicator.py',
         '    uses = [(arr._allocation, s, False) for p in prepared for arr, s in p.reads]\n',
         '    uses = []\n',
-        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_orders_its_uses_as_a_first_run',),
     ),
     Mutation(
         "C13",
@@ -248,14 +248,14 @@ MUTATIONS = [
         '_comm/_communicator.py',
         '    uses += [(arr._allocation, s, True) for p in prepared for arr, s in p.writes]\n',
         '',
-        ('tests/comm/test_comm.py::test_a_collective_run_from_its_plan_orders_its_uses_as_a_first_run',),
+        ('tests/comm/test_comm.py::test_a_collective_run_again_orders_its_uses_as_a_first_run',),
     ),
     Mutation(
         "W1",
         "a lone await of another library's stream waits for it on a stream of gpuflow's",
         '_interop/_libraries.py',
-        '    _awaited_alone = True\n',
-        '    _awaited_alone = False\n',
+        '        self._plan = Plan(foreign=(handle, device))\n',
+        '        self._plan = Plan()\n',
         ('tests/interop/test_interop_work.py::test_a_lone_wait_stream_holds_up_no_stream_of_gpuflow',),
     ),
     Mutation(
@@ -276,15 +276,15 @@ MUTATIONS = [
     ),
     Mutation(
         "C8",
-        "a collective run from its plan makes the calls an earlier plan's run made",
+        "a collective run again makes the calls a run checked from other arrays made",
         '_comm/_communicator.py',
-        '        if memo is not None and memo[0] is plan:\n',
+        '        if memo is not None and memo[0] is checked:\n',
         '        if memo is not None:\n',
         ('tests/comm/test_comm.py::test_a_collective_run_again_enqueues_on_that_runs_stream',),
     ),
     Mutation(
         "C9",
-        "a collective run from its plan enqueues on the stream of its earlier run",
+        "a collective run again enqueues on the stream of its earlier run",
         '_comm/_communicator.py',
         'known = memo[1].get(ctx.stream)',
         'known = next(iter(memo[1].values()), None)',
@@ -292,7 +292,7 @@ MUTATIONS = [
     ),
     Mutation(
         "C6",
-        "a collective run from its plan takes arrays of a device reset since",
+        "a collective run again takes arrays of a device reset since",
         '_comm/_communicator.py',
         '            if x is not None:\n'
         '                x._check_usable(ctx, what)\n'

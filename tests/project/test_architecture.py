@@ -418,8 +418,7 @@ FOREIGN_PRIVATE = {
 LAYER_HOOKS: dict[tuple[str, str], set[str]] = {
     # what a run, the picture and the trace ask an operation
     ("gpuflow._core._operation", "DeviceOperation"): {
-        "_ordinary", "_direct", "_awaited_alone", "_stream_alone", "_has_home",
-        "_stream_home", "_children", "_kind", "_dot_key", "_output_dtype",
+        "_plan", "_children", "_kind", "_dot_key", "_output_dtype",
     },
     # a stream's runtime, its context's generation, completion lane, the
     # event a destroyed one leaves, its count of blocking runs

@@ -52,6 +52,7 @@ import numpy as np
 from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall
 from .._core import (
     DeviceOperation,
+    Plan,
     Point,
     Run,
     Runtime,
@@ -180,6 +181,10 @@ class Communicator:
         #: issued it: the next one, on any stream, is ordered after it (under
         #: the hazard lock)
         self._tails: dict[int, tuple[Stream, Point | None]] = {}
+        #: the same streams by device: what a collective's plan tells the
+        #: default policy to look at first (read without the hazard lock: a
+        #: stale one is only another stream, and any is correct)
+        self._latest: dict[int, Stream] = {}
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -607,7 +612,7 @@ class _Prepared(NamedTuple):
     issue: Callable[[Any], None] | None = None
 
 
-class _Plan(NamedTuple):
+class _Checked(NamedTuple):
     """What a collective's checks found, kept for its next runs where its
     arrays are given (not operations, no output to allocate): a training
     loop's all-reduce of the same gradients is checked once."""
@@ -622,14 +627,14 @@ class _Plan(NamedTuple):
 
 
 def _given(v: Any) -> Any:
-    """``v`` as a plan keeps it: a list's items (a list may change after)."""
+    """``v`` as what was checked keeps it: a list's items (a list may change after)."""
     return tuple(v) if type(v) is list else v
 
 
 def _same(v: Any, kept: Any) -> bool:
     if type(v) is not list:
         return v is kept
-    # (every run of a planned collective asks: item by item, in C)
+    # (every run of a collective checked before asks: item by item, in C)
     return len(v) == len(kept) and all(map(operator.is_, v, kept))
 
 
@@ -647,7 +652,9 @@ _MEMO_STREAMS = 8
 
 
 class _Collective(DeviceOperation[Any]):
-    __slots__ = ("_comm", "_like", "_memo", "_op", "_out", "_peer", "_plan", "_what", "_x")
+    __slots__ = (
+        "_checked", "_comm", "_like", "_memo", "_op", "_out", "_peer", "_plan", "_what", "_x",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -667,28 +674,18 @@ class _Collective(DeviceOperation[Any]):
         self._op = op
         self._peer = peer
         self._like = like
-        self._plan: _Plan | None = None
-        #: runs' calls from the plan, by the run's stream, where they all
-        #: went on that stream: a later run from that plan on that stream
+        #: its rank's previous collective's stream, looked at first
+        self._plan = Plan(prefer=comm._latest)
+        self._checked: _Checked | None = None
+        #: runs' calls from what was checked, by the run's stream, where they
+        #: all went on that stream: a later run from it on that stream
         #: makes them (awaits the default policy spreads over the pool's
         #: streams each find theirs)
-        self._memo: tuple[_Plan, dict[Stream, _Prepared]] | None = None
+        self._memo: tuple[_Checked, dict[Stream, _Prepared]] | None = None
 
     @property
     def _p2p(self) -> bool:
         return self._what in ("send", "recv")
-
-    _has_home = True
-    _ordinary = False
-
-    def _stream_home(self, device: int) -> Stream | None:
-        # the stream of the rank's previous collective, which the default
-        # policy looks at first (read without the hazard lock, as the other
-        # ranks' in _part_stream: a stale one is only another stream, and
-        # any is correct)
-        devices = self._comm.devices
-        tail = self._comm._tails.get(devices.index(device) if device in devices else -1)
-        return None if tail is None else tail[0]
 
     def execute(self, ctx: ExecutionContext) -> Any:
         if len(self._comm.devices) > 1 and self._p2p:
@@ -789,17 +786,17 @@ class _Collective(DeviceOperation[Any]):
         what = self._what
         if ctx.capturing:
             raise UsageError(f"{what}: collectives cannot be captured into a graph")
-        plan = self._plan
-        if plan is not None and plan.holds(self._x, self._out):
+        checked = self._checked
+        if checked is not None and checked.holds(self._x, self._out):
             memo = self._memo
-            if memo is not None and memo[0] is plan:
+            if memo is not None and memo[0] is checked:
                 known = memo[1].get(ctx.stream)
                 if known is not None:
                     # its arrays, on that stream's device, were usable then and
                     # are while a run may start on the stream (a reset of the
                     # device refuses the runs of every stream it had)
                     return known
-            return self._planned(ctx, plan)
+            return self._from_checked(ctx, checked)
         xs = {} if self._x is None else self._per_rank(self._x, ctx, "input")
         outs = {} if self._out is None else self._per_rank(self._out, ctx, "out")
         for arr in outs.values():
@@ -866,13 +863,13 @@ class _Collective(DeviceOperation[Any]):
         else:
             output = results[0]
         if not allocated and _plain(self._x) and _plain(self._out):
-            self._plan = _Plan(_given(self._x), _given(self._out), tuple(parts), output)
+            self._checked = _Checked(_given(self._x), _given(self._out), tuple(parts), output)
         return _Prepared(calls, reads, writes, output)
 
-    def _planned(self, ctx: ExecutionContext, plan: _Plan) -> _Prepared:
+    def _from_checked(self, ctx: ExecutionContext, checked: _Checked) -> _Prepared:
         """The run's calls from what an earlier run checked: only the arrays'
         usability (a device reset since) and the streams are the run's own
-        (a run on a stream where one ran from this plan takes that run's,
+        (a run on a stream where one ran from what was checked takes that run's,
         in :meth:`_prepare`)."""
         memo = self._memo
         here = ctx.device
@@ -882,7 +879,7 @@ class _Collective(DeviceOperation[Any]):
         reads: list[tuple[DeviceArray, Stream]] = []
         writes: list[tuple[DeviceArray, Stream]] = []
         local = True
-        for i, dev, x, o, read, call in plan.parts:
+        for i, dev, x, o, read, call in checked.parts:
             if dev == here:
                 stream = ctx.stream
             else:  # a stream the policy gives, maybe another at the next run
@@ -901,10 +898,10 @@ class _Collective(DeviceOperation[Any]):
         if local and len(calls) == 1:  # (one rank of this process: the usual case)
             comm_, i, call, _s = calls[0]
             issue = ctx._runtime.backend.comm_issuer(comm_._usable()[i], call)
-        prepared = _Prepared(calls, reads, writes, plan.output, issue)
+        prepared = _Prepared(calls, reads, writes, checked.output, issue)
         if local:
-            if memo is None or memo[0] is not plan or len(memo[1]) >= _MEMO_STREAMS:
-                self._memo = memo = (plan, {})
+            if memo is None or memo[0] is not checked or len(memo[1]) >= _MEMO_STREAMS:
+                self._memo = memo = (checked, {})
             memo[1][ctx.stream] = prepared
         return prepared
 
@@ -954,6 +951,7 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
             if tail is not None and tail[0] is not s:
                 order_after(be, s, tail[0], tail[1])
             tails[i] = (s, run)
+            comm._latest[s.device] = s
         if one is not None:  # (one call on the run's stream, run again: its issuer)
             one(calls[0][3].raw)
         else:

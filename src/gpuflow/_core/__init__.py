@@ -60,6 +60,8 @@ from ._operation import with_context as with_context
 from ._operation import zip as zip
 from ._pending import PendingHost as PendingHost
 from ._pending import resolve as resolve
+from ._plan import ANYWHERE as ANYWHERE
+from ._plan import Plan as Plan
 from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
@@ -96,6 +98,8 @@ from ._trace import trace as trace
 from ._unusual import UNUSUAL as UNUSUAL
 
 __all__ = [
+    "ANYWHERE",
+    "Plan",
     "Allocation",
     "CompletionStatistics",
     "DEFAULT_POLICY",

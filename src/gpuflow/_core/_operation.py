@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 from .._errors import UsageError, UsageTypeError
 from . import _capture, _dot, _run
 from ._pending import PendingMap, is_pending
+from ._plan import ANYWHERE, Plan
 
 if TYPE_CHECKING:
     import numpy as np
@@ -316,32 +317,9 @@ class DeviceOperation(Generic[T]):
         return await _run.RunAwaitable(self, policy)  # type: ignore[no-any-return]
 
     # -- for the run path ----------------------------------------------------------------
-    #: nothing about it makes an ``await`` of it unusual (an operation that
-    #: sets :attr:`_has_home` says False): see ``_run.await_run``
-    _ordinary = True
-    #: where its work was prepared once (a launch whose arguments are final):
-    #: the device context's generation it is valid in, and the
-    #: call that enqueues it on a raw stream of that context; else None
-    _direct: tuple[int, Callable[[Any], None]] | None = None
-
-    #: an ``await`` of it alone asks :meth:`_stream_alone` where it completes
-    _awaited_alone = False
-
-    def _stream_alone(self) -> Stream | None:
-        """Where an ``await`` of this operation alone completes, whatever the
-        lease or the policy (None: it runs where they say, as any run).
-        Such a run does not execute: nothing is enqueued but its completion
-        mark on that stream (checked as every run's stream first), and the
-        operation is kept until the mark is reached.
-
-        Returns
-        -------
-        Stream or None
-        """
-        return None
-
-    #: a run of it under the default policy asks :meth:`_stream_home` first
-    _has_home = False
+    #: what the run path needs to know of it before it runs it (see
+    #: :mod:`._plan`): an operation's own where it has one, made once
+    _plan: Plan = ANYWHERE
 
     def _output_dtype(self) -> np.dtype[Any] | None:
         """The dtype of the :class:`DeviceArray` every run of this operation
@@ -352,21 +330,6 @@ class DeviceOperation(Generic[T]):
         Returns
         -------
         numpy.dtype or None
-        """
-        return None
-
-    def _stream_home(self, device: int) -> Stream | None:
-        """The stream of ``device`` the default policy looks at first for a
-        run of this operation, taking it where it is free (None: none).
-
-        Parameters
-        ----------
-        device
-            The device the run is on.
-
-        Returns
-        -------
-        Stream or None
         """
         return None
 
@@ -562,9 +525,9 @@ class _Then(DeviceOperation[U]):
                     f"then: {callable_name(fn)} must return a DeviceOperation, returned "
                     f"{type(nxt).__name__} (use .map() for a host-side transform)"
                 )
-            direct = nxt._direct
-            if direct is not None and direct[0] == generation:
-                direct[1](raw)  # (a launch prepared once: a chain's usual step)
+            plan = nxt._plan
+            if plan.generation == generation and plan.launch is not None:
+                plan.launch(raw)  # (a launch prepared once: a chain's usual step)
                 out = None
             else:
                 out = nxt.execute(ctx)

@@ -56,6 +56,7 @@ from ._policy import DEFAULT_POLICY, AtLevel, SchedulingPolicy, StreamPoolLeastL
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._scoped import current_scopes
 from ._stream import Stream
+from ._stream_protocols import stream_for
 from ._unusual import UNUSUAL
 
 if TYPE_CHECKING:
@@ -614,7 +615,8 @@ def _choose(
                 return s, _Pinned(s)
         policy = DEFAULT_POLICY
     if isinstance(policy, StreamPoolLeastLoaded):
-        home = op._stream_home(device) if op._has_home else None
+        prefer = op._plan.prefer
+        home = None if prefer is None else prefer.get(device)
         cls = current_class_var.get()
         if cls is not None and (cls.priority or cls.sms is not None):
             # (a level's pool: no await waits for one of its streams)
@@ -638,7 +640,8 @@ async def _idle_stream(
     enqueued yet).  The first in turn looks again at least every
     ``stall_s`` seconds, whoever was to say that a stream went idle."""
     d = ensure_runtime().completer
-    home = op._stream_home(device) if op._has_home else None
+    prefer = op._plan.prefer
+    home = None if prefer is None else prefer.get(device)
     ticket = d.join_stream_queue(device)
     used = False
     try:
@@ -819,6 +822,19 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return out
 
 
+def _foreign_home(rt: Runtime, foreign: tuple[int, int | None]) -> Stream | None:
+    """The other library's stream an await of an operation alone completes
+    on (its plan's ``foreign``: the handle, and the device the library said
+    or None for the current one); None where the handle is one of
+    gpuflow's own streams, on which the run goes as any other."""
+    handle, device = foreign
+    if device is None:
+        s, own = stream_for(rt, handle, current_device())
+    else:
+        s, own = stream_for(rt, handle, device, True)
+    return None if own else s
+
+
 def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
     """Hand ``run``, a run on another library's stream, to the completer.
     Where that stream takes no mark, the run (which enqueued nothing) is
@@ -850,7 +866,8 @@ def await_run(
     prepared once.  An operation that waits for another library's stream
     alone (``gf.wait_stream(s)``) runs there: nothing is enqueued but its
     mark."""
-    unusual = UNUSUAL.n or policy is not None or not op._ordinary or _finalizers.queue
+    plan = op._plan
+    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue
     watcher = _cancel_points.watcher if unusual else None  # (a test's; None otherwise)
     if watcher is not None:
         yield from watcher(_cancel_points.BEFORE_ENQUEUE, op).__await__()
@@ -861,7 +878,7 @@ def await_run(
     rt = CURRENT.runtime or ensure_runtime()
     traced: _trace.TracedRun | None = None
     out: Any = None
-    home = op._stream_alone() if op._awaited_alone else None
+    home = None if plan.foreign is None else _foreign_home(rt, plan.foreign)
     if home is not None:
         # another library's stream: no stream of ours waits for it, and
         # nothing is enqueued but the run's mark there
@@ -908,10 +925,9 @@ def await_run(
             assert lane is not None
         else:  # (any stream's: one whose lane was retired gets a new one, as at its first use)
             lane = rt.completer.lane(stream.raw, stream.device)
-        direct = op._direct if ctx is None else None
         try:
-            if direct is not None and direct[0] == stream._generation:
-                direct[1](stream.raw)  # (prepared once: a launch with its arguments final)
+            if ctx is None and plan.generation == stream._generation and plan.launch:
+                plan.launch(stream.raw)  # (prepared once: a launch with its arguments final)
             else:
                 out = op.execute(ctx or ExecutionContext(rt, stream, DEFAULT_POLICY, run))
         except BaseException as exc:

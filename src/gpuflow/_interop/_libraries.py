@@ -49,6 +49,7 @@ from .._core import (
     DeviceOperation,
     EventPoint,
     ExecutionContext,
+    Plan,
     Run,
     Runtime,
     Stream,
@@ -337,19 +338,18 @@ def from_dlpack(x: Any) -> DeviceArray:
 
 
 class _WaitStream(DeviceOperation[None]):
-    __slots__ = ("_device", "_handle", "_source")
+    __slots__ = ("_device", "_handle", "_plan", "_source")
 
     def __init__(self, source: object, handle: int, device: int | None) -> None:
         self._source = source  # keeps the library's stream object (and its handle) alive
         self._handle = handle
         self._device = device
-
-    # Awaited alone, it runs on the other library's stream itself: its run's
-    # completion mark is an event recorded there, polled, and no stream of
-    # gpuflow's waits for the foreign work (another run placed on that
-    # stream would wait for it too, and the GPU would hop streams to say it
-    # is done).
-    _awaited_alone = True
+        # Awaited alone, it runs on the other library's stream itself: its
+        # run's completion mark is an event recorded there, polled, and no
+        # stream of gpuflow's waits for the foreign work (another run placed
+        # on that stream would wait for it too, and the GPU would hop
+        # streams to say it is done).
+        self._plan = Plan(foreign=(handle, device))
 
     def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
         """The stream waited for, and whether it is gpuflow's own: on the
@@ -358,10 +358,6 @@ class _WaitStream(DeviceOperation[None]):
         if self._device is not None:
             return stream_for(rt, self._handle, self._device, True)
         return stream_for(rt, self._handle, current_device() if here is None else here)
-
-    def _stream_alone(self) -> Stream | None:
-        s, own = self._resolve(ensure_runtime(), None)
-        return None if own else s
 
     def execute(self, ctx: ExecutionContext) -> None:
         if ctx.capturing:

@@ -30,8 +30,10 @@ import numpy as np
 
 from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, compile_source
 from .._core import (
+    ANYWHERE,
     Allocation,
     DeviceOperation,
+    Plan,
     Runtime,
     current_device,
     current_runtime,
@@ -676,13 +678,13 @@ _Prepared = tuple[int, Any, list["PointerArg | np.generic"], list[tuple["Allocat
 
 
 class _Launch(DeviceOperation[Any]):
-    __slots__ = ("_args", "_cache", "_config", "_direct", "_kernel", "_plain", "_prepared")
+    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "_plan", "_prepared")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
         self._kernel = kernel
         self._config = config
         self._args = args
-        self._direct: tuple[int, Callable[[Any], None]] | None = None
+        self._plan = ANYWHERE
         # scalars only: nothing to resolve, no hazards, the arguments are final
         self._plain = not any(
             p.pointer or isinstance(a, DeviceOperation)
@@ -709,7 +711,7 @@ class _Launch(DeviceOperation[Any]):
             )
             c = self._cache = (generation, raw, launch_on)
             if launch_on is not None:  # (prepared once: the common await calls it)
-                self._direct = (generation, launch_on)
+                self._plan = Plan(generation, launch_on)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:

@@ -1,0 +1,61 @@
+"""A plan: what the run path needs to know of an operation before it runs it.
+
+Every :class:`DeviceOperation` has one (``op._plan``), made once where the
+operation allows and replaced when what it says changes: most share
+:data:`ANYWHERE`, which says nothing, and run wherever the policy, a lease
+or a class puts them.  The run path reads the plan, never asks the
+operation: a plan is data, so the core calls nothing of the folders above
+it to learn where a run goes or how it is enqueued.
+
+A plan says, each where it applies:
+
+* a *prepared launch*: the device context generation it was made for
+  (:class:`Stream` ``_generation``) and the call that enqueues it on a raw
+  stream of that generation (a launch whose arguments are final, loaded);
+* a *foreign home*: another library's stream (its handle, and its device
+  where the library said it) on which an await of the operation alone
+  completes, enqueueing nothing but its mark there (``gf.wait_stream``);
+* a *preference*: per device, the stream the default policy looks at first
+  (a collective's: its rank's previous collective's stream).  An operation
+  with one is not *ordinary*: its await takes the policy's path, which
+  reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._stream import Stream
+
+
+class Plan:
+    """What the run path needs to know of an operation before it runs it
+    (see the module's docstring).  Immutable once made; safe to read from
+    any thread."""
+
+    __slots__ = ("foreign", "generation", "launch", "ordinary", "prefer")
+
+    def __init__(
+        self,
+        generation: int = 0,
+        launch: Callable[[Any], None] | None = None,
+        foreign: tuple[int, int | None] | None = None,
+        prefer: Mapping[int, Stream] | None = None,
+    ) -> None:
+        #: the device context generation ``launch`` is valid in (0: none)
+        self.generation = generation
+        #: enqueues the operation's work on a raw stream of that generation
+        self.launch = launch
+        #: (handle, device or None) of the stream an await of it alone completes on
+        self.foreign = foreign
+        #: per device, the stream the default policy looks at first
+        self.prefer = prefer
+        #: nothing in the plan keeps an await of it from its shortest form
+        self.ordinary = prefer is None
+
+
+#: The plan of an operation that runs wherever it is put, enqueued by
+#: ``execute``: most operations' own.
+ANYWHERE = Plan()
