@@ -27,7 +27,7 @@ from .._errors import UsageError
 from ._execution import ExecutionContext
 from ._hazards import Allocation, capture_log, enqueue_ordered
 from ._pending import is_pending
-from ._run import Run
+from ._run import Run, enqueue
 from ._runtime import Runtime, current_device, ensure_runtime, new_stream
 from ._stream import Stream
 from ._unusual import UNUSUAL
@@ -91,7 +91,7 @@ def record(op: DeviceOperation[T], stream: Stream | None = None) -> Recording[T]
     UNUSUAL.begin()  # (runs take the long path, which refuses them in a capture)
     be.begin_capture(cap_stream.raw)
     try:
-        out = op.execute(ctx)
+        out = enqueue(op, cap_stream, run, ctx)
     except BaseException:
         capture_log.reset(token)
         UNUSUAL.end()

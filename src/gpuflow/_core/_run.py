@@ -696,6 +696,22 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
     return rt, run
 
 
+def enqueue(
+    op: DeviceOperation[Any], stream: Stream, run: Run, ctx: ExecutionContext | None
+) -> Any:
+    """Enqueue ``op``'s work for ``run`` on ``stream``: every way of running
+    an operation takes this step.  Its plan's prepared launch where one was
+    made for that stream's device context generation (a launch whose
+    arguments are final: one call, no context made), else ``op.execute``
+    in ``ctx`` (made here, with the default policy, where None).  The
+    output: host values not yet resolved."""
+    plan = op._plan
+    if plan.generation == stream._generation and plan.launch is not None:
+        plan.launch(stream.raw)
+        return None
+    return op.execute(ctx or ExecutionContext(stream._runtime, stream, DEFAULT_POLICY, run))
+
+
 # -- the blocking runs and enqueue_on ---------------------------------------------------
 
 
@@ -750,7 +766,7 @@ def _sync_run(
 ) -> Any:
     completer = stream._runtime.completer
     try:
-        out = op.execute(ctx)
+        out = enqueue(op, stream, run, ctx)
     except BaseException:
         # what was enqueued finishes before what it uses is released
         try:
@@ -787,7 +803,7 @@ def start_run(
     stream = ctx.stream
     traced = _traced(op, how, stream, run) if _trace.active else None
     try:
-        out = op.execute(ctx)
+        out = enqueue(op, stream, run, ctx)
     except BaseException as exc:
         if traced is not None:
             traced.ended(exc)
@@ -926,10 +942,7 @@ def await_run(
         else:  # (any stream's: one whose lane was retired gets a new one, as at its first use)
             lane = rt.completer.lane(stream.raw, stream.device)
         try:
-            if ctx is None and plan.generation == stream._generation and plan.launch:
-                plan.launch(stream.raw)  # (prepared once: a launch with its arguments final)
-            else:
-                out = op.execute(ctx or ExecutionContext(rt, stream, DEFAULT_POLICY, run))
+            out = enqueue(op, stream, run, ctx)
         except BaseException as exc:
             if traced is not None:
                 traced.ended(exc)
