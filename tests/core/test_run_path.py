@@ -1,0 +1,121 @@
+"""The run path's shape: every hook on it (a scope, a latency class, a
+trace, a capture, the cancellation-point watcher, a policy given) is off
+again once it is left, and an await then takes its shortest form; a
+prepared launch goes where its plan says it is valid.
+
+Whether an await took the policy's path is read from the one function
+that path calls (``_run._choose``): what a user sees of it is only speed,
+which a test does not time."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from helpers import kernels as K
+
+import gpuflow as gf
+from gpuflow import testing
+from gpuflow._core import _run
+
+pytestmark = pytest.mark.anyio
+
+F32 = np.float32
+
+
+@pytest.fixture
+def policy_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
+    """The operations whose awaits took the policy's path since, in order."""
+    took: list[object] = []
+    choose = _run._choose
+
+    def counted(op: Any, *args: Any) -> Any:
+        took.append(op)
+        return choose(op, *args)
+
+    monkeypatch.setattr(_run, "_choose", counted)
+    yield took
+
+
+async def _each_hook(x: gf.DeviceArray, tmp: Path) -> None:
+    """Enter and leave every hook on the run path, running work in each."""
+    fill = K.slow_fill(x, 1.0, 0.0)
+    async with gf.open_stream_lease():
+        await fill
+    with gf.latency_class(priority=1):
+        await fill
+    async with gf.open_device_group():
+        await fill
+    with gf.trace(tmp / "run.json"):
+        await fill
+    fill.capture()
+    await fill.run(gf.StreamPoolLeastLoaded(max_streams=4))
+
+    async def pipeline() -> None:
+        await fill
+
+    await testing.cancel_at_every_point(pipeline)
+
+
+async def test_an_await_takes_its_shortest_form_again_once_every_hook_is_left(
+    policy_path: list[object], tmp_path: Path
+) -> None:
+    x = await gf.zeros(64, F32)
+    op = K.slow_fill(x, 2.0, 0.0)
+    await op
+    assert policy_path == [], "an await with nothing on took the policy's path"
+    await _each_hook(x, tmp_path)
+    assert policy_path, "the hooks' awaits took the shortest form (the count reads nothing)"
+    policy_path.clear()
+    for _ in range(3):
+        await op
+    assert policy_path == [], "a hook left on after its scope: the await takes the long path"
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(64, 2.0, F32))
+
+
+async def _awaited(op: gf.DeviceOperation[Any]) -> None:
+    await op
+
+
+async def _synced(op: gf.DeviceOperation[Any]) -> None:
+    await anyio.to_thread.run_sync(op.sync)
+
+
+async def _enqueued(op: gf.DeviceOperation[Any]) -> None:
+    s = gf.lowlevel.pool_streams()[0]
+    op.enqueue_on(s)
+    await gf.wait_stream(s)
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(_awaited, id="await"),
+        pytest.param(_synced, id="sync"),
+        pytest.param(_enqueued, id="enqueue_on"),
+    ],
+)
+async def test_a_prepared_launch_is_made_again_after_a_reset_whichever_way_it_runs(
+    run: Callable[[gf.DeviceOperation[Any]], Awaitable[None]],
+) -> None:
+    """A launch is prepared once for its device context's generation (one
+    of scalars only to a call that enqueues it, one of arrays with its
+    checks done); after a reset it is made again, never called on the
+    context that went, whichever way it runs."""
+    plain = K.spin(1, 0.0)  # (scalars only)
+    bump = K.bump(await gf.zeros(1, np.int32))
+    for op in (plain, bump):
+        await run(op)
+        await run(op)  # (from what was prepared)
+    gf.reset_device()
+    await run(plain)  # prepared again, for the new context
+    await run(plain)
+    with pytest.raises(gf.UsageError, match="reset or replaced"):
+        await run(bump)  # its array went with the context: refused, nothing enqueued
+    fresh = await gf.zeros(1, np.int32)
+    await run(K.bump(fresh))
+    assert (await gf.to_host(fresh))[0] == 1
