@@ -21,7 +21,8 @@ import time
 import anyio
 
 import gpuflow as gf
-from gpuflow._core import Poller, current_loop, ensure_runtime
+from gpuflow._core import current_loop, ensure_runtime
+from gpuflow._core._completion import Poller
 from gpuflow._tools._bench import EMPTY, bench_references
 from gpuflow._tools._bench_rows import row
 

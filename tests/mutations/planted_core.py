@@ -864,7 +864,9 @@ MUTATIONS = [
         "X3",
         "the one ordering of a run's work skips its reads (a kind of use left unordered)",
         "_core/_hazards.py",
-        "            else:\n                alloc.before_read(stream, run)\n        return enqueue(*args)\n",
+        "            else:\n"
+        "                alloc.before_read(stream, run)\n"
+        "        return enqueue(*args)\n",
         "        return enqueue(*args)\n",
         ("tests/core/test_hazards.py",),
     ),
@@ -872,7 +874,9 @@ MUTATIONS = [
         "X4",
         "a capture leaves its hook on: every await after it takes the long path",
         "_core/_capture.py",
-        "    capture_log.reset(token)\n    UNUSUAL.end()\n    raw = be.end_capture(cap_stream.raw)\n",
+        "    capture_log.reset(token)\n"
+        "    UNUSUAL.end()\n"
+        "    raw = be.end_capture(cap_stream.raw)\n",
         "    capture_log.reset(token)\n    raw = be.end_capture(cap_stream.raw)\n",
         ("tests/core/test_run_path.py",),
     ),

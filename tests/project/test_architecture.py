@@ -352,6 +352,36 @@ def test_a_folder_imports_only_names_the_folders_below_it_offer() -> None:
     assert _layer_problems() == []
 
 
+def _unused_offers(package: str) -> set[str]:
+    """The names ``package``'s ``__init__`` offers that no module of another
+    folder imports (nor reads as an attribute of the package)."""
+    mods = _modules()
+    mine = _folder(package)
+    used: set[str] = set()
+    for name, path in mods.items():
+        if _folder(name) == mine:
+            continue
+        for module, names, _line in _imports_of(name, path):
+            if module == package:
+                used.update(names)
+        tail = package.rsplit(".", 1)[1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == tail
+            ):
+                used.add(node.attr)
+    return _offered(package, mods) - used
+
+
+def test_the_core_offers_only_what_a_folder_above_it_uses() -> None:
+    """``_core/__init__`` is the core's interface to the folders above it:
+    a name none of them uses is the core's own, imported from its module
+    where the core (or a test) needs it."""
+    assert _unused_offers("gpuflow._core") == set()
+
+
 def test_the_layer_check_finds_an_import_from_above_and_one_past_a_folders_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

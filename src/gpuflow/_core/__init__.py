@@ -15,7 +15,6 @@ never its modules.
 """
 
 from . import _cancel_points as cancel_points
-from ._completion import Poller as Poller
 from ._execution import ExecutionContext as ExecutionContext
 from ._facts import DeviceInfo as DeviceInfo
 from ._facts import MemoryStats as MemoryStats
@@ -34,7 +33,6 @@ from ._handoff import Handoff as Handoff
 from ._hazards import Allocation as Allocation
 from ._hazards import EventPoint as EventPoint
 from ._hazards import Point as Point
-from ._hazards import Use as Use
 from ._hazards import Uses as Uses
 from ._hazards import capture_log as capture_log
 from ._hazards import enqueue_ordered as enqueue_ordered
@@ -62,7 +60,6 @@ from ._pending import PendingHost as PendingHost
 from ._pending import resolve as resolve
 from ._plan import ANYWHERE as ANYWHERE
 from ._plan import Plan as Plan
-from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
 from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded
@@ -102,7 +99,6 @@ __all__ = [
     "Plan",
     "Allocation",
     "CompletionStatistics",
-    "DEFAULT_POLICY",
     "ENCLOSING",
     "DeviceInfo",
     "DeviceOperation",
@@ -113,7 +109,6 @@ __all__ = [
     "MemoryStats",
     "PendingHost",
     "Point",
-    "Poller",
     "Run",
     "RunInFlight",
     "Runtime",
@@ -124,7 +119,6 @@ __all__ = [
     "StreamPoolLeastLoaded",
     "StreamPoolRoundRobin",
     "UNUSUAL",
-    "Use",
     "Uses",
     "LatencyClass",
     "callable_name",
