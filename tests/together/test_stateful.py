@@ -686,9 +686,15 @@ def _block_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 # -- the seeds: the sequences behind test_features_together.py's behaviours -------------------
+# Each says which planted bug of tests/mutations it finds (``python
+# tests/mutations/mutate.py --tests
+# tests/together/test_stateful.py::test_the_seeded_sequences_keep_every_invariant``).
+# The random examples alone (``GPUFLOW_STATEFUL_EXAMPLES=20``,
+# ``--hypothesis-seed=1``, ``-k combined``) find T8, T8b, T8c, T8d, T10, T12 and T14.
 
 W = dict  # (a step's arguments)
 SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    # finds T1, T1b
     "1 a class of reserved SMs at the default priority": [
         ("enter", W(kind="class", priority=0, sms="x")),
         ("crowd", W(n=8, seconds=0.03)),  # (its pool grows past its four)
@@ -696,6 +702,7 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("crowd", W(n=8, seconds=0.03)),  # (the default's, too)
         *[("work", W(slot=i % 3, kind="scale", value=2, how="await")) for i in range(3)],
     ],
+    # finds T2
     "2 a runtime replaced on its backend after every level was used": [
         ("enter", W(kind="class", priority=2, sms="x")),
         ("work", W(slot=0, kind="fill", value=1, how="await")),
@@ -709,12 +716,14 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("replace_runtime", W(keep_backend=True)),
         ("replace_runtime", W(keep_backend=True)),
     ],
+    # finds T5
     "5 a group that started many runs, one failed early": [
         ("enter", W(kind="group", priority=None, sms=None)),
         ("start_a_failure", W()),
         ("start_many", W(n=80)),
         ("leave", W()),
     ],
+    # finds T6
     "6 a group left by a child's error with a failure nobody awaited": [
         ("enter", W(kind="group", priority=None, sms=None)),
         ("start_a_failure", W()),
@@ -722,6 +731,7 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("fault_and_reset", W()),
         ("work", W(slot=0, kind="scale", value=2, how="await")),
     ],
+    # finds T7
     "7 a run that cannot wait beside a lease": [
         ("enter", W(kind="lease", priority=None, sms=None)),
         ("blocking_beside_stalled", W()),
@@ -729,36 +739,43 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("work", W(slot=0, kind="fill", value=3, how="thread")),
         ("leave", W()),
     ],
+    # finds T8, T8b, T8c (under Trio, whose resumption order varies), T8d
     "8 awaits at the bound, and a newcomer": [
         ("burst", W(waiters=5)),
         ("burst", W(waiters=1, newcomer=True)),
         ("burst", W(waiters=3, newcomer=True)),
     ],
+    # finds T10
     "10 cancel_at_every_point inside a lease": [
         ("enter", W(kind="lease", priority=None, sms=None)),
         ("cancel_at_every_point", W()),
         ("leave", W()),
     ],
+    # finds T11
     "11 a write on the last writer's stream after another library's use": [
         ("enter", W(kind="lease", priority=None, sms=None)),
         ("export", W(slot=0, value=2, onto_ours=False, between=True)),
         ("leave", W()),
     ],
+    # finds T12
     "12 an export to one of gpuflow's streams": [
         ("export", W(slot=1, value=2, onto_ours=True, between=True)),
         ("export", W(slot=1, value=2, onto_ours=True)),
         ("work", W(slot=2, kind="copy", value=1, how="await")),
     ],
+    # finds T13
     "13 a refused graph launch": [
         ("capture", W(src=0)),
         ("update", W(value=7)),
         ("launch", W(refused_first=True)),
         ("launch", W(refused_first=False)),
     ],
+    # finds T14
     "14 streams retired with nothing pending": [
         *[("work", W(slot=i % 3, kind="fill", value=i, how="retire")) for i in range(4)],
         ("import_copy", W(source=0, into=1)),
     ],
+    # finds U1
     "a reset after an array came from another library": [
         ("import_copy", W(source=0, into=1)),
         ("fault_and_reset", W()),
