@@ -334,13 +334,14 @@ async def test_a_lone_await_owes_its_loop_a_turn_after_a_millisecond_of_running(
         )
     yields = [0]
     counting = [False]
-    checkpoint = anyio.lowlevel.checkpoint  # (the one the await yields at)
+    loop = current_loop()
+    checkpoint = loop.checkpoint  # (the one the await yields at: its loop's)
 
     async def counted() -> None:
         yields[0] += counting[0]
         await checkpoint()
 
-    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    monkeypatch.setattr(loop, "checkpoint", counted)
     rounds = 4
     for i in range(-1, rounds):  # (the first, uncounted, as the others began)
         if between == "sleeps":

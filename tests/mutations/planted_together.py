@@ -172,9 +172,8 @@ MUTATIONS = [
         "T8e",
         "awaits behind the first waiting for an idle stream look again every stall_s",
         "_core/_run.py",
-        "                await ticket.event.wait()\n                continue\n",
-        "                with anyio.move_on_after(policy.stall_s):\n"
-        "                    await ticket.event.wait()\n"
+        "                await wait_event(ticket.event)\n                continue\n",
+        "                await wait_event(ticket.event, policy.stall_s)\n"
         "                continue\n",
         ("tests/core/test_policy.py::test_only_the_first_await_in_line_looks_again_for_an_idle_"
          "stream",),

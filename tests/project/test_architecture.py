@@ -382,6 +382,57 @@ def test_the_core_offers_only_what_a_folder_above_it_uses() -> None:
     assert _unused_offers("gpuflow._core") == set()
 
 
+#: What a suspension of an event loop's own looks like, spelled directly
+_LOOP_PRIMITIVES = ("anyio.", "asyncio.", "trio.", "sniffio.")
+
+
+def _suspensions_outside_the_loop_module(sources: dict[str, str]) -> list[str]:
+    """Each ``await`` or ``yield from`` in ``sources`` (module name: text)
+    of an event loop's own primitive (anyio's, asyncio's, Trio's, or an
+    event's ``wait()``), rather than of the loop module's."""
+    found = []
+    for name, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.Await, ast.YieldFrom)):
+                continue
+            target = node.value
+            if (
+                isinstance(target, ast.Call)
+                and isinstance(target.func, ast.Attribute)
+                and target.func.attr == "__await__"
+            ):
+                target = target.func.value
+            spelled = ast.unparse(target)
+            called = spelled.split("(", 1)[0]
+            if called.startswith(_LOOP_PRIMITIVES) or called.endswith(".wait"):
+                found.append(f"{name}:{node.lineno}: {spelled}")
+    return found
+
+
+def test_only_the_loop_module_suspends_a_task_of_the_core() -> None:
+    """Every suspension of a task in ``_core`` is one the loop module
+    offers (a park, a checkpoint, ``wait_event``): one module says where a
+    task may suspend, as Trio's ``_traps``."""
+    sources = {
+        name: path.read_text()
+        for name, path in _modules().items()
+        if name.startswith("gpuflow._core.") and name != "gpuflow._core._loops"
+    }
+    assert len(sources) > 10
+    assert _suspensions_outside_the_loop_module(sources) == []
+
+
+def test_the_suspension_check_finds_a_loops_own_primitive() -> None:
+    planted = {
+        "m": "async def f(e):\n    await anyio.sleep(0)\n    await e.wait()\n"
+        "def g(loop):\n    yield from anyio.lowlevel.checkpoint().__await__()\n"
+        "    yield from loop.checkpoint().__await__()\n"
+    }
+    assert _suspensions_outside_the_loop_module(planted) == [
+        "m:2: anyio.sleep(0)", "m:3: e.wait()", "m:5: anyio.lowlevel.checkpoint()",
+    ]
+
+
 def test_the_layer_check_finds_an_import_from_above_and_one_past_a_folders_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,11 @@ descriptor is readable (``watch``: how the GPU wakes a sleeping loop with no
 thread in between).  :func:`current_loop` picks the adapter once per run,
 and nothing else in gpuflow asks which loop it is on.
 
+It is also the one place that says where a task of gpuflow's may suspend
+(as Trio's ``_traps``): an adapter's ``park``, ``checkpoint`` and
+``checkpoint_if_cancelled``, and :func:`wait_event`.  The run path yields
+what these give and nothing else; cancellation at each is the loop's own.
+
 * asyncio (and loops built on it, such as uvloop): ``loop.call_soon``,
   ``loop.call_soon_threadsafe``, a future (the park itself), a callback that schedules itself
   again with ``call_soon``, and ``loop.add_reader``.
@@ -37,6 +42,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Generator, Sized
 from typing import Any, Protocol
 
+import anyio
 import anyio.lowlevel
 
 from .._errors import UsageError
@@ -285,6 +291,17 @@ def _backend_checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:
 
 async def _sleep0() -> None:
     await asyncio.sleep(0)
+
+
+async def wait_event(event: anyio.Event, timeout: float | None = None) -> None:
+    """Suspend until ``event`` is set, or for ``timeout`` seconds at most
+    where given (then return as if it were).  Cancellation is the loop's
+    own, at once; the event stays as it was."""
+    if timeout is None:
+        await event.wait()
+        return
+    with anyio.move_on_after(timeout):
+        await event.wait()
 
 
 def _wake_future(fut: asyncio.Future[None]) -> None:

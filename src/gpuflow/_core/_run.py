@@ -42,7 +42,6 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.lowlevel
 
 from .._errors import DeviceError, UsageError, UsageTypeError
 from . import _cancel_points, _finalizers, _trace
@@ -50,7 +49,7 @@ from ._completion import BusyPoll, Communicating, Lane
 from ._execution import ExecutionContext
 from ._hazards import Point, capture_log, refuse_in_capture
 from ._latency import current_class_var, current_poll_var
-from ._loops import Loop, Posts, current_loop, refuse_blocking
+from ._loops import Loop, Posts, current_loop, refuse_blocking, wait_event
 from ._pending import has_map, is_pending, resolve
 from ._policy import DEFAULT_POLICY, AtLevel, SchedulingPolicy, StreamPoolLeastLoaded
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
@@ -520,7 +519,7 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
             yield_now = loop.others_ready()
         if yield_now:
             loop.yielded = now
-            yield from anyio.lowlevel.checkpoint().__await__()
+            yield from loop.checkpoint().__await__()
         return
     park = loop.park()
     with _callbacks_lock:
@@ -535,7 +534,7 @@ def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None
             else:
                 run._more_parked.append((loop, park))
     if not parked:
-        yield from anyio.lowlevel.checkpoint().__await__()
+        yield from loop.checkpoint().__await__()
         return
     run._task = loop.current_task()
     if lane is not None:
@@ -650,7 +649,7 @@ async def _idle_stream(
             if not d.stream_turn(device, ticket):
                 # (not first: the head's leaving wakes it; only the head
                 # looks again unasked, else a thousand waiters would poll)
-                await ticket.event.wait()
+                await wait_event(ticket.event)
                 continue
             stream = policy.idle_stream(device, home)
             if stream is not None:
@@ -659,8 +658,7 @@ async def _idle_stream(
             # woken, and a run that could not wait took it: first still
             if d.stream_not_found(device, ticket):
                 continue
-            with anyio.move_on_after(policy.stall_s):
-                await ticket.event.wait()
+            await wait_event(ticket.event, policy.stall_s)
     finally:
         d.leave_stream_queue(device, ticket, used)
 
