@@ -13,7 +13,7 @@ A plan says, each where it applies:
   (:class:`Stream` ``_generation``) and the call that enqueues it on a raw
   stream of that generation (a launch whose arguments are final, loaded);
 * a *foreign home*: another library's stream (its handle, and its device
-  where the library said it) on which an await of the operation alone
+  where the library said it) on which an await of the operation itself (not composed)
   completes, enqueueing nothing but its mark there (``gf.wait_stream``);
 * a *preference*: per device, the stream the default policy looks at first
   (a collective's: its rank's previous collective's stream).  An operation
@@ -48,7 +48,7 @@ class Plan:
         self.generation = generation
         #: enqueues the operation's work on a raw stream of that generation
         self.launch = launch
-        #: (handle, device or None) of the stream an await of it alone completes on
+        #: (handle, device or None) of the stream an await of it itself completes on
         self.foreign = foreign
         #: per device, the stream the default policy looks at first
         self.prefer = prefer

@@ -837,7 +837,7 @@ def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
 
 
 def _foreign_home(rt: Runtime, foreign: tuple[int, int | None]) -> Stream | None:
-    """The other library's stream an await of an operation alone completes
+    """The other library's stream an await of an operation itself completes
     on (its plan's ``foreign``: the handle, and the device the library said
     or None for the current one); None where the handle is one of
     gpuflow's own streams, on which the run goes as any other."""
@@ -877,8 +877,8 @@ def await_run(
     policy given, an operation that is not ordinary, frees queued) is asked
     here once; where nothing is, each step takes its shortest form: an idle
     stream of the default policy's, a run with nothing to check, a launch
-    prepared once.  An operation that waits for another library's stream
-    alone (``gf.wait_stream(s)``) runs there: nothing is enqueued but its
+    prepared once.  An await of an operation that waits for another
+    library's stream (``await gf.wait_stream(s)``) runs there: nothing is enqueued but its
     mark."""
     plan = op._plan
     unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue

@@ -11,7 +11,7 @@
   last writer, so gpuflow's first use of it on any stream waits for the
   producer's work (and for earlier arrivals, never for other imports' uses).
 * :func:`wait_stream` is an operation that makes the run's stream wait for
-  the work enqueued so far on another library's stream: awaited alone, it
+  the work enqueued so far on another library's stream: awaited directly, it
   is how an event loop awaits a PyTorch forward pass without blocking.
 * :func:`foreign` runs another library's code as a step of a pipeline, on
   gpuflow's stream: PyTorch's and CuPy's current stream is the run's stream
@@ -344,7 +344,7 @@ class _WaitStream(DeviceOperation[None]):
         self._source = source  # keeps the library's stream object (and its handle) alive
         self._handle = handle
         self._device = device
-        # Awaited alone, it runs on the other library's stream itself: its
+        # Awaited directly (not composed), it runs on the other library's stream itself: its
         # run's completion mark is an event recorded there, polled, and no
         # stream of gpuflow's waits for the foreign work (another run placed
         # on that stream would wait for it too, and the GPU would hop
@@ -398,7 +398,7 @@ def wait_stream(stream: Any) -> DeviceOperation[None]:
     a ``cupy.cuda.Stream``, or a raw ``CUstream`` handle (an int: 0 or 1 the
     legacy default stream, 2 the per-thread one) of the run's device (or of
     the device the stream object names).  "So far" is when the operation
-    runs.  Awaited alone, ``await gf.wait_stream(s)`` completes on ``s``
+    runs.  Awaited directly, ``await gf.wait_stream(s)`` completes on ``s``
     itself: an event recorded there, read by the loop's poller like any
     run's completion, and no stream of gpuflow's waits for the foreign work
     (other runs never queue behind it).  Composed (``then``, ``zip``, or
