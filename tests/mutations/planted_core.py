@@ -884,7 +884,7 @@ MUTATIONS = [
         "X5",
         "a collective's plan prefers no stream: its await takes the shortest form",
         "_comm/_communicator.py",
-        "        self._plan = Plan(prefer=comm._latest)\n",
+        "        self._plan = comm._collectives_plan\n",
         "        self._plan = Plan()\n",
         ("tests/comm/test_comm.py",),
     ),

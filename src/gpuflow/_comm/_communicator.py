@@ -181,10 +181,12 @@ class Communicator:
         #: issued it: the next one, on any stream, is ordered after it (under
         #: the hazard lock)
         self._tails: dict[int, tuple[Stream, Point | None]] = {}
-        #: the same streams by device: what a collective's plan tells the
+        #: the same streams by device: what its collectives' plan tells the
         #: default policy to look at first (read without the hazard lock: a
         #: stale one is only another stream, and any is correct)
         self._latest: dict[int, Stream] = {}
+        #: the plan of every collective of it (one object, however many)
+        self._collectives_plan = Plan(prefer=self._latest)
 
     # -- what it is ---------------------------------------------------------------------
     @property
@@ -675,7 +677,7 @@ class _Collective(DeviceOperation[Any]):
         self._peer = peer
         self._like = like
         #: its rank's previous collective's stream, looked at first
-        self._plan = Plan(prefer=comm._latest)
+        self._plan = comm._collectives_plan
         self._checked: _Checked | None = None
         #: runs' calls from what was checked, by the run's stream, where they
         #: all went on that stream: a later run from it on that stream

@@ -344,11 +344,11 @@ class _WaitStream(DeviceOperation[None]):
         self._source = source  # keeps the library's stream object (and its handle) alive
         self._handle = handle
         self._device = device
-        # Awaited directly (not composed), it runs on the other library's stream itself: its
-        # run's completion mark is an event recorded there, polled, and no
-        # stream of gpuflow's waits for the foreign work (another run placed
-        # on that stream would wait for it too, and the GPU would hop
-        # streams to say it is done).
+        # Awaited directly (not composed), it runs on the other library's
+        # stream itself: its run's completion mark is an event recorded
+        # there, polled, and no stream of gpuflow's waits for the foreign
+        # work (another run placed on that stream would wait for it too, and
+        # the GPU would hop streams to say it is done).
         self._plan = Plan(foreign=(handle, device))
 
     def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
