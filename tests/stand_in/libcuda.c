@@ -14,6 +14,19 @@ typedef unsigned long long u64;
 static __thread void *current_ctx = 0;
 static uintptr_t next_handle = 0x10000;
 static void *handle(void) { return (void *)__sync_fetch_and_add(&next_handle, 16); }
+/* the context each stream and function was made in, by handle (the first
+ * 64k handles): a launch of a function of one context on a stream of
+ * another is refused, as the driver refuses it */
+#define KNOWN 65536
+static void *made_in[KNOWN];
+static void *made(void *ctx) {
+    void *h = handle();
+    uintptr_t i = ((uintptr_t)h - 0x10000) / 16;
+    if (i < KNOWN) made_in[i] = ctx;
+    return h; }
+static void *context_of(void *h) {
+    uintptr_t i = ((uintptr_t)h - 0x10000) / 16;
+    return (uintptr_t)h >= 0x10000 && i < KNOWN ? made_in[i] : 0; }
 
 static CUresult ok(void) { return 0; }
 CUresult cuInit(unsigned f) { return 0; }
@@ -45,13 +58,13 @@ CUresult cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
 /* every stream made, counted for the program (a latency class's first run
  * makes none: its pool is made when the runtime starts) */
 int standin_streams = 0;
-CUresult cuStreamCreate(void **s, unsigned f) { standin_streams++; *s = handle(); return 0; }
+CUresult cuStreamCreate(void **s, unsigned f) { standin_streams++; *s = made(current_ctx); return 0; }
 /* priorities as on current GPUs: 0 the lowest, -5 the highest; the last
  * number a stream was made with is kept, for the program to check */
 int standin_priority = 1;
 CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return 0; }
 CUresult cuStreamCreateWithPriority(void **s, unsigned f, int p) {
-    standin_streams++; standin_priority = p; *s = handle(); return 0; }
+    standin_streams++; standin_priority = p; *s = made(current_ctx); return 0; }
 /* green contexts: a device of 132 SMs split as CUDA 13 does on sm_90
  * (partitions of multiples of 8); what was made is counted, and the SMs of
  * the green context the last stream was made in are kept, for the program */
@@ -92,7 +105,7 @@ CUresult cuCtxFromGreenCtx(void **ctx, void *g) { *ctx = (void *)((uintptr_t)g +
 CUresult cuGreenCtxStreamCreate(void **s, void *g, unsigned f, int p) {
     standin_streams++; standin_green_streams++; standin_priority = p;
     standin_green_sms = desc_sms[((uintptr_t)g - 0x8000) / 16];
-    *s = handle(); return 0; }
+    *s = made((void *)((uintptr_t)g + 0x1000)); return 0; }  /* (cuCtxFromGreenCtx's) */
 CUresult cuGreenCtxDestroy(void *g) { standin_green_contexts--; return 0; }
 static void *pushed = 0;
 CUresult cuCtxPushCurrent(void *ctx) { pushed = current_ctx; current_ctx = ctx; return 0; }
@@ -131,6 +144,8 @@ static u64 now_ns(void) {
     return (u64)t.tv_sec * 1000000000ull + (u64)t.tv_nsec; }
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shmem, void *s, void **params, void **extra) {
+    void *fc = context_of(f), *sc = context_of(s);
+    if (fc && sc && fc != sc) return 400;  /* CUDA_ERROR_INVALID_HANDLE */
     for (int i = 0; i < standin_record && i < 8; i++) standin_params[i] = *(u64 *)params[i];
     if (standin_kernel_ns > 0) {
         u64 end = now_ns() + (u64)standin_kernel_ns;
@@ -147,7 +162,7 @@ CUresult cuModuleLoadData(void **m, const void *image) {
         nanosleep(&t, 0);
     }
     standin_modules++; *m = handle(); return 0; }
-CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = handle(); return 0; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = made(current_ctx); return 0; }
 CUresult cuModuleGetFunctionCount(unsigned *n, void *m) { *n = 0; return 0; }
 CUresult cuStreamEndCapture(void *s, void **g) { *g = handle(); return 0; }
 CUresult cuGraphGetNodes(void *g, void **nodes, size_t *n) { *n = 0; return 0; }
