@@ -88,3 +88,19 @@ def test_the_run_path_rows_print_against_the_stand_in(tmp_path: Path) -> None:
         (line,) = [ln for ln in out.splitlines() if ln.strip().startswith(name)]
         assert baseline in line and line.endswith(("met", "missed")), line
     assert out.splitlines()[-1].startswith(f"{len(loops) + 5} row(s) with an aim: ")
+
+
+def test_runtimes_replaced_on_one_cuda_backend_keep_only_the_green_contexts_in_use(
+    tmp_path: Path,
+) -> None:
+    """The cuda backend's stateful test (``tests/stand_in/stateful.py``):
+    runtimes replaced on one backend, reserving SMs or not, with streams
+    held across and dropped; the green contexts left are those in use."""
+    lib = stand_in(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(HERE / "stateful.py"), str(lib)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr

@@ -707,8 +707,10 @@ def _block_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 # Every machine finds T3 as it starts (its reservation is rounded up).  The
 # random examples alone (``GPUFLOW_STATEFUL_EXAMPLES=20``,
 # ``--hypothesis-seed=1``, ``-k combined``) find T8, T8b, T8c, T8d, T10, T12
-# and T14.  T4 (the cuda backend's green contexts) and T9 (Ctrl-C, which
-# reaches the main thread's loop only) are outside a machine on sim.
+# and T14.  T4 (the cuda backend's green contexts) is the cuda backend's
+# stateful test's (tests/stand_in/stateful.py, on the stand-in driver); T9
+# (Ctrl-C, which reaches the main thread's loop only) is outside a machine
+# whose steps run in an actor thread.
 
 W = dict  # (a step's arguments)
 SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
