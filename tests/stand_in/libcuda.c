@@ -75,7 +75,7 @@ typedef struct {
 } Resource;
 int standin_green_contexts = 0, standin_green_streams = 0, standin_green_sms = 0;
 int standin_modules = 0;
-static unsigned desc_sms[64];
+static unsigned desc_sms[1024];  /* (descriptors 0x7000 to 0xb000: below the handles) */
 static int n_desc = 0;
 CUresult cuDeviceGetDevResource(int d, Resource *r, int type) {
     memset(r, 0, sizeof *r); r->type = 1;
@@ -90,7 +90,7 @@ CUresult cuDevSmResourceSplitByCount(Resource *result, unsigned *nb, const Resou
     if (result) { result[0] = *in; result[0].u.sm[0] = n; result[0].pad[0] = 1; }
     *nb = 1; return 0; }
 CUresult cuDevResourceGenerateDesc(void **desc, Resource *res, unsigned n) {
-    if (n_desc == 64) return 2;
+    if (n_desc == 1024) return 2;
     desc_sms[n_desc] = res[0].u.sm[0];
     *desc = (void *)(uintptr_t)(0x7000 + 16 * n_desc++); return 0; }
 int standin_green_fail_after = -1;  /* >= 0: that many more succeed, then one fails */
