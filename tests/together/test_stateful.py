@@ -6,7 +6,8 @@ latency classes (priorities, reserved SMs), starts runs and awaits them or
 not, awaits past a pool's bound, cancels awaits at random points, faults a
 device and resets it, captures, updates and launches a graph (and has a
 launch refused), hands arrays to another library and imports them back,
-retires streams, and replaces the runtime.  After every step:
+retires streams, replaces the runtime, and (under Trio) raises a Ctrl-C
+nurseries above a lease.  After every step:
 
 * every array holds what NumPy computes from the same steps (a cancelled
   await leaves either value: the GPU may or may not have been given its
@@ -651,6 +652,50 @@ class FeaturesTogether(RuleBasedStateMachine):
 
         self.actor(check)
 
+    @precondition(lambda self: self.loop[0] == "trio")
+    @rule(depth=st.integers(1, 3))
+    def interrupt(self, depth: int) -> None:
+        """Under Trio, a Ctrl-C (the ``KeyboardInterrupt`` Trio raises in the
+        task that ran the program) while a stream lease ``depth`` nurseries
+        below waits for its GPU work: the lease leaves at once (what the GPU
+        uses stays alive until it is done), not after the work.  (asyncio's
+        runner answers Ctrl-C by cancelling its main task: not this.)"""
+        if self.loop[0] != "trio":
+            return
+        gpu_s = 1.0
+
+        async def interrupted() -> tuple[float, list[BaseException]]:
+            x = await gf.zeros(64, F32)
+            leased = anyio.Event()
+
+            async def below(level: int) -> None:
+                if level < depth:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(below, level + 1)
+                    return
+                async with gf.open_stream_lease() as lease:
+                    K.slow_fill(x, 1.0, gpu_s, n=64).enqueue_on(lease.stream)
+                    leased.set()
+                    await anyio.sleep_forever()
+
+            t0 = time.monotonic()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(below, 1)
+                    await leased.wait()
+                    t0 = time.monotonic()
+                    raise KeyboardInterrupt  # (as Trio raises a Ctrl-C here)
+            except BaseException as exc:  # (the interrupt, as Trio delivers it)
+                return time.monotonic() - t0, _leaves(exc)
+            raise AssertionError("the interrupt was lost")
+
+        took, raised = self.actor(interrupted)
+        assert [type(e) for e in raised] == [KeyboardInterrupt], raised
+        assert took < gpu_s / 2, (
+            f"a lease {depth} nurseries below the interrupt held it {took:.2f} s, "
+            "until its GPU work was done"
+        )
+
     @precondition(lambda self: not self.stack)
     @rule(keep_backend=st.booleans())
     def replace_runtime(self, keep_backend: bool = True) -> None:
@@ -708,9 +753,7 @@ def _block_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 # random examples alone (``GPUFLOW_STATEFUL_EXAMPLES=20``,
 # ``--hypothesis-seed=1``, ``-k combined``) find T8, T8b, T8c, T8d, T10, T12
 # and T14.  T4 (the cuda backend's green contexts) is the cuda backend's
-# stateful test's (tests/stand_in/stateful.py, on the stand-in driver); T9
-# (Ctrl-C, which reaches the main thread's loop only) is outside a machine
-# whose steps run in an actor thread.
+# stateful test's (tests/stand_in/stateful.py, on the stand-in driver).
 
 W = dict  # (a step's arguments)
 SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -764,6 +807,12 @@ SEEDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("burst", W(waiters=5)),
         ("burst", W(waiters=1, newcomer=True)),
         ("burst", W(waiters=3, newcomer=True)),
+    ],
+    # finds T9 (under Trio)
+    "9 a Ctrl-C nurseries above a lease waiting for its GPU work": [
+        ("interrupt", W(depth=1)),
+        ("interrupt", W(depth=2)),
+        ("interrupt", W(depth=3)),
     ],
     # finds T10
     "10 cancel_at_every_point inside a lease": [
