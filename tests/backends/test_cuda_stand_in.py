@@ -49,16 +49,21 @@ def stand_in(tmp_path: Path) -> Path:
     return lib
 
 
-def test_the_cuda_backend_runs_a_program_against_a_stand_in_driver(tmp_path: Path) -> None:
-    lib = stand_in(tmp_path)
+def run_against_the_stand_in(tmp_path: Path, script: str, timeout: float) -> str:
+    """What ``tests/stand_in/<script>`` prints, run in a process of its own
+    against the stand-in (warnings as errors); it must exit 0."""
     done = subprocess.run(
-        [sys.executable, "-W", "error", str(HERE / "program.py"), str(lib)],
+        [sys.executable, "-W", "error", str(HERE / script), str(stand_in(tmp_path))],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().endswith("stand-in program done")
+    return done.stdout.strip()
+
+
+def test_the_cuda_backend_runs_a_program_against_a_stand_in_driver(tmp_path: Path) -> None:
+    assert run_against_the_stand_in(tmp_path, "program.py", 120).endswith("stand-in program done")
 
 
 def test_the_run_path_rows_print_against_the_stand_in(tmp_path: Path) -> None:
@@ -96,11 +101,4 @@ def test_runtimes_replaced_on_one_cuda_backend_keep_only_the_green_contexts_in_u
     """The cuda backend's stateful test (``tests/stand_in/stateful.py``):
     runtimes replaced on one backend, reserving SMs or not, with streams
     held across and dropped; the green contexts left are those in use."""
-    lib = stand_in(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-W", "error", str(HERE / "stateful.py"), str(lib)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    assert run_against_the_stand_in(tmp_path, "stateful.py", 300) == "ok"
