@@ -89,6 +89,7 @@ from ._scoped import leave_scope as leave_scope
 from ._statistics import CompletionStatistics as CompletionStatistics
 from ._stream import Stream as Stream
 from ._stream_protocols import describe_stream as describe_stream
+from ._stream_protocols import stream_at as stream_at
 from ._stream_protocols import stream_for as stream_for
 from ._stream_protocols import stream_handle as stream_handle
 from ._trace import trace as trace
@@ -165,6 +166,7 @@ __all__ = [
     "run_finalized",
     "runtime_started",
     "start_run",
+    "stream_at",
     "stream_for",
     "stream_handle",
     "trace",

@@ -55,7 +55,7 @@ from ._policy import DEFAULT_POLICY, AtLevel, SchedulingPolicy, StreamPoolLeastL
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._scoped import current_scopes
 from ._stream import Stream
-from ._stream_protocols import stream_for
+from ._stream_protocols import stream_at
 from ._unusual import UNUSUAL
 
 if TYPE_CHECKING:
@@ -841,11 +841,7 @@ def _foreign_home(rt: Runtime, foreign: tuple[int, int | None]) -> Stream | None
     on (its plan's ``foreign``: the handle, and the device the library said
     or None for the current one); None where the handle is one of
     gpuflow's own streams, on which the run goes as any other."""
-    handle, device = foreign
-    if device is None:
-        s, own = stream_for(rt, handle, current_device())
-    else:
-        s, own = stream_for(rt, handle, device, True)
+    s, own = stream_at(rt, *foreign, current_device())
     return None if own else s
 
 

@@ -110,6 +110,15 @@ def stream_for(
     return foreign_stream(rt, handle, device, named), False
 
 
+def stream_at(rt: Runtime, handle: int, device: int | None, here: int) -> tuple[Stream, bool]:
+    """:func:`stream_for` of a handle another library gave with the device
+    its stream object names (``device``), or with none (a raw handle: on
+    ``here``, the run's device)."""
+    if device is None:
+        return stream_for(rt, handle, here)
+    return stream_for(rt, handle, device, True)
+
+
 def describe_stream(handle: int) -> str:
     """A stream handle for a message."""
     return {0: "the legacy default stream (0)", 1: "the legacy default stream (1)",

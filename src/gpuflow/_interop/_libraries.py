@@ -55,12 +55,12 @@ from .._core import (
     Stream,
     Uses,
     callable_name,
-    current_device,
     describe_stream,
     enqueue_ordered,
     ensure_runtime,
     finalize_later,
     order_after,
+    stream_at,
     stream_for,
     stream_handle,
     usable_stream,
@@ -351,14 +351,6 @@ class _WaitStream(DeviceOperation[None]):
         # the GPU would hop streams to say it is done).
         self._plan = Plan(foreign=(handle, device))
 
-    def _resolve(self, rt: Runtime, here: int | None) -> tuple[Stream, bool]:
-        """The stream waited for, and whether it is gpuflow's own: on the
-        device the library's stream object said (``named``), else on
-        ``here`` (the current device where None)."""
-        if self._device is not None:
-            return stream_for(rt, self._handle, self._device, True)
-        return stream_for(rt, self._handle, current_device() if here is None else here)
-
     def execute(self, ctx: ExecutionContext) -> None:
         if ctx.capturing:
             raise UsageError(
@@ -373,7 +365,7 @@ class _WaitStream(DeviceOperation[None]):
             self._device is None or here.device == self._device
         ):
             return  # the run is on that stream: its work so far comes first
-        s, own = self._resolve(ctx._runtime, ctx.device)
+        s, own = stream_at(ctx._runtime, self._handle, self._device, ctx.device)
         if own:
             ctx.wait_for(s)
         elif s is not here:
