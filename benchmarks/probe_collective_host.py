@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -45,7 +45,7 @@ def _blocks(fn: Callable[[], object], handle: int, per: int = 20) -> tuple[float
 
 
 async def one_size(comm: gf.Communicator, count: int, nb: Any, f32: int, total: int) -> None:
-    raw = comm._raw[0].comm._comm if comm._raw else 0
+    raw = cast(Any, comm._raw[0]).comm._comm if comm._raw else 0
     x = await gf.ones(count, np.float32)
     y = await gf.zeros(count, np.float32)
     op = comm.all_reduce([x], out=[y])

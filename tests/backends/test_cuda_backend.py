@@ -419,7 +419,8 @@ def test_silent_marks_are_reached_and_waited_for_beside_marks_of_the_word(
     written up to it (with event marks, every mark is one already)."""
     cuda = cuda_for(marks)
     be, k = cuda.be, cuda.k
-    s1, s3 = be.create_stream(0), be.create_stream(0)
+    s1: Any = be.create_stream(0)  # (read inside: the cuda backend's own)
+    s3 = be.create_stream(0)
     read1 = be.completion_reader(s1)
     spin = [(50 * MS, False), (50 * MS, True), (600 * MS, False)]
     numbers = []

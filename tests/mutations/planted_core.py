@@ -848,8 +848,8 @@ MUTATIONS = [
         "X1",
         "a plan's prepared launch is called on a stream of a device context reset since",
         "_core/_run.py",
-        "    if plan.generation == stream._generation and plan.launch is not None:\n",
-        "    if plan.launch is not None:\n",
+        "    if plan.generation == stream._generation and plan.step is not None:\n",
+        "    if plan.step is not None:\n",
         ("tests/core/test_run_path.py", "tests/core/test_faults.py"),
     ),
     Mutation(

@@ -138,7 +138,7 @@ assert lane.read() == lane.issued  # the event, reached
 np.testing.assert_array_equal(gf.to_host(c).sync(), np.arange(8, dtype=np.float32))
 # a stream whose last mark was silent has its word written up to it when
 # destroyed (so that the word can serve another stream)
-raw = backend.create_stream(0)
+raw: Any = backend.create_stream(0)  # (read inside: the cuda backend's own)
 backend.mark(raw, False)
 assert raw.word.read() < raw.issued
 backend.destroy_stream(raw)

@@ -87,7 +87,7 @@ def _init(backend: gf.lowlevel.Backend) -> None:
     that goes on, as ``cuda``'s does, under a new runtime); the SMs it
     reserved never overlap those left to other work."""
     gf.init_device_contexts(backend=backend, reserve_sms=RESERVED)
-    parts = backend.live_objects().get("partitions", [])
+    parts: list[Any] = backend.live_objects().get("partitions", [])
     for device in (0, 1):
         # (the simulated device's own record of which SMs each partition
         # runs on: what makes a grid beside a busy reservation run in one

@@ -29,16 +29,26 @@ from ._records import COMM_DTYPES as COMM_DTYPES
 from ._records import REDUCTIONS as REDUCTIONS
 from ._records import Activity as Activity
 from ._records import CollectiveCall as CollectiveCall
+from ._records import DType as DType
+from ._records import HostArray as HostArray
 from ._records import LaunchLimits as LaunchLimits
 from ._records import PointerArg as PointerArg
 from ._records import RawBuffer as RawBuffer
+from ._records import RawComm as RawComm
+from ._records import RawEvent as RawEvent
+from ._records import RawGraph as RawGraph
+from ._records import RawKernel as RawKernel
+from ._records import RawPartition as RawPartition
+from ._records import RawStream as RawStream
+from ._records import Step as Step
 from ._records import activity_tag as activity_tag
 from ._sim import SimBackend as SimBackend
 
 __all__ = [
     "BACKEND_ENV", "BLOCK_TIME_ATTR", "CHECK_ARCH", "COMM_DTYPES", "REDUCTIONS", "Activity",
     "Backend", "BackendFactory", "SimBackend", "CollectiveCall", "LaunchLimits", "PointerArg",
-    "RawBuffer", "activity_tag", "new_sim_backend",
+    "DType", "HostArray", "RawBuffer", "RawComm", "RawEvent", "RawGraph", "RawKernel",
+    "RawPartition", "RawStream", "Step", "activity_tag", "new_sim_backend",
     "backend_names", "compile_source", "cuda_probe", "load_backend", "register_backend",
 ]
 

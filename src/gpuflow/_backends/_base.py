@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -42,10 +42,17 @@ from ._records import (
     D,
     DeviceDescription,
     DeviceState,
+    HostArray,
     KernelArg,
     LaunchLimits,
     ModuleSource,
     RawBuffer,
+    RawEvent,
+    RawGraph,
+    RawKernel,
+    RawPartition,
+    RawStream,
+    Step,
 )
 
 
@@ -133,7 +140,7 @@ class Backend(Communicators, abc.ABC):
         str
         """
 
-    def graph_handle(self, graph: Any) -> int:
+    def graph_handle(self, graph: RawGraph) -> int:
         """The address of a captured graph's executable form (``CUgraphExec``).
 
         Parameters
@@ -173,7 +180,9 @@ class Backend(Communicators, abc.ABC):
 
     # -- streams --------------------------------------------------------------
     @abc.abstractmethod
-    def create_stream(self, device: int, priority: int = 0, partition: Any = None) -> Any:
+    def create_stream(
+        self, device: int, priority: int = 0, partition: RawPartition | None = None
+    ) -> RawStream:
         """A new non-blocking stream on ``device``.
 
         Parameters
@@ -208,7 +217,7 @@ class Backend(Communicators, abc.ABC):
         """
         return None
 
-    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[Any]:
+    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[RawPartition]:
         """Reserve SMs of ``device``: one partition of at least ``sizes[i]``
         SMs for each size (rounded up as the device requires), then one of
         the SMs left.  Streams made in a partition (:meth:`create_stream`)
@@ -238,7 +247,7 @@ class Backend(Communicators, abc.ABC):
             "of a device's SMs (the cuda backend has them, as green contexts)"
         )
 
-    def release_partitions(self, partitions: Sequence[Any]) -> None:
+    def release_partitions(self, partitions: Sequence[RawPartition]) -> None:
         """``partitions`` (of :meth:`partition_sms`) serve no runtime any
         more and no stream of them is left: destroy them (on CUDA, their
         green contexts).  Default: nothing to release.
@@ -249,7 +258,7 @@ class Backend(Communicators, abc.ABC):
             Partitions of this backend's.
         """
 
-    def live_objects(self) -> dict[str, list[Any]]:
+    def live_objects(self) -> dict[str, list[object]]:
         """What the backend holds now for gpuflow, by kind, for the
         quiescence check (:func:`gpuflow.testing.assert_quiescent`):
         ``"partitions"`` (of :meth:`partition_sms`, not released) and, where
@@ -260,11 +269,11 @@ class Backend(Communicators, abc.ABC):
 
         Returns
         -------
-        dict[str, list[Any]]
+        dict[str, list[object]]
         """
         return {}
 
-    def partition_size(self, partition: Any) -> int:
+    def partition_size(self, partition: RawPartition) -> int:
         """How many SMs ``partition`` (of :meth:`partition_sms`) has.
 
         Parameters
@@ -297,7 +306,7 @@ class Backend(Communicators, abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def destroy_stream(self, stream: Any) -> None:
+    def destroy_stream(self, stream: RawStream) -> None:
         """Release a stream; work already enqueued still completes.
 
         Parameters
@@ -307,7 +316,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def stream_destroyed(self, stream: Any) -> bool:
+    def stream_destroyed(self, stream: RawStream) -> bool:
         """Whether :meth:`destroy_stream` was called on ``stream`` (new work
         on it is refused; what it had still completes).
 
@@ -322,7 +331,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def stream_handle(self, stream: Any) -> int:
+    def stream_handle(self, stream: RawStream) -> int:
         """The ``CUstream`` address, for ``__cuda_stream__``.
 
         Parameters
@@ -336,7 +345,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def synchronize(self, stream: Any) -> None:
+    def synchronize(self, stream: RawStream) -> None:
         """Block until the stream is idle; DeviceFaultError after a fault.
 
         Parameters
@@ -346,7 +355,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def query(self, stream: Any) -> bool:
+    def query(self, stream: RawStream) -> bool:
         """True when all work on the stream is done; DeviceFaultError after a fault.
 
         Parameters
@@ -361,7 +370,7 @@ class Backend(Communicators, abc.ABC):
 
     # -- events ---------------------------------------------------------------
     @abc.abstractmethod
-    def record_event(self, stream: Any) -> Any:
+    def record_event(self, stream: RawStream) -> RawEvent:
         """An event that completes when the stream's current work is done.
 
         Parameters
@@ -375,7 +384,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def wait_event(self, stream: Any, event: Any) -> None:
+    def wait_event(self, stream: RawStream, event: RawEvent) -> None:
         """Later work on ``stream`` waits for ``event`` (any device).
 
         Parameters
@@ -388,7 +397,7 @@ class Backend(Communicators, abc.ABC):
 
     # -- memory ---------------------------------------------------------------
     @abc.abstractmethod
-    def alloc(self, device: int, nbytes: int, stream: Any) -> RawBuffer:
+    def alloc(self, device: int, nbytes: int, stream: RawStream) -> RawBuffer:
         """Stream-ordered allocation; OutOfMemoryError when it fails.
 
         Parameters
@@ -406,7 +415,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def free(self, buffer: RawBuffer, stream: Any) -> None:
+    def free(self, buffer: RawBuffer, stream: RawStream) -> None:
         """Stream-ordered free, after all work enqueued on ``stream``.
 
         Parameters
@@ -418,7 +427,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def copy_from_host(self, dst: RawBuffer, src: np.ndarray[Any, Any], stream: Any) -> None:
+    def copy_from_host(self, dst: RawBuffer, src: HostArray, stream: RawStream) -> None:
         """Copy a C-contiguous host array into ``dst``; ``src`` must stay alive until done.
 
         Parameters
@@ -432,7 +441,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def copy_to_host(self, dst: np.ndarray[Any, Any], src: RawBuffer, stream: Any) -> None:
+    def copy_to_host(self, dst: HostArray, src: RawBuffer, stream: RawStream) -> None:
         """Copy ``dst.nbytes`` from ``src`` into a C-contiguous host array.
 
         Parameters
@@ -446,7 +455,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def copy_device(self, dst: RawBuffer, src: RawBuffer, nbytes: int, stream: Any) -> None:
+    def copy_device(self, dst: RawBuffer, src: RawBuffer, nbytes: int, stream: RawStream) -> None:
         """Device-to-device copy; peer-to-peer when the devices differ.
 
         Parameters
@@ -462,7 +471,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def fill(self, dst: RawBuffer, value: np.generic, count: int, stream: Any) -> None:
+    def fill(self, dst: RawBuffer, value: np.generic, count: int, stream: RawStream) -> None:
         """Set ``count`` elements of ``value``'s dtype to ``value``.
 
         Parameters
@@ -479,7 +488,7 @@ class Backend(Communicators, abc.ABC):
 
     @abc.abstractmethod
     def arange(
-        self, dst: RawBuffer, start: np.generic, step: np.generic, count: int, stream: Any
+        self, dst: RawBuffer, start: np.generic, step: np.generic, count: int, stream: RawStream
     ) -> None:
         """Write ``start + i * step`` for ``i < count``, in ``start``'s dtype.
 
@@ -499,7 +508,7 @@ class Backend(Communicators, abc.ABC):
 
     # -- kernels --------------------------------------------------------------
     @abc.abstractmethod
-    def load_kernel(self, device: int, module: ModuleSource, name: str) -> Any:
+    def load_kernel(self, device: int, module: ModuleSource, name: str) -> RawKernel:
         """A launchable handle of kernel ``name`` on ``device`` (cached by the caller).
 
         Parameters
@@ -517,7 +526,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     def load_ahead(
-        self, device: int, module: ModuleSource | None, partitions: Sequence[Any]
+        self, device: int, module: ModuleSource | None, partitions: Sequence[RawPartition]
     ) -> None:
         """Load ``module`` (None: the backend's own built-in kernels) into
         ``device``'s own context and the contexts of ``partitions`` (reserved
@@ -538,12 +547,12 @@ class Backend(Communicators, abc.ABC):
     @abc.abstractmethod
     def launch(
         self,
-        kernel: Any,
+        kernel: RawKernel,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shmem: int,
         args: Sequence[KernelArg],
-        stream: Any,
+        stream: RawStream,
     ) -> None:
         """Enqueue a kernel; LaunchError for a bad configuration.
 
@@ -563,18 +572,18 @@ class Backend(Communicators, abc.ABC):
             The backend's stream.
         """
 
-    def launcher(
+    def prepare_launch(
         self,
-        kernel: Any,
+        kernel: RawKernel,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shmem: int,
         args: Sequence[KernelArg],
-    ) -> Callable[[Any], None]:
-        """:meth:`launch` of ``kernel`` with everything but the stream fixed
-        (scalar arguments only): called with a stream, it enqueues the
-        kernel there.  Made once for many launches; a backend may prepare
-        the call (the cuda backend packs the arguments once).
+    ) -> Step:
+        """:meth:`launch` of ``kernel`` as a step: everything but the stream
+        fixed, and called with a stream, it enqueues the kernel there, with
+        the same checks and errors.  Made once for many launches; a backend
+        may prepare the call (the cuda backend packs scalar arguments once).
 
         Parameters
         ----------
@@ -591,18 +600,18 @@ class Backend(Communicators, abc.ABC):
 
         Returns
         -------
-        Callable[[Any], None]
+        Step
         """
         launch = self.launch
 
-        def launch_on(stream: Any) -> None:
+        def step(stream: RawStream) -> None:
             launch(kernel, grid, block, shmem, args, stream)
 
-        return launch_on
+        return step
 
     # -- the native half of the completion bridge -----------------------------
     @abc.abstractmethod
-    def mark(self, stream: Any, polled: bool = True) -> int:
+    def mark(self, stream: RawStream, polled: bool = True) -> int:
         """Enqueue ``stream``'s next completion mark; return its number.
 
         A stream's marks are numbered 1, 2, 3, ... in the order they are
@@ -628,7 +637,7 @@ class Backend(Communicators, abc.ABC):
         int
         """
 
-    def marker(self, stream: Any) -> Callable[[bool], int]:
+    def marker(self, stream: RawStream) -> Callable[[bool], int]:
         """:meth:`mark` of ``stream``, made once for its many marks (called
         with ``polled``): a backend may prepare what every mark of the
         stream repeats.
@@ -645,7 +654,7 @@ class Backend(Communicators, abc.ABC):
         return functools.partial(self.mark, stream)
 
     @abc.abstractmethod
-    def completion_reader(self, stream: Any) -> Callable[[], int]:
+    def completion_reader(self, stream: RawStream) -> Callable[[], int]:
         """A function returning the number of the last mark of ``stream`` the
         GPU has reached (0 before any).  Cheap: a read of memory the GPU
         writes, where the device can (a silent mark not yet seen reached is
@@ -663,7 +672,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
+    def wait_mark(self, stream: RawStream, other: RawStream, number: int) -> None:
         """Later work on ``stream`` waits until ``other`` (a stream of any
         device of this backend) has reached its mark ``number``.
 
@@ -677,7 +686,7 @@ class Backend(Communicators, abc.ABC):
             The mark's number.
         """
 
-    def enqueue_close(self, stream: Any, fd: int) -> bool:
+    def enqueue_close(self, stream: RawStream, fd: int) -> bool:
         """When the GPU reaches this point of ``stream``, close ``fd`` (once,
         from a thread of the driver, never needing the GIL on a real device).
         False, with nothing enqueued, where this point cannot be marked that
@@ -698,7 +707,7 @@ class Backend(Communicators, abc.ABC):
         """
         return False
 
-    def complete_transfers(self, stream: Any) -> None:
+    def complete_transfers(self, stream: RawStream) -> None:
         """Marks of ``stream`` were seen reached: deliver what the work before
         them must have delivered by the time it is reported done (on CUDA,
         device-to-host copies staged through pinned memory).  Never raises.
@@ -712,7 +721,7 @@ class Backend(Communicators, abc.ABC):
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod
-    def begin_capture(self, stream: Any) -> None:
+    def begin_capture(self, stream: RawStream) -> None:
         """Start recording the work enqueued on ``stream`` instead of running it.
 
         Parameters
@@ -722,7 +731,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def end_capture(self, stream: Any) -> Any:
+    def end_capture(self, stream: RawStream) -> RawGraph:
         """Stop recording; return an executable graph of what was enqueued.
 
         Parameters
@@ -736,7 +745,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def launch_graph(self, graph: Any, stream: Any) -> None:
+    def launch_graph(self, graph: RawGraph, stream: RawStream) -> None:
         """Enqueue one replay of a captured graph.
 
         Parameters
@@ -748,7 +757,7 @@ class Backend(Communicators, abc.ABC):
         """
 
     @abc.abstractmethod
-    def graph_node_count(self, graph: Any) -> int:
+    def graph_node_count(self, graph: RawGraph) -> int:
         """How many nodes a captured graph has: one per kernel, copy or fill
         captured; cross-stream event records and waits are its edges, not nodes.
 
@@ -763,7 +772,9 @@ class Backend(Communicators, abc.ABC):
         """
 
     # -- interop: other libraries' streams and memory --------------------------
-    def foreign_stream(self, handle: int, device: int, named: bool = False) -> tuple[Any, int]:
+    def foreign_stream(
+        self, handle: int, device: int, named: bool = False
+    ) -> tuple[RawStream, int]:
         """A raw stream for ``handle``, a stream another library owns, and its device.
 
         ``handle`` is a ``CUstream`` address, or 0, 1 (the legacy default
@@ -792,11 +803,11 @@ class Backend(Communicators, abc.ABC):
 
         Returns
         -------
-        tuple[Any, int]
+        tuple[RawStream, int]
         """
         raise UsageError(f"backend {self.name!r} cannot use another library's streams")
 
-    def stream_capturing(self, stream: Any) -> bool:
+    def stream_capturing(self, stream: RawStream) -> bool:
         """Whether ``stream`` (gpuflow's or another library's) is being
         captured into a graph now: work enqueued on it would become a node
         of that graph instead of running.
@@ -925,7 +936,7 @@ class Backend(Communicators, abc.ABC):
         device events); a backend whose streams append as they run has
         nothing to do."""
 
-    def activity_stream_id(self, stream: Any) -> int:
+    def activity_stream_id(self, stream: RawStream) -> int:
         """The id an activity record gives the items of raw ``stream``
         (:attr:`Activity.stream`).
 

@@ -5,11 +5,11 @@ refuses each with a :class:`gpuflow.UsageError` (the default here)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 from .._errors import CommunicatorError, UsageError
-from ._records import CollectiveCall
+from ._records import CollectiveCall, RawComm, RawStream, Step
 
 
 class Communicators:
@@ -33,7 +33,7 @@ class Communicators:
 
     def comm_init(
         self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
-    ) -> list[Any]:
+    ) -> list[RawComm]:
         """The raw communicators of this process's ranks: ``ranks[i]`` on
         ``devices[i]``, of ``nranks`` in all.  ``unique_id`` None: the devices
         are every rank (one process).  Blocks until every rank has joined;
@@ -52,11 +52,11 @@ class Communicators:
 
         Returns
         -------
-        list[Any]
+        list[RawComm]
         """
         raise self._no_comms()
 
-    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
+    def comm_group(self, calls: Sequence[tuple[RawComm, CollectiveCall, RawStream]]) -> None:
         """Enqueue ``(comm, call, stream)`` calls as one group (NCCL's
         ``ncclGroupStart``/``End``): the parts of one collective on several
         devices of this process, or a send and the recv that matches it.
@@ -69,10 +69,10 @@ class Communicators:
         """
         raise self._no_comms()
 
-    def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
-        """:meth:`comm_group` of ``call`` alone, with everything but the
-        stream fixed: called with a stream, it enqueues the call there, with
-        the same checks and errors.  Made once for the many runs of one
+    def prepare_collective(self, comm: RawComm, call: CollectiveCall) -> Step:
+        """:meth:`comm_group` of ``call`` alone, as a step: everything but
+        the stream fixed, and called with a stream, it enqueues the call
+        there, with the same checks and errors.  Made once for the many runs of one
         collective (a training loop's all-reduce); a backend may resolve
         the call's arguments once.
 
@@ -85,15 +85,15 @@ class Communicators:
 
         Returns
         -------
-        Callable[[Any], None]
+        Step
         """
 
-        def issue(stream: Any) -> None:
+        def step(stream: RawStream) -> None:
             self.comm_group(((comm, call, stream),))
 
-        return issue
+        return step
 
-    def comm_async_error(self, comm: Any) -> CommunicatorError | None:
+    def comm_async_error(self, comm: RawComm) -> CommunicatorError | None:
         """The error the communicator reported since (a peer left, NCCL failed),
         if any.  Never blocks, never raises.
 
@@ -108,7 +108,7 @@ class Communicators:
         """
         return None
 
-    def comm_abort(self, comm: Any) -> None:
+    def comm_abort(self, comm: RawComm) -> None:
         """Stop the communicator's work in flight (its kernels return) and
         refuse more; its collectives still queued return at once when
         reached.  Frees nothing the GPU may still use: :meth:`comm_destroy`
@@ -121,7 +121,7 @@ class Communicators:
             The backend's communicator.
         """
 
-    def comm_destroy(self, comm: Any) -> None:
+    def comm_destroy(self, comm: RawComm) -> None:
         """Release a communicator whose work is done (aborted or not).  Never
         raises (warns).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, NewType, Protocol, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,35 @@ class RawBuffer(Protocol):
     def ptr(self) -> int: ...
 
 
+# A backend's own handles.  The front end keeps them and gives them back to
+# the backend that made them, never looking inside: each backend reads its
+# own class out of them (a cast where one is given to it), so that a stream
+# is never passed where an event is wanted without a type checker saying so.
+
+#: A stream of the backend's (:meth:`Backend.create_stream`).
+RawStream = NewType("RawStream", object)
+#: An event recorded on a stream (:meth:`Backend.record_event`).
+RawEvent = NewType("RawEvent", object)
+#: A kernel loaded into a device's context (:meth:`Backend.load_kernel`).
+RawKernel = NewType("RawKernel", object)
+#: A graph a capture made (:meth:`Backend.end_capture`).
+RawGraph = NewType("RawGraph", object)
+#: A device's SMs set apart (:meth:`Backend.partition_sms`).
+RawPartition = NewType("RawPartition", object)
+#: A rank's communicator (:meth:`Backend.comm_init`).
+RawComm = NewType("RawComm", object)
+
+#: An enqueue prepared once and called with each stream it goes to: a
+#: launch with its arguments final (:meth:`Backend.prepare_launch`), a
+#: collective (:meth:`Backend.prepare_collective`).
+Step = Callable[[RawStream], None]
+
+#: A NumPy dtype of any scalar type.
+DType = np.dtype[np.generic]
+#: A NumPy array in host memory, of any shape and dtype.
+HostArray = np.ndarray[tuple[int, ...], np.dtype[np.generic]]
+
+
 #: The attribute :func:`gpuflow.testing.block_time` sets on a kernel's
 #: reference: the seconds each block of the kernel holds a simulated SM (a
 #: number, or a function of the kernel's arguments)
@@ -40,9 +69,9 @@ class ModuleSource(Protocol):
     @property
     def source(self) -> str: ...
     @property
-    def references(self) -> dict[str, Callable[..., Any]]: ...
+    def references(self) -> dict[str, Callable[..., object]]: ...
     @property
-    def kernels(self) -> Mapping[str, Any]: ...
+    def kernels(self) -> Mapping[str, object]: ...
     def binary_for(self, arch: str) -> bytes: ...
 
 
@@ -63,7 +92,7 @@ class PointerArg:
     """
 
     buffer: RawBuffer
-    dtype: np.dtype[Any]
+    dtype: DType
     count: int
     writes: bool
 
@@ -108,7 +137,7 @@ class CollectiveCall(NamedTuple):
     send: RawBuffer | None
     recv: RawBuffer | None
     elems: int
-    dtype: np.dtype[Any]
+    dtype: DType
     op: str | None = None
     peer: int | None = None
 

@@ -43,13 +43,13 @@ import logging
 import math
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall
+from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall, RawComm, Step
 from .._core import (
     DeviceOperation,
     Plan,
@@ -170,7 +170,7 @@ class Communicator:
         """How many ranks the communicator has, over every process."""
         self._uid = unique_id
         self._multi = unique_id is None
-        self._raw: list[Any] | None = None
+        self._raw: list[RawComm] | None = None
         self._closed = False
         self._error: CommunicatorError | None = None  # set once: the abort
         self._lock = threading.Lock()
@@ -253,8 +253,8 @@ class Communicator:
         if exc is None and self._error is not None:
             raise self._error
 
-    def _destroy(self, raws: list[Any]) -> None:
-        for raw in raws:
+    def _destroy(self, raws: list[RawComm] | None) -> None:
+        for raw in raws or ():
             self._rt.backend.comm_destroy(raw)
 
     # -- failing ------------------------------------------------------------------------
@@ -605,13 +605,13 @@ def _dtype_message(dt: np.dtype[Any]) -> str:
 class _Prepared(NamedTuple):
     """One collective made ready: its calls, the uses to order, its output;
     for one call on the run's stream, kept for the next runs there, the
-    backend's issuer of it (:meth:`Backend.comm_issuer`)."""
+    backend's step of it (:meth:`Backend.prepare_collective`)."""
 
     calls: list[tuple[Communicator, int, CollectiveCall, Stream]]
     reads: list[tuple[DeviceArray, Stream]]
     writes: list[tuple[DeviceArray, Stream]]
     output: Any
-    issue: Callable[[Any], None] | None = None
+    step: Step | None = None
 
 
 class _Checked(NamedTuple):
@@ -896,11 +896,11 @@ class _Collective(DeviceOperation[Any]):
                     o._check_usable(ctx, what)
                 writes.append((o, stream))
             calls.append((comm, i, call, stream))
-        issue = None
+        step = None
         if local and len(calls) == 1:  # (one rank of this process: the usual case)
             comm_, i, call, _s = calls[0]
-            issue = ctx._runtime.backend.comm_issuer(comm_._usable()[i], call)
-        prepared = _Prepared(calls, reads, writes, checked.output, issue)
+            step = ctx._runtime.backend.prepare_collective(comm_._usable()[i], call)
+        prepared = _Prepared(calls, reads, writes, checked.output, step)
         if local:
             if memo is None or memo[0] is not checked or len(memo[1]) >= _MEMO_STREAMS:
                 self._memo = memo = (checked, {})
@@ -937,7 +937,7 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
 def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
-    one = prepared[0].issue if len(prepared) == 1 else None
+    one = prepared[0].step if len(prepared) == 1 else None
     calls = [c for p in prepared for c in p.calls] if len(prepared) > 1 else prepared[0].calls
     be = ctx._runtime.backend
     run = ctx.run
@@ -954,7 +954,7 @@ def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
                 order_after(be, s, tail[0], tail[1])
             tails[i] = (s, run)
             comm._latest[s.device] = s
-        if one is not None:  # (one call on the run's stream, run again: its issuer)
+        if one is not None:  # (one call on the run's stream, run again: its step)
             one(calls[0][3].raw)
         else:
             be.comm_group([(comm._usable()[i], call, s.raw) for comm, i, call, s in calls])

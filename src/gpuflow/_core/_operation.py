@@ -526,8 +526,8 @@ class _Then(DeviceOperation[U]):
                     f"{type(nxt).__name__} (use .map() for a host-side transform)"
                 )
             plan = nxt._plan
-            if plan.generation == generation and plan.launch is not None:
-                plan.launch(raw)  # (a launch prepared once: a chain's usual step)
+            if plan.generation == generation and plan.step is not None:
+                plan.step(raw)  # (a launch prepared once: a chain's usual step)
                 out = None
             else:
                 out = nxt.execute(ctx)

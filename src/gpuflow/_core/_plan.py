@@ -9,9 +9,9 @@ it to learn where a run goes or how it is enqueued.
 
 A plan says, each where it applies:
 
-* a *prepared launch*: the device context generation it was made for
-  (:class:`Stream` ``_generation``) and the call that enqueues it on a raw
-  stream of that generation (a launch whose arguments are final, loaded);
+* a *step*: the call that enqueues the operation's work on a raw stream
+  of one device context generation (:class:`Stream` ``_generation``),
+  prepared once for it (a launch whose arguments are final, loaded);
 * a *foreign home*: another library's stream (its handle, and its device
   where the library said it) on which an await of the operation itself (not composed)
   completes, enqueueing nothing but its mark there (``gf.wait_stream``);
@@ -23,10 +23,11 @@ A plan says, each where it applies:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .._backends import Step
     from ._stream import Stream
 
 
@@ -35,19 +36,19 @@ class Plan:
     (see the module's docstring).  Immutable once made; safe to read from
     any thread."""
 
-    __slots__ = ("foreign", "generation", "launch", "ordinary", "prefer")
+    __slots__ = ("foreign", "generation", "ordinary", "prefer", "step")
 
     def __init__(
         self,
         generation: int = 0,
-        launch: Callable[[Any], None] | None = None,
+        step: Step | None = None,
         foreign: tuple[int, int | None] | None = None,
         prefer: Mapping[int, Stream] | None = None,
     ) -> None:
-        #: the device context generation ``launch`` is valid in (0: none)
+        #: the device context generation ``step`` is valid in (0: none)
         self.generation = generation
         #: enqueues the operation's work on a raw stream of that generation
-        self.launch = launch
+        self.step = step
         #: (handle, device or None) of the stream an await of it itself completes on
         self.foreign = foreign
         #: per device, the stream the default policy looks at first

@@ -704,8 +704,8 @@ def enqueue(
     in ``ctx`` (made here, with the default policy, where None).  The
     output: host values not yet resolved."""
     plan = op._plan
-    if plan.generation == stream._generation and plan.launch is not None:
-        plan.launch(stream.raw)
+    if plan.generation == stream._generation and plan.step is not None:
+        plan.step(stream.raw)
         return None
     return op.execute(ctx or ExecutionContext(stream._runtime, stream, DEFAULT_POLICY, run))
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 import numpy as np
 
-from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, compile_source
+from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, RawKernel, Step, compile_source
 from .._core import (
     ANYWHERE,
     Allocation,
@@ -690,13 +690,13 @@ class _Launch(DeviceOperation[Any]):
             p.pointer or isinstance(a, DeviceOperation)
             for p, a in zip(kernel.params, args, strict=True)
         )
-        self._cache: tuple[int, Any, Callable[[Any], None] | None] | None = None
+        self._cache: tuple[int, RawKernel, Step | None] | None = None
         self._prepared: _Prepared | None = None
 
-    def _loaded(self, ctx: ExecutionContext) -> tuple[int, Any, Callable[[Any], None] | None]:
+    def _loaded(self, ctx: ExecutionContext) -> tuple[int, RawKernel, Step | None]:
         # one launch op is usually run on one device: remember its handle
         # there (and, for a launch whose arguments are final, the backend's
-        # launcher of it), for that device context's generation (unique in
+        # step of it), for that device context's generation (unique in
         # the process: a new runtime's never matches)
         c = self._cache
         generation = ctx.stream._generation
@@ -704,14 +704,16 @@ class _Launch(DeviceOperation[Any]):
             cfg = self._config
             cfg._check(self._kernel.name, ctx.device, ctx.backend.launch_limits(ctx.device))
             raw = self._kernel.module._load(ctx, self._kernel.name)
-            launch_on = (
-                ctx._runtime.backend.launcher(raw, cfg.grid, cfg.block, cfg.shmem, self._args)
+            step = (
+                ctx._runtime.backend.prepare_launch(
+                    raw, cfg.grid, cfg.block, cfg.shmem, self._args
+                )
                 if self._plain
                 else None
             )
-            c = self._cache = (generation, raw, launch_on)
-            if launch_on is not None:  # (prepared once: the common await calls it)
-                self._plan = Plan(generation, launch_on)
+            c = self._cache = (generation, raw, step)
+            if step is not None:  # (prepared once: the common await calls it)
+                self._plan = Plan(generation, step)
         return c
 
     def execute(self, ctx: ExecutionContext) -> Any:
@@ -720,7 +722,7 @@ class _Launch(DeviceOperation[Any]):
             stream = ctx.stream
             if c is None or c[0] != stream._generation:
                 c = self._loaded(ctx)
-            c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its launcher)
+            c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its step)
             return None
         stream = ctx.stream
         prepared = self._prepared

@@ -20,11 +20,11 @@ import struct
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
-from ..._errors import UsageError
+from ..._errors import CommunicatorError, UsageError
 from .._codes import (
     CONTEXT_ERRORS,
     CUDA_ERROR_INVALID_VALUE,
@@ -33,10 +33,26 @@ from .._codes import (
     CUDA_SUCCESS,
 )
 from .._nvrtc import compile_source
-from .._records import Activity, CollectiveCall, KernelArg, ModuleSource, PointerArg
+from .._records import (
+    Activity,
+    CollectiveCall,
+    HostArray,
+    KernelArg,
+    ModuleSource,
+    PointerArg,
+    RawBuffer,
+    RawComm,
+    RawEvent,
+    RawGraph,
+    RawKernel,
+    RawPartition,
+    RawStream,
+    Step,
+)
 from . import _green
 from ._contexts import STREAM_NON_BLOCKING, CudaContexts
 from ._driver import check, err_name, error_for, warn_unless_fault
+from ._green import CudaPartition
 from ._handles import (
     Capture,
     CudaBuffer,
@@ -62,7 +78,7 @@ from ._kernels import (
     plan,
 )
 from ._modules import Modules
-from ._nccl import NcclComms
+from ._nccl import NcclComm, NcclComms
 from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending
 from ._timing import Timer
 from ._words import WORDS, WordMarks
@@ -95,13 +111,16 @@ class CudaBackend(CudaContexts):
         self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
 
     # -- streams ------------------------------------------------------------------
-    def create_stream(self, device: int, priority: int = 0, partition: Any = None) -> CudaStream:
+    def create_stream(
+        self, device: int, priority: int = 0, partition: RawPartition | None = None
+    ) -> RawStream:
+        part = cast(CudaPartition | None, partition)
         dev = self._dev(device)
         if dev.fault is not None:
             raise dev.fault
-        least = self.priority_range(dev)[0] if priority or partition is not None else 0
-        if partition is not None:
-            h = _green.create_stream(self._cu, self._call, partition, least - priority)
+        least = self.priority_range(dev)[0] if priority or part is not None else 0
+        if part is not None:
+            h = _green.create_stream(self._cu, self._call, part, least - priority)
         elif priority:
             (h,) = self._call(
                 dev, "cuStreamCreateWithPriority", self._cu.cuStreamCreateWithPriority,
@@ -110,39 +129,40 @@ class CudaBackend(CudaContexts):
         else:
             (h,) = self._call(dev, "cuStreamCreate", self._cu.cuStreamCreate, STREAM_NON_BLOCKING)
         word = WORDS.take(self._register_host) if self._marks.name == "word" else None
-        return CudaStream(dev, h, word, partition)
+        return RawStream(CudaStream(dev, h, word, part))
 
-    def destroy_stream(self, stream: Any) -> None:
-        if stream.foreign:
+    def destroy_stream(self, stream: RawStream) -> None:
+        s = cast(CudaStream, stream)
+        if s.foreign:
             return  # another library's: never ours to destroy
         try:
-            dev = stream.dev
+            dev = s.dev
             # a stream is dropped (its finalizer, on any thread) while the
             # completer may be querying it: a query must never use a handle
             # destroyed under it
             with self._stream_lock:
-                if stream.destroyed:
+                if s.destroyed:
                     return
-                stream.destroyed = True
-                live = stream.token is dev.token and dev.fault is None
+                s.destroyed = True
+                live = s.token is dev.token and dev.fault is None
                 if live:
                     self.make_current(dev)
                 marks = self._marks
-                if stream.word is not None and (
-                    not live or not isinstance(marks, WordMarks) or marks.seal(dev, stream)
+                if s.word is not None and (
+                    not live or not isinstance(marks, WordMarks) or marks.seal(dev, s)
                 ):
-                    WORDS.give_back(stream.word, stream.issued)
+                    WORDS.give_back(s.word, s.issued)
                 if not live:
                     return  # gone with the context, or a faulted one: leak
-                (err,) = self._cu.cuStreamDestroy(stream.handle)
+                (err,) = self._cu.cuStreamDestroy(s.handle)
                 # its events (its marks', the one before its last capture): the
                 # pool's again, free to record elsewhere
-                with stream.mark_lock:
-                    while stream.mark_events:
-                        dev.events.append(stream.mark_events.popleft()[1])
-                if stream.pre_capture:
-                    dev.events.append(stream.pre_capture)
-                    stream.pre_capture = 0
+                with s.mark_lock:
+                    while s.mark_events:
+                        dev.events.append(s.mark_events.popleft()[1])
+                if s.pre_capture:
+                    dev.events.append(s.pre_capture)
+                    s.pre_capture = 0
             if int(err):
                 warn_unless_fault(int(err), "cuStreamDestroy", dev, f"destroying {stream!r}")
         except Exception as exc:
@@ -159,16 +179,18 @@ class CudaBackend(CudaContexts):
             "events": _events_unheld(self._devices, copying),
         }
 
-    def stream_destroyed(self, stream: Any) -> bool:
-        return bool(stream.destroyed)
+    def stream_destroyed(self, stream: RawStream) -> bool:
+        s = cast(CudaStream, stream)
+        return bool(s.destroyed)
 
-    def stream_handle(self, stream: Any) -> int:
-        return int(stream.handle)
+    def stream_handle(self, stream: RawStream) -> int:
+        s = cast(CudaStream, stream)
+        return int(s.handle)
 
     # -- other libraries' streams and memory ----------------------------------------
     def foreign_stream(
         self, handle: int, device: int, named: bool = False
-    ) -> tuple[CudaStream, int]:
+    ) -> tuple[RawStream, int]:
         if named:
             # the library says the stream is on ``device``, and the driver said
             # so of ``handle`` before, in the context ``device`` still has
@@ -177,7 +199,7 @@ class CudaBackend(CudaContexts):
             if stream is not None and stream.token is stream.dev.token:
                 if stream.dev.fault is not None:
                     raise stream.dev.fault
-                return stream, device
+                return RawStream(stream), device
         if handle in _DEFAULT_STREAM_HANDLES:
             dev = self._dev(device)
         else:
@@ -207,7 +229,7 @@ class CudaBackend(CudaContexts):
             if len(self._foreign_streams) >= _MAX_FOREIGN_STREAMS:
                 self._foreign_streams.clear()
             self._foreign_streams[key] = stream
-        return stream, dev.index
+        return RawStream(stream), dev.index
 
     def _foreign_call(self, dev: Dev, fn: Callable[[], T]) -> T:
         """``fn()`` with ``dev``'s context current, and then the calling thread's own
@@ -274,42 +296,44 @@ class CudaBackend(CudaContexts):
             )
         return CudaBuffer(self._devices[ordinal], int(nbytes), ptr, foreign=True)
 
-    def synchronize(self, stream: Any) -> None:
-        dev = stream.dev
+    def synchronize(self, stream: RawStream) -> None:
+        s = cast(CudaStream, stream)
+        dev = s.dev
         if dev.fault is not None:
             raise dev.fault
-        if stream.capture is not None:
+        if s.capture is not None:
             raise UsageError("cannot synchronize a stream while it is being captured")
-        if stream.token is not dev.token or stream.destroyed:
+        if s.token is not dev.token or s.destroyed:
             return  # its work went with the context (or the stream is gone)
         self.make_current(dev)
-        rc = self._n.stream_synchronize(stream.handle)
+        rc = self._n.stream_synchronize(s.handle)
         if rc:
             raise error_for(rc, "cuStreamSynchronize", dev)
         if self._staging.d2h_pending:
             self._staging.sweep_all()
 
-    def query(self, stream: Any) -> bool:
-        dev = stream.dev
+    def query(self, stream: RawStream) -> bool:
+        s = cast(CudaStream, stream)
+        dev = s.dev
         if dev.fault is not None:
             raise dev.fault
-        if stream.foreign:
+        if s.foreign:
             # another library's stream may be gone by now: ask the events of
             # our marks on it instead (a fault's sticky code is recorded)
-            reached = self._foreign_marks.reached(stream)
+            reached = self._foreign_marks.reached(s)
             if dev.fault is not None:
                 raise dev.fault
-            return bool(reached >= stream.issued)
+            return bool(reached >= s.issued)
         with self._stream_lock:  # not destroyed while we ask
-            if stream.token is not dev.token or stream.destroyed:
+            if s.token is not dev.token or s.destroyed:
                 return True
             self.make_current(dev)
-            if stream.capture is not None:
+            if s.capture is not None:
                 # querying a capturing stream would invalidate the capture: ask about
                 # the work enqueued before it began instead
-                rc = self._n.event_query(stream.pre_capture) if stream.pre_capture else CUDA_SUCCESS
+                rc = self._n.event_query(s.pre_capture) if s.pre_capture else CUDA_SUCCESS
             else:
-                rc = self._n.stream_query(stream.handle)
+                rc = self._n.stream_query(s.handle)
         if rc == CUDA_SUCCESS:
             if self._staging.d2h_pending:
                 self._staging.sweep_all()
@@ -319,14 +343,15 @@ class CudaBackend(CudaContexts):
         raise error_for(rc, "cuStreamQuery", dev)
 
     # -- events -------------------------------------------------------------------
-    def record_event(self, stream: Any) -> CudaEvent:
-        dev = self.live_device(stream)
-        if stream.foreign:
+    def record_event(self, stream: RawStream) -> RawEvent:
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
+        if s.foreign:
             return self._foreign_call(
-                dev, lambda: CudaEvent(dev, self._record(dev, stream.handle), None)
+                dev, lambda: RawEvent(CudaEvent(dev, self._record(dev, s.handle), None))
             )
         self.make_current(dev)
-        return CudaEvent(dev, self._record(dev, stream.handle), stream.capture)
+        return RawEvent(CudaEvent(dev, self._record(dev, s.handle), s.capture))
 
     def _worth_waiting(self, dev: Dev, other: Dev, token: Token) -> bool:
         """Whether work of ``other``'s context life ``token`` is left to wait
@@ -338,47 +363,50 @@ class CudaBackend(CudaContexts):
             raise other.fault
         return True
 
-    def wait_event(self, stream: Any, event: Any) -> None:
-        dev = self.live_device(stream)
-        if not self._worth_waiting(dev, event.dev, event.token):
+    def wait_event(self, stream: RawStream, event: RawEvent) -> None:
+        s = cast(CudaStream, stream)
+        ev = cast(CudaEvent, event)
+        dev = self.live_device(s)
+        if not self._worth_waiting(dev, ev.dev, ev.token):
             return
-        if stream.foreign:
-            if event.capture is not None:
+        if s.foreign:
+            if ev.capture is not None:
                 raise UsageError(
                     "another library's stream cannot wait on work being captured into a graph"
                 )
             rc = self._foreign_call(
-                dev, lambda: self._n.stream_wait_event(stream.handle, event.handle, 0)
+                dev, lambda: self._n.stream_wait_event(s.handle, ev.handle, 0)
             )
             if rc:
                 raise error_for(rc, "cuStreamWaitEvent", dev)
             return
         self.make_current(dev)
-        if event.capture is not None and stream.capture is None:
+        if ev.capture is not None and s.capture is None:
             # CUDA's fork: waiting on an event recorded in a capture joins it.  What
             # the stream had before is marked for query (which must not touch it now).
-            pre = self._record(dev, stream.handle)
-            if stream.pre_capture:
-                dev.events.append(stream.pre_capture)
-            stream.pre_capture = pre
-            stream.capture = event.capture
-            event.capture.streams.append(stream)
-        rc = self._n.stream_wait_event(stream.handle, event.handle, 0)
+            pre = self._record(dev, s.handle)
+            if s.pre_capture:
+                dev.events.append(s.pre_capture)
+            s.pre_capture = pre
+            s.capture = ev.capture
+            ev.capture.streams.append(s)
+        rc = self._n.stream_wait_event(s.handle, ev.handle, 0)
         if rc:
             raise error_for(rc, "cuStreamWaitEvent", dev)
 
     # -- memory -------------------------------------------------------------------
-    def alloc(self, device: int, nbytes: int, stream: Any) -> CudaBuffer:
+    def alloc(self, device: int, nbytes: int, stream: RawStream) -> CudaBuffer:
+        s = cast(CudaStream, stream)
         dev = self._dev(device)
-        self.live_device(stream)
+        self.live_device(s)
         if dev.fault is not None:
             raise dev.fault
         self.make_current(dev)
         # During a capture (or for another device than the stream's) the memory is
         # taken outside the graph, on a private stream, and made usable at once:
         # the graph then sees fixed addresses, as the sim backend does.
-        side = stream.capture is not None or stream.dev is not dev
-        h = dev.side if side else stream.handle
+        side = s.capture is not None or s.dev is not dev
+        h = dev.side if side else s.handle
         size = max(int(nbytes), 1)
         out = ctypes.c_uint64()
         rc = self._n.mem_alloc_async(ctypes.byref(out), size, h)
@@ -398,126 +426,135 @@ class CudaBackend(CudaContexts):
                 raise error_for(rc, "cuStreamSynchronize", dev)
         return CudaBuffer(dev, int(nbytes), int(out.value))
 
-    def free(self, buffer: Any, stream: Any) -> None:
+    def free(self, buffer: RawBuffer, stream: RawStream) -> None:
+        b = cast(CudaBuffer, buffer)
+        s = cast(CudaStream, stream)
         try:
-            if buffer.freed or buffer.foreign:
+            if b.freed or b.foreign:
                 return  # (another library's memory is never ours to free)
-            dev = buffer.dev
-            if dev.fault is not None or buffer.token is not dev.token:
-                buffer.freed = True  # the context is gone with its memory, or faulted: leak
+            dev = b.dev
+            if dev.fault is not None or b.token is not dev.token:
+                b.freed = True  # the context is gone with its memory, or faulted: leak
                 return
-            sdev = stream.dev
-            if stream.token is not sdev.token or sdev.fault is not None:
-                buffer.freed = True  # its stream's work may never finish: leak
+            sdev = s.dev
+            if s.token is not sdev.token or sdev.fault is not None:
+                b.freed = True  # its stream's work may never finish: leak
                 return
-            if stream.destroyed:
+            if s.destroyed:
                 warnings.warn(
                     f"gpuflow: {buffer!r} freed on a destroyed stream: leaked", stacklevel=2
                 )
-                buffer.freed = True
+                b.freed = True
                 return
-            if stream.capture is not None:
+            if s.capture is not None:
                 # a free in a capture would be a graph node, legal only for graph memory:
                 # free it on the stream when the capture ends instead
-                stream.capture.deferred_frees.append((buffer, stream))
+                s.capture.deferred_frees.append((b, s))
                 return
             self.make_current(sdev)
-            rc = self._n.mem_free_async(buffer.ptr, stream.handle)
+            rc = self._n.mem_free_async(b.ptr, s.handle)
             if rc in CONTEXT_ERRORS:
                 self.force_current(sdev)
-                rc = self._n.mem_free_async(buffer.ptr, stream.handle)
-            buffer.freed = True
+                rc = self._n.mem_free_async(b.ptr, s.handle)
+            b.freed = True
             if rc:
                 warn_unless_fault(rc, "cuMemFreeAsync", sdev, f"freeing {buffer!r}")
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 
     # -- copies (through pinned staging buffers: ._staging) -----------------------
-    def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
-        dev = self.live_device(stream)
+    def copy_from_host(self, dst: RawBuffer, src: HostArray, stream: RawStream) -> None:
+        d = cast(CudaBuffer, dst)
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
         n = int(src.nbytes)
         if n == 0:
             return
         if not src.flags.c_contiguous:
             raise UsageError("copy_from_host needs a C-contiguous array")
-        if n > dst.nbytes:
+        if n > d.nbytes:
             raise UsageError(f"copy of {n} bytes into {dst!r}")
         buf = None
-        if stream.capture is None and STAGE_H2D_MIN <= n <= STAGE_MAX:
+        if s.capture is None and STAGE_H2D_MIN <= n <= STAGE_MAX:
             buf = self._staging.get(dev, n)
         self.make_current(dev)
         cu = self._cu
         timed = None
         if self._timer.records:
-            timed = self._timer.start(dev, stream, f"copy to {dst!r}")
+            timed = self._timer.start(dev, s, f"copy to {dst!r}")
         if buf is None:
             self._call(
                 dev, "cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync,
-                dst.ptr, src.ctypes.data, n, stream.handle,
+                d.ptr, src.ctypes.data, n, s.handle,
             )  # fmt: skip
             self._timer.end(timed)
             return
         buf.array[:n] = src.reshape(-1).view(np.uint8)
         # (on an error below the staging buffer is dropped, never reused)
         self._call(
-            dev, "cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync, dst.ptr, buf.ptr, n, stream.handle
+            dev, "cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync, d.ptr, buf.ptr, n, s.handle
         )
         self._timer.end(timed)
-        ev = self._record(dev, stream.handle)
+        ev = self._record(dev, s.handle)
         self._staging.done(dev, Pending(ev, buf, None, n))
 
-    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
-        dev = self.live_device(stream)
+    def copy_to_host(self, dst: HostArray, src: RawBuffer, stream: RawStream) -> None:
+        sb = cast(CudaBuffer, src)
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
         n = int(dst.nbytes)
         if n == 0:
             return
         if not dst.flags.c_contiguous:
             raise UsageError("copy_to_host needs a C-contiguous array")
-        if n > src.nbytes:
+        if n > sb.nbytes:
             raise UsageError(f"copy of {n} bytes from {src!r}")
         buf = None
-        if stream.capture is None and n <= STAGE_MAX:
+        if s.capture is None and n <= STAGE_MAX:
             buf = self._staging.get(dev, n)
         self.make_current(dev)
         cu = self._cu
         timed = None
         if self._timer.records:
-            timed = self._timer.start(dev, stream, f"copy from {src!r}")
+            timed = self._timer.start(dev, s, f"copy from {src!r}")
         if buf is None:
             # pageable destination: the driver returns only once the copy is done
             self._call(
                 dev, "cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync,
-                dst.ctypes.data, src.ptr, n, stream.handle,
+                dst.ctypes.data, sb.ptr, n, s.handle,
             )  # fmt: skip
             self._timer.end(timed)
             return
         flat = dst.reshape(-1).view(np.uint8)
         self._call(
-            dev, "cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync, buf.ptr, src.ptr, n, stream.handle
+            dev, "cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync, buf.ptr, sb.ptr, n, s.handle
         )
         self._timer.end(timed)
-        ev = self._record(dev, stream.handle)
+        ev = self._record(dev, s.handle)
         self._staging.done(dev, Pending(ev, buf, flat, n))
 
-    def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
-        dev = self.live_device(stream)
+    def copy_device(self, dst: RawBuffer, src: RawBuffer, nbytes: int, stream: RawStream) -> None:
+        d = cast(CudaBuffer, dst)
+        sb = cast(CudaBuffer, src)
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
         if nbytes <= 0:
             return
         cu = self._cu
         timed = None
         if self._timer.records:
             self.make_current(dev)
-            timed = self._timer.start(dev, stream, f"copy {src!r} -> {dst!r}")
+            timed = self._timer.start(dev, s, f"copy {src!r} -> {dst!r}")
         # (the bindings take the stream object faster than its handle)
-        if dst.dev is not src.dev:
+        if d.dev is not sb.dev:
             self._call(
                 dev, "cuMemcpyPeerAsync", cu.cuMemcpyPeerAsync,
-                dst.ptr, dst.dev.ctx, src.ptr, src.dev.ctx, nbytes, stream.obj,
+                d.ptr, d.dev.ctx, sb.ptr, sb.dev.ctx, nbytes, s.obj,
             )  # fmt: skip
         else:
             self._call(
                 dev, "cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync,
-                dst.ptr, src.ptr, nbytes, stream.obj,
+                d.ptr, sb.ptr, nbytes, s.obj,
             )  # fmt: skip
         if timed is not None:
             self._timer.end(timed)
@@ -544,18 +581,22 @@ class CudaBackend(CudaContexts):
         if err:
             raise error_for(int(err), f"built-in kernel {fname}", dev, launch=True)
 
-    def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
-        dev = self.live_device(stream)
+    def fill(self, dst: RawBuffer, value: np.generic, count: int, stream: RawStream) -> None:
+        d = cast(CudaBuffer, dst)
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
         if count <= 0:
             return
         timed = None
         if self._timer.records:
             self.make_current(dev)
-            timed = self._timer.start(dev, stream, f"fill of {dst!r}")
-        self._fill(dev, dst, value, count, stream)
+            timed = self._timer.start(dev, s, f"fill of {dst!r}")
+        self._fill(dev, d, value, count, s)
         self._timer.end(timed)
 
-    def _fill(self, dev: Dev, dst: Any, value: np.generic, count: int, stream: Any) -> None:
+    def _fill(
+        self, dev: Dev, dst: CudaBuffer, value: np.generic, count: int, stream: CudaStream
+    ) -> None:
         size = value.dtype.itemsize
         bits = value.tobytes()
         cu = self._cu
@@ -578,9 +619,11 @@ class CudaBackend(CudaContexts):
             raise UsageError(f"fill does not support dtype {value.dtype} on the cuda backend")
 
     def arange(
-        self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
+        self, dst: RawBuffer, start: np.generic, step: np.generic, count: int, stream: RawStream
     ) -> None:
-        dev = self.live_device(stream)
+        d = cast(CudaBuffer, dst)
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
         if count <= 0:
             return
         dtype = start.dtype
@@ -601,28 +644,30 @@ class CudaBackend(CudaContexts):
         timed = None
         if self._timer.records:
             self.make_current(dev)
-            timed = self._timer.start(dev, stream, f"arange into {dst!r}")
-        self._launch_builtin(dev, stream, fname, st, (dst.ptr, a, b, count))
+            timed = self._timer.start(dev, s, f"arange into {dst!r}")
+        self._launch_builtin(dev, s, fname, st, (d.ptr, a, b, count))
         self._timer.end(timed)
 
     # -- kernels --------------------------------------------------------------------
-    def load_kernel(self, device: int, module: ModuleSource, name: str) -> CudaKernel:
-        return self._loaded.kernel(self._dev(device), module, name)
+    def load_kernel(self, device: int, module: ModuleSource, name: str) -> RawKernel:
+        return RawKernel(self._loaded.kernel(self._dev(device), module, name))
 
     def launch(
         self,
-        kernel: Any,
+        kernel: RawKernel,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shmem: int,
         args: Sequence[KernelArg],
-        stream: Any,
+        stream: RawStream,
     ) -> None:
-        dev = stream.dev
+        k = cast(CudaKernel, kernel)
+        s = cast(CudaStream, stream)
+        dev = s.dev
         if dev.fault is not None:
             raise dev.fault
-        if kernel.token is not dev.token or stream.token is not dev.token or stream.destroyed:
-            self._stale_launch(kernel, stream)
+        if k.token is not dev.token or s.token is not dev.token or s.destroyed:
+            self._stale_launch(k, s)
         ts = self.thread_state
         if ts.token is not dev.token:
             self.make_current(dev)
@@ -642,61 +687,63 @@ class CudaBackend(CudaContexts):
         gx, gy, gz = grid
         bx, by, bz = block
         timer = self._timer
-        timed = timer.start(dev, stream, f"kernel {kernel.name!r}") if timer.records else None
-        func = kernel.obj
-        if stream.green is not None:  # (its own copy of the kernel, in its green ctx)
-            func = _green.function(self._cu, stream.green, kernel.image, kernel.name)
+        timed = timer.start(dev, s, f"kernel {k.name!r}") if timer.records else None
+        func = k.obj
+        if s.green is not None:  # (its own copy of the kernel, in its green ctx)
+            func = _green.function(self._cu, s.green, k.image, k.name)
         # cuda.bindings' cuLaunchKernel (Cython, GIL released) with the parameter array's
         # address: measured faster than libcuda through ctypes, whose 11 converted
         # arguments cost more than the bindings' whole call
-        (err,) = self._launch(func, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
+        (err,) = self._launch(func, gx, gy, gz, bx, by, bz, shmem, s.obj, params, 0)
         if err:
             try:
-                self._launch_failed(int(err), kernel, grid, block, shmem, params, stream)
+                self._launch_failed(int(err), k, grid, block, shmem, params, s)
             except BaseException:
                 timer.drop(timed)
                 raise
         if timed is not None:
             timer.end(timed)
 
-    def launcher(
+    def prepare_launch(
         self,
-        kernel: Any,
+        kernel: RawKernel,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shmem: int,
         args: Sequence[KernelArg],
-    ) -> Callable[[Any], None]:
+    ) -> Step:
+        k = cast(CudaKernel, kernel)
         if any(type(a) is PointerArg for a in args):
-            return super().launcher(kernel, grid, block, shmem, args)
-        # the arguments are packed once, into an array of the launcher's own
+            return super().prepare_launch(kernel, grid, block, shmem, args)
+        # the arguments are packed once, into an array of the step's own
         # (the driver copies them at each launch); a launch where anything is
         # not as usual (a fault, a reset, another thread's context, the
         # activity record) goes through launch(), which checks and times it
         keep, params = packed(tuple(map(type, args)), tuple(args)) if args else (None, 0)
         launch, launch_failed, f = self.launch, self._launch_failed, self._launch
-        obj, tls, timer = kernel.obj, self.thread_state, self._timer
+        obj, tls, timer = k.obj, self.thread_state, self._timer
         gx, gy, gz = grid
         bx, by, bz = block
 
-        def launch_on(stream: CudaStream, _keep: Any = keep) -> None:
+        def step(stream: CudaStream, _keep: object = keep) -> None:
             dev = stream.dev
             if (
                 dev.fault is not None
-                or kernel.token is not dev.token
+                or k.token is not dev.token
                 or stream.token is not dev.token
                 or stream.destroyed
                 or tls.token is not dev.token
                 or timer.records
                 or stream.green is not None
             ):
-                launch(kernel, grid, block, shmem, args, stream)
+                launch(kernel, grid, block, shmem, args, RawStream(stream))
                 return
             (err,) = f(obj, gx, gy, gz, bx, by, bz, shmem, stream.obj, params, 0)
             if err:
-                launch_failed(int(err), kernel, grid, block, shmem, params, stream)
+                launch_failed(int(err), k, grid, block, shmem, params, stream)
 
-        return launch_on
+        # (typed with its own stream class: it is only ever given this backend's)
+        return cast(Step, step)
 
     def _stale_launch(self, kernel: CudaKernel, stream: CudaStream) -> NoReturn:
         if kernel.token is not kernel.dev.token:
@@ -741,36 +788,38 @@ class CudaBackend(CudaContexts):
         )
 
     # -- the native half of the completion bridge -------------------------------------
-    def mark(self, stream: Any, polled: bool = True) -> int:
-        dev = stream.dev
+    def mark(self, stream: RawStream, polled: bool = True) -> int:
+        s = cast(CudaStream, stream)
+        dev = s.dev
         if (
             dev.fault is None
-            and stream.token is dev.token
-            and not stream.destroyed
-            and stream.capture is None
+            and s.token is dev.token
+            and not s.destroyed
+            and s.capture is None
             and self.thread_state.token is dev.token
         ):
             # every run's mark: what the checks below let through, without
             # their calls (another library's stream named by its handle
             # needs no context of ours: a default stream's is asked below)
-            if not stream.foreign:
-                return self._marks.mark(dev, stream, polled)
-            if stream.handle not in _DEFAULT_STREAM_HANDLES:
-                return self._foreign_mark(dev, stream)
-        dev = self.live_device(stream)
-        if stream.capture is not None:
+            if not s.foreign:
+                return self._marks.mark(dev, s, polled)
+            if s.handle not in _DEFAULT_STREAM_HANDLES:
+                return self._foreign_mark(dev, s)
+        dev = self.live_device(s)
+        if s.capture is not None:
             raise UsageError("a completion mark cannot be captured into a graph")
-        if stream.foreign:
-            return self._ours_on_foreign(dev, stream, lambda: self._foreign_mark(dev, stream))
+        if s.foreign:
+            return self._ours_on_foreign(dev, s, lambda: self._foreign_mark(dev, s))
         if self.thread_state.token is not dev.token:
             self.make_current(dev)
-        return self._marks.mark(dev, stream, polled)
+        return self._marks.mark(dev, s, polled)
 
-    def marker(self, stream: Any) -> Callable[[bool], int]:
+    def marker(self, stream: RawStream) -> Callable[[bool], int]:
+        s = cast(CudaStream, stream)
         marks = self._marks
-        if stream.foreign or not isinstance(marks, WordMarks) or marks.bound is None:
+        if s.foreign or not isinstance(marks, WordMarks) or marks.bound is None:
             return super().marker(stream)
-        return marks.marker(stream, self.thread_state, self.mark)
+        return marks.marker(s, self.thread_state, self.mark)
 
     def _foreign_mark(self, dev: Dev, stream: CudaStream) -> int:
         if self._capturing(dev, stream):
@@ -780,32 +829,36 @@ class CudaBackend(CudaContexts):
             )
         return self._foreign_marks.mark(dev, stream)
 
-    def completion_reader(self, stream: Any) -> Callable[[], int]:
-        return (self._foreign_marks if stream.foreign else self._marks).reader(stream)
+    def completion_reader(self, stream: RawStream) -> Callable[[], int]:
+        s = cast(CudaStream, stream)
+        return (self._foreign_marks if s.foreign else self._marks).reader(s)
 
-    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
-        dev = self.live_device(stream)
-        if not self._worth_waiting(dev, other.dev, other.token):
+    def wait_mark(self, stream: RawStream, other: RawStream, number: int) -> None:
+        s = cast(CudaStream, stream)
+        o = cast(CudaStream, other)
+        dev = self.live_device(s)
+        if not self._worth_waiting(dev, o.dev, o.token):
             return
-        marks = self._foreign_marks if other.foreign else self._marks
-        if stream.foreign:
-            rc = self._foreign_call(dev, lambda: marks.wait(dev, stream, other, number))
+        marks = self._foreign_marks if o.foreign else self._marks
+        if s.foreign:
+            rc = self._foreign_call(dev, lambda: marks.wait(dev, s, o, number))
         else:
             if self.thread_state.token is not dev.token:
                 self.make_current(dev)
-            rc = marks.wait(dev, stream, other, number)
+            rc = marks.wait(dev, s, o, number)
         if rc:
             raise error_for(rc, "cuStreamWaitValue64", dev)
 
-    def enqueue_close(self, stream: Any, fd: int) -> bool:
-        dev = self.live_device(stream)
-        if stream.capture is not None:
+    def enqueue_close(self, stream: RawStream, fd: int) -> bool:
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
+        if s.capture is not None:
             return False  # a host node would close the fd again at every replay
-        if stream.foreign:
-            return self._ours_on_foreign(dev, stream, lambda: self._close_after(dev, stream, fd))
+        if s.foreign:
+            return self._ours_on_foreign(dev, s, lambda: self._close_after(dev, s, fd))
         if self.thread_state.token is not dev.token:
             self.make_current(dev)
-        return self._close_after(dev, stream, fd)
+        return self._close_after(dev, s, fd)
 
     def _close_after(self, dev: Dev, stream: CudaStream, fd: int) -> bool:
         if stream.foreign and self._capturing(dev, stream):
@@ -815,11 +868,12 @@ class CudaBackend(CudaContexts):
             raise error_for(rc, "cuLaunchHostFunc", dev)
         return True
 
-    def stream_capturing(self, stream: Any) -> bool:
-        if not stream.foreign:
-            return stream.capture is not None
-        dev = self.live_device(stream)
-        return self._ours_on_foreign(dev, stream, lambda: self._capturing(dev, stream))
+    def stream_capturing(self, stream: RawStream) -> bool:
+        s = cast(CudaStream, stream)
+        if not s.foreign:
+            return s.capture is not None
+        dev = self.live_device(s)
+        return self._ours_on_foreign(dev, s, lambda: self._capturing(dev, s))
 
     def _ours_on_foreign(self, dev: Dev, stream: CudaStream, fn: Callable[[], T]) -> T:
         """``fn()`` on another library's stream, called by gpuflow's own code
@@ -841,7 +895,7 @@ class CudaBackend(CudaContexts):
             raise error_for(int(err), "cuStreamIsCapturing", dev)
         return int(status) != 0
 
-    def complete_transfers(self, stream: Any) -> None:
+    def complete_transfers(self, stream: RawStream) -> None:
         if self._staging.d2h_pending:
             self._staging.sweep_all()
 
@@ -851,60 +905,68 @@ class CudaBackend(CudaContexts):
 
     def comm_init(
         self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
-    ) -> list[Any]:
-        return self._nccl.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+    ) -> list[RawComm]:
+        comms = self._nccl.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+        return [RawComm(c) for c in comms]
 
-    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
-        for _comm, _call, stream in calls:
+    def comm_group(self, calls: Sequence[tuple[RawComm, CollectiveCall, RawStream]]) -> None:
+        own = [(cast(NcclComm, c), call, cast(CudaStream, s)) for c, call, s in calls]
+        for _comm, _call, stream in own:
             self.live_device(stream)
-        self._nccl.group(calls)
+        self._nccl.group(own)
 
-    def comm_issuer(self, comm: Any, call: CollectiveCall) -> Callable[[Any], None]:
-        return self._nccl.issuer(comm, call)
+    def prepare_collective(self, comm: RawComm, call: CollectiveCall) -> Step:
+        # (typed with its own stream class: it is only ever given this backend's)
+        return cast(Step, self._nccl.prepare(cast(NcclComm, comm), call))
 
-    def comm_async_error(self, comm: Any) -> Any:
-        return self._nccl.async_error(comm)
+    def comm_async_error(self, comm: RawComm) -> CommunicatorError | None:
+        c = cast(NcclComm, comm)
+        return self._nccl.async_error(c)
 
-    def comm_abort(self, comm: Any) -> None:
-        self._nccl.abort(comm)
+    def comm_abort(self, comm: RawComm) -> None:
+        c = cast(NcclComm, comm)
+        self._nccl.abort(c)
 
-    def comm_destroy(self, comm: Any) -> None:
-        self._nccl.destroy(comm)
+    def comm_destroy(self, comm: RawComm) -> None:
+        c = cast(NcclComm, comm)
+        self._nccl.destroy(c)
 
     # -- graphs -------------------------------------------------------------------------
-    def begin_capture(self, stream: Any) -> None:
+    def begin_capture(self, stream: RawStream) -> None:
         # Relaxed mode: other threads (the completer's queries, finalizers' frees on
         # other streams, other tasks' work) stay legal during a capture; fork/join
         # through record_event/wait_event works in every mode.
-        dev = self.live_device(stream)
-        if stream.capture is not None:
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
+        if s.capture is not None:
             raise UsageError("the stream is already being captured")
         self.make_current(dev)
-        pre = self._record(dev, stream.handle)
+        pre = self._record(dev, s.handle)
         cu = self._cu
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         try:
-            self._call(dev, "cuStreamBeginCapture", cu.cuStreamBeginCapture, stream.handle, mode)
+            self._call(dev, "cuStreamBeginCapture", cu.cuStreamBeginCapture, s.handle, mode)
         except BaseException:
             dev.events.append(pre)
             raise
-        if stream.pre_capture:
-            dev.events.append(stream.pre_capture)
-        stream.pre_capture = pre
-        stream.capture = Capture(stream)
+        if s.pre_capture:
+            dev.events.append(s.pre_capture)
+        s.pre_capture = pre
+        s.capture = Capture(s)
 
-    def end_capture(self, stream: Any) -> CudaGraph:
-        cap = stream.capture
+    def end_capture(self, stream: RawStream) -> RawGraph:
+        s_ = cast(CudaStream, stream)
+        cap = s_.capture
         if cap is None:
             raise UsageError("the stream is not being captured")
-        dev = stream.dev
+        dev = s_.dev
         cu = self._cu
         self.make_current(dev)
-        res = cu.cuStreamEndCapture(stream.handle)
+        res = cu.cuStreamEndCapture(s_.handle)
         for s in cap.streams:
             s.capture = None
         for buffer, s in cap.deferred_frees:
-            self.free(buffer, s)
+            self.free(buffer, RawStream(s))
         (graph,) = check(res, "cuStreamEndCapture", dev)
         try:
             # with no array to fill, the driver only counts the nodes
@@ -913,25 +975,29 @@ class CudaBackend(CudaContexts):
         except BaseException:
             cu.cuGraphDestroy(graph)  # unchecked: the instantiation's error is the one to raise
             raise
-        return CudaGraph(self, dev, int(graph), int(exec_), int(nodes))
+        return RawGraph(CudaGraph(self, dev, int(graph), int(exec_), int(nodes)))
 
-    def graph_node_count(self, graph: Any) -> int:
-        return int(graph.nodes)
+    def graph_node_count(self, graph: RawGraph) -> int:
+        g = cast(CudaGraph, graph)
+        return int(g.nodes)
 
-    def graph_handle(self, graph: Any) -> int:
-        return int(graph.exec)
+    def graph_handle(self, graph: RawGraph) -> int:
+        g = cast(CudaGraph, graph)
+        return int(g.exec)
 
-    def launch_graph(self, graph: Any, stream: Any) -> None:
-        dev = self.live_device(stream)
-        if graph.token is not graph.dev.token:
+    def launch_graph(self, graph: RawGraph, stream: RawStream) -> None:
+        g = cast(CudaGraph, graph)
+        s = cast(CudaStream, stream)
+        dev = self.live_device(s)
+        if g.token is not g.dev.token:
             raise UsageError("the graph was captured before its device was reset")
         self.make_current(dev)
         timed = (
-            self._timer.start(dev, stream, f"graph of {graph.nodes} nodes")
+            self._timer.start(dev, s, f"graph of {g.nodes} nodes")
             if self._timer.records
             else None
         )
-        rc = self._n.graph_launch(graph.exec, stream.handle)
+        rc = self._n.graph_launch(g.exec, s.handle)
         if rc:
             self._timer.drop(timed)
             raise error_for(rc, "cuGraphLaunch", dev)
@@ -950,8 +1016,9 @@ class CudaBackend(CudaContexts):
     def update_activity_records(self) -> None:
         self._timer.update()
 
-    def activity_stream_id(self, stream: Any) -> int:
-        return int(stream.handle)
+    def activity_stream_id(self, stream: RawStream) -> int:
+        s = cast(CudaStream, stream)
+        return int(s.handle)
 
     def close(self) -> None:
         """Unload the modules (this waits until the device is idle); other

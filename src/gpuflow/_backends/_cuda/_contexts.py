@@ -34,14 +34,15 @@ import ctypes
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
 from .._base import Backend
 from .._codes import CONTEXT_ERRORS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_SUCCESS
-from .._records import DeviceDescription, LaunchLimits
+from .._records import DeviceDescription, LaunchLimits, RawPartition
 from . import _green
 from ._driver import check, driver, err_name, error_for
+from ._green import CudaPartition
 from ._handles import CudaStream, Dev, Token
 from ._kernels import ThreadState
 from ._native import Native
@@ -279,8 +280,9 @@ class CudaContexts(Backend):
         self._partitions += parts
         return parts
 
-    def partition_size(self, partition: Any) -> int:
-        return int(partition.sms)
+    def partition_size(self, partition: RawPartition) -> int:
+        part = cast(CudaPartition, partition)
+        return int(part.sms)
 
     def _setup_context(self, dev: Dev) -> None:
         """What each life of a primary context needs: pool settings, a private stream."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..._errors import CommunicatorError, UsageError
 from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES
-from .._records import CollectiveCall
+from .._records import CollectiveCall, DType
 
 if TYPE_CHECKING:
     from ._backend import CudaBackend
@@ -92,11 +92,11 @@ class NcclComms:
 
     def __init__(self, backend: CudaBackend) -> None:
         self._be = backend
-        self._types: dict[np.dtype[Any], int] | None = None
+        self._types: dict[DType, int] | None = None
         self._ops: dict[str, int] = {}
         self._bindings: Any = None
 
-    def _tables(self) -> tuple[Any, dict[np.dtype[Any], int], dict[str, int]]:
+    def _tables(self) -> tuple[Any, dict[DType, int], dict[str, int]]:
         if self._types is not None:
             return self._bindings, self._types, self._ops
         core, b = _modules()
@@ -147,7 +147,7 @@ class NcclComms:
             self._forget_current()
         return [NcclComm(c, d, r, nranks) for c, d, r in zip(comms, devs, ranks, strict=True)]
 
-    def group(self, calls: Sequence[tuple[NcclComm, CollectiveCall, Any]]) -> None:
+    def group(self, calls: Sequence[tuple[NcclComm, CollectiveCall, CudaStream]]) -> None:
         b, types, ops = self._tables()
         held: list[threading.Lock] = []
         first = calls[0][0].dev
@@ -187,16 +187,16 @@ class NcclComms:
             for lock in held:
                 lock.release()
 
-    def issuer(self, comm: NcclComm, call: CollectiveCall) -> Callable[[CudaStream], None]:
-        """:meth:`group` of ``call`` alone, its arguments resolved once: the
-        same lock, checks and errors, and one call of NCCL's a run."""
+    def prepare(self, comm: NcclComm, call: CollectiveCall) -> Callable[[CudaStream], None]:
+        """:meth:`group` of ``call`` alone as a step, its arguments resolved
+        once: the same lock, checks and errors, and one call of NCCL's a run."""
         b, types, ops = self._tables()
         bound = self._bound(b, types, ops, comm, call)
         lock, nccl_comm, dev = comm.lock, comm.comm, comm.dev
         be = self._be
         live, cur, tls = be.live_device, be.make_current, be.thread_state
 
-        def issue(stream: CudaStream) -> None:
+        def step(stream: CudaStream) -> None:
             sdev = stream.dev
             if sdev.fault is not None or stream.token is not sdev.token or stream.destroyed:
                 live(stream)  # (raises what group() would)
@@ -210,12 +210,12 @@ class NcclComms:
                 except Exception as exc:
                     raise _error(exc, f"enqueueing {call.kind}", comm) from exc
 
-        return issue
+        return step
 
     @staticmethod
     def _bound(
         b: Any,
-        types: dict[np.dtype[Any], int],
+        types: dict[DType, int],
         ops: dict[str, int],
         comm: NcclComm,
         call: CollectiveCall,

@@ -62,11 +62,18 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
-from ..._errors import DeviceFaultError, LaunchError, OutOfMemoryError, UsageError
+from ..._errors import (
+    CommunicatorError,
+    DeviceFaultError,
+    LaunchError,
+    OutOfMemoryError,
+    UsageError,
+)
 from .._base import Backend
 from .._codes import (
     CUDA_ERROR_ILLEGAL_ADDRESS,
@@ -80,12 +87,20 @@ from .._records import (
     Activity,
     CollectiveCall,
     DeviceDescription,
+    HostArray,
     KernelArg,
     ModuleSource,
     PointerArg,
+    RawBuffer,
+    RawComm,
+    RawEvent,
+    RawGraph,
+    RawKernel,
+    RawPartition,
+    RawStream,
     activity_tag,
 )
-from ._comm import SimComms, new_unique_id
+from ._comm import SimComm, SimComms, new_unique_id
 from ._loads import Loads
 from ._marks import SimCompletion
 from ._sms import DEFAULT_SMS, SimPartition, SimSMs
@@ -135,7 +150,7 @@ class SimBuffer:
     device: int
     nbytes: int
     ptr: int
-    data: np.ndarray[Any, np.dtype[np.uint8]]
+    data: npt.NDArray[np.uint8]
     generation: int
     freed: bool = False
 
@@ -174,7 +189,7 @@ class _Capture:
     streams: list[SimStream] = field(default_factory=list)
     #: frees asked for on a captured stream: done when the capture ends, as
     #: the cuda backend does (a free is no part of the graph)
-    deferred_frees: list[tuple[Any, SimStream]] = field(default_factory=list)
+    deferred_frees: list[tuple[RawBuffer, SimStream]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -195,7 +210,7 @@ class SimGraph:
 class SimKernel:
     device: int
     name: str
-    reference: Callable[..., Any]
+    reference: Callable[..., object]
     generation: int
     #: its module (the source): what a context loads, once
     module: str = ""
@@ -300,7 +315,7 @@ class SimStream:
                     record.append(activity)
 
 
-def _check_bounds(a: np.ndarray[Any, Any], key: Any) -> None:
+def _check_bounds(a: HostArray, key: Any) -> None:
     for axis, k in enumerate(key if isinstance(key, tuple) else (key,)):
         if not isinstance(k, slice) or axis >= a.ndim:
             continue  # (an int or an index array: NumPy checks those itself)
@@ -472,7 +487,13 @@ class SimBackend(Backend):
 
     # -- streams -------------------------------------------------------------
     def create_stream(
-        self, device: int, priority: int = 0, partition: Any = None
+        self, device: int, priority: int = 0, partition: RawPartition | None = None
+    ) -> RawStream:
+        s = self.new_stream(device, priority, cast(SimPartition | None, partition))
+        return RawStream(s)
+
+    def new_stream(
+        self, device: int, priority: int = 0, partition: SimPartition | None = None
     ) -> SimStream:
         s = SimStream(self, self._dev(device), priority, partition)
         with self.cond:
@@ -487,7 +508,7 @@ class SimBackend(Backend):
     def sm_count(self, device: int) -> int:
         return self._dev(device).sms.count
 
-    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[SimPartition]:
+    def partition_sms(self, device: int, sizes: Sequence[int]) -> list[RawPartition]:
         dev = self._dev(device)
         try:
             parts = dev.sms.partition(device, list(sizes))
@@ -495,36 +516,41 @@ class SimBackend(Backend):
             raise UsageError(f"cannot reserve SMs on sim device {device}: {exc}") from None
         with self.cond:
             self._partitions += parts
-        return parts
+        return [RawPartition(p) for p in parts]
 
-    def release_partitions(self, partitions: Sequence[Any]) -> None:
+    def release_partitions(self, partitions: Sequence[RawPartition]) -> None:
         with self.cond:
-            self._partitions = [p for p in self._partitions if p not in partitions]
+            gone = cast(Sequence[SimPartition], partitions)
+            self._partitions = [p for p in self._partitions if p not in gone]
 
-    def live_objects(self) -> dict[str, list[Any]]:
+    def live_objects(self) -> dict[str, list[object]]:
         with self.cond:
             return {"partitions": list(self._partitions)}
 
-    def partition_size(self, partition: Any) -> int:
-        return len(partition.sms)
+    def partition_size(self, partition: RawPartition) -> int:
+        part = cast(SimPartition, partition)
+        return len(part.sms)
 
-    def destroy_stream(self, stream: Any) -> None:
+    def destroy_stream(self, stream: RawStream) -> None:
+        s = cast(SimStream, stream)
         with self.cond:
-            stream.closed = True
-            if stream in self._streams:
-                self._streams.remove(stream)
-            self._handles.pop(stream.handle, None)
-            stream.cv.notify_all()
+            s.closed = True
+            if s in self._streams:
+                self._streams.remove(s)
+            self._handles.pop(s.handle, None)
+            s.cv.notify_all()
 
-    def stream_destroyed(self, stream: Any) -> bool:
-        return bool(stream.closed)
+    def stream_destroyed(self, stream: RawStream) -> bool:
+        s = cast(SimStream, stream)
+        return bool(s.closed)
 
-    def stream_handle(self, stream: Any) -> int:
-        return int(stream.handle)
+    def stream_handle(self, stream: RawStream) -> int:
+        s = cast(SimStream, stream)
+        return int(s.handle)
 
     def foreign_stream(
         self, handle: int, device: int, named: bool = False
-    ) -> tuple[SimStream, int]:
+    ) -> tuple[RawStream, int]:
         # (a handle is asked about every time: a dict, no driver call)
         if handle in (0, 1, 2):
             # the default streams (legacy and per-thread are one here): made
@@ -533,10 +559,10 @@ class SimBackend(Backend):
             with self.cond:
                 s = self._default_streams.get(dev.index)
             if s is None:
-                s = self.create_stream(dev.index)
+                s = self.new_stream(dev.index)
                 with self.cond:
                     s = self._default_streams.setdefault(dev.index, s)
-            return s, dev.index
+            return RawStream(s), dev.index
         with self.cond:
             found = self._handles.get(handle)
         if found is None:
@@ -544,7 +570,7 @@ class SimBackend(Backend):
                 f"stream handle 0x{handle:x} is not a live stream of the sim backend "
                 "(destroyed, or another backend's)"
             )
-        return found, found.device.index
+        return RawStream(found), found.device.index
 
     def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> SimBuffer | SimView:
         if nbytes == 0:
@@ -594,24 +620,27 @@ class SimBackend(Backend):
             stream.cv.notify_all()  # the worker sleeps only on an empty queue
         return True
 
-    def synchronize(self, stream: Any) -> None:
-        with stream.cv:
-            if stream.capture is not None:
+    def synchronize(self, stream: RawStream) -> None:
+        s = cast(SimStream, stream)
+        with s.cv:
+            if s.capture is not None:
                 raise UsageError("cannot synchronize a stream while it is being captured")
-            while stream.queue and stream.device.fault is None:
-                stream.cv.wait()
-            if stream.device.fault is not None:
-                raise stream.device.fault
+            while s.queue and s.device.fault is None:
+                s.cv.wait()
+            if s.device.fault is not None:
+                raise s.device.fault
 
-    def stream_capturing(self, stream: Any) -> bool:
+    def stream_capturing(self, stream: RawStream) -> bool:
+        s = cast(SimStream, stream)
         with self.cond:
-            return stream.capture is not None
+            return s.capture is not None
 
-    def query(self, stream: Any) -> bool:
+    def query(self, stream: RawStream) -> bool:
+        s = cast(SimStream, stream)
         with self.cond:
-            if stream.device.fault is not None:
-                raise stream.device.fault
-            return not stream.queue
+            if s.device.fault is not None:
+                raise s.device.fault
+            return not s.queue
 
     # -- events --------------------------------------------------------------
     def refuse_destroyed(self, stream: SimStream) -> None:
@@ -620,39 +649,42 @@ class SimBackend(Backend):
         if stream.closed:
             raise UsageError(f"{stream!r} was destroyed")
 
-    def record_event(self, stream: Any) -> SimEvent:
-        self.refuse_destroyed(stream)
-        ev = SimEvent(stream.device.index, capture=stream.capture)
+    def record_event(self, stream: RawStream) -> RawEvent:
+        s = cast(SimStream, stream)
+        self.refuse_destroyed(s)
+        ev = SimEvent(s.device.index, capture=s.capture)
 
         def record() -> None:
             with self.cond:
                 ev.done = True
                 self.cond.notify_all()
 
-        self.enqueue_item(stream, "event record", record)
-        return ev
+        self.enqueue_item(s, "event record", record)
+        return RawEvent(ev)
 
-    def wait_event(self, stream: Any, event: Any) -> None:
-        self.refuse_destroyed(stream)
-        if event.capture is not None and stream.capture is None:
+    def wait_event(self, stream: RawStream, event: RawEvent) -> None:
+        s = cast(SimStream, stream)
+        ev = cast(SimEvent, event)
+        self.refuse_destroyed(s)
+        if ev.capture is not None and s.capture is None:
             # as on CUDA: waiting on an event recorded in a capture joins it
-            stream.capture = event.capture
-            event.capture.streams.append(stream)
-        if event.done and stream.capture is None:
+            s.capture = ev.capture
+            ev.capture.streams.append(s)
+        if ev.done and s.capture is None:
             return
-        other = self._devices[event.device]
+        other = self._devices[ev.device]
 
         def wait() -> None:
             with self.cond:
-                while not event.done and other.fault is None and stream.device.fault is None:
+                while not ev.done and other.fault is None and s.device.fault is None:
                     self.cond.wait()
-                if other.fault is not None and not event.done:
+                if other.fault is not None and not ev.done:
                     raise other.fault
 
-        self.enqueue_item(stream, "event wait", wait)
+        self.enqueue_item(s, "event wait", wait)
 
     # -- memory --------------------------------------------------------------
-    def alloc(self, device: int, nbytes: int, stream: Any) -> SimBuffer:
+    def alloc(self, device: int, nbytes: int, stream: RawStream) -> SimBuffer:
         dev = self._dev(device)
         size = max(nbytes, 1)
         with self.cond:
@@ -677,33 +709,35 @@ class SimBackend(Backend):
             self._live[ptr] = buf
         return buf
 
-    def free(self, buffer: Any, stream: Any) -> None:
-        dev = self._devices[buffer.device]
+    def free(self, buffer: RawBuffer, stream: RawStream) -> None:
+        b = cast(SimBuffer, buffer)
+        s = cast(SimStream, stream)
+        dev = self._devices[b.device]
 
         def release() -> None:
             with self.cond:
-                if buffer.generation == dev.generation and not buffer.freed:
-                    dev.memory_used -= max(buffer.nbytes, 1)
-                buffer.freed = True
-                ptr = buffer.ptr
-                if self._live.get(ptr) is buffer:
+                if b.generation == dev.generation and not b.freed:
+                    dev.memory_used -= max(b.nbytes, 1)
+                b.freed = True
+                ptr = b.ptr
+                if self._live.get(ptr) is b:
                     del self._live[ptr]
                     del self._starts[bisect.bisect_left(self._starts, ptr)]
-            buffer.data.fill(_POISON)
+            b.data.fill(_POISON)
 
         with self.cond:
-            cap = stream.capture
+            cap = s.capture
             if cap is not None:
-                cap.deferred_frees.append((buffer, stream))
+                cap.deferred_frees.append((b, s))
                 return
         try:
-            self.enqueue_item(stream, f"free of {buffer!r}", release)
+            self.enqueue_item(s, f"free of {buffer!r}", release)
         except DeviceFaultError:
             pass  # the context is gone with its memory; a reset reclaims it
         except Exception as exc:  # a finalizer must not raise
             warnings.warn(f"gpuflow: freeing {buffer!r} failed: {exc!r}", stacklevel=2)
 
-    def check_buffer(self, buffer: SimBuffer) -> None:
+    def check_buffer(self, buffer: SimBuffer | SimView) -> None:
         if buffer.freed:
             with self.cond:
                 self.use_after_free += 1
@@ -711,51 +745,66 @@ class SimBackend(Backend):
         if buffer.generation != self._devices[buffer.device].generation:
             raise _UseAfterFree(f"{buffer!r} belongs to a context that was reset")
 
-    def copy_from_host(self, dst: Any, src: np.ndarray[Any, Any], stream: Any) -> None:
+    def copy_from_host(self, dst: RawBuffer, src: HostArray, stream: RawStream) -> None:
+        d = cast(SimBuffer | SimView, dst)
+        s = cast(SimStream, stream)
+
         def copy() -> None:
-            self.check_buffer(dst)
+            self.check_buffer(d)
             flat = src.reshape(-1).view(np.uint8)
-            dst.data[: flat.size] = flat
+            d.data[: flat.size] = flat
 
-        self.enqueue_item(stream, f"copy to {dst!r}", copy)
+        self.enqueue_item(s, f"copy to {dst!r}", copy)
 
-    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Any) -> None:
+    def copy_to_host(self, dst: HostArray, src: RawBuffer, stream: RawStream) -> None:
+        sb = cast(SimBuffer | SimView, src)
+        s = cast(SimStream, stream)
+
         def copy() -> None:
-            self.check_buffer(src)
+            self.check_buffer(sb)
             flat = dst.reshape(-1).view(np.uint8)
-            flat[:] = src.data[: flat.size]
+            flat[:] = sb.data[: flat.size]
 
-        self.enqueue_item(stream, f"copy from {src!r}", copy)
+        self.enqueue_item(s, f"copy from {src!r}", copy)
 
-    def copy_device(self, dst: Any, src: Any, nbytes: int, stream: Any) -> None:
+    def copy_device(self, dst: RawBuffer, src: RawBuffer, nbytes: int, stream: RawStream) -> None:
+        d = cast(SimBuffer | SimView, dst)
+        sb = cast(SimBuffer | SimView, src)
+        s = cast(SimStream, stream)
+
         def copy() -> None:
-            self.check_buffer(src)
-            self.check_buffer(dst)
-            dst.data[:nbytes] = src.data[:nbytes]
+            self.check_buffer(sb)
+            self.check_buffer(d)
+            d.data[:nbytes] = sb.data[:nbytes]
 
-        self.enqueue_item(stream, f"copy {src!r} -> {dst!r}", copy)
+        self.enqueue_item(s, f"copy {src!r} -> {dst!r}", copy)
 
-    def fill(self, dst: Any, value: np.generic, count: int, stream: Any) -> None:
+    def fill(self, dst: RawBuffer, value: np.generic, count: int, stream: RawStream) -> None:
+        d = cast(SimBuffer | SimView, dst)
+        s = cast(SimStream, stream)
+
         def fill() -> None:
-            self.check_buffer(dst)
-            dst.data[: count * value.itemsize].view(value.dtype)[:] = value
+            self.check_buffer(d)
+            d.data[: count * value.itemsize].view(value.dtype)[:] = value
 
-        self.enqueue_item(stream, f"fill of {dst!r}", fill)
+        self.enqueue_item(s, f"fill of {dst!r}", fill)
 
     def arange(
-        self, dst: Any, start: np.generic, step: np.generic, count: int, stream: Any
+        self, dst: RawBuffer, start: np.generic, step: np.generic, count: int, stream: RawStream
     ) -> None:
+        d = cast(SimBuffer | SimView, dst)
+        s = cast(SimStream, stream)
         dtype = start.dtype
 
         def arange() -> None:
-            self.check_buffer(dst)
-            out = dst.data[: count * dtype.itemsize].view(dtype)
+            self.check_buffer(d)
+            out = d.data[: count * dtype.itemsize].view(dtype)
             out[:] = start + np.arange(count).astype(dtype) * step
 
-        self.enqueue_item(stream, f"arange into {dst!r}", arange)
+        self.enqueue_item(s, f"arange into {dst!r}", arange)
 
     # -- kernels -------------------------------------------------------------
-    def load_kernel(self, device: int, module: ModuleSource, name: str) -> SimKernel:
+    def load_kernel(self, device: int, module: ModuleSource, name: str) -> RawKernel:
         ref = module.references.get(name)
         if ref is None:
             raise UsageError(
@@ -764,15 +813,15 @@ class SimBackend(Backend):
             )
         dev = self._dev(device)
         self._load(dev, None, module.source)
-        return SimKernel(device, name, ref, dev.generation, module.source)
+        return RawKernel(SimKernel(device, name, ref, dev.generation, module.source))
 
     def load_ahead(
-        self, device: int, module: ModuleSource | None, partitions: Sequence[Any]
+        self, device: int, module: ModuleSource | None, partitions: Sequence[RawPartition]
     ) -> None:
         if module is None:
             return  # (sim's fills and arange are no kernels of a module)
         dev = self._dev(device)
-        for context in (None, *partitions):
+        for context in (None, *cast(Sequence[SimPartition], partitions)):
             self._load(dev, context, module.source)
 
     def _load(self, dev: SimDevice, context: SimPartition | None, module: str) -> None:
@@ -786,15 +835,17 @@ class SimBackend(Backend):
 
     def launch(
         self,
-        kernel: Any,
+        kernel: RawKernel,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shmem: int,
         args: Sequence[KernelArg],
-        stream: Any,
+        stream: RawStream,
     ) -> None:
         # what the driver refuses (gpuflow's front end refuses it first)
-        limits = self.launch_limits(kernel.device)
+        k = cast(SimKernel, kernel)
+        s = cast(SimStream, stream)
+        limits = self.launch_limits(k.device)
         threads = block[0] * block[1] * block[2]
         if (
             threads > limits.max_threads_per_block
@@ -805,21 +856,21 @@ class SimBackend(Backend):
             or shmem > limits.max_shared_memory_per_block
         ):
             raise LaunchError(
-                f"kernel {kernel.name!r}: invalid configuration grid={grid} block={block} "
+                f"kernel {k.name!r}: invalid configuration grid={grid} block={block} "
                 f"shmem={shmem} (past the device's launch limits: {limits})",
                 code=CUDA_ERROR_INVALID_VALUE,
                 name=NAMES[CUDA_ERROR_INVALID_VALUE],
-                device=kernel.device,
+                device=k.device,
             )
-        if kernel.generation != self._devices[kernel.device].generation:
-            raise UsageError(f"kernel {kernel.name!r} was loaded before its device was reset")
+        if k.generation != self._devices[k.device].generation:
+            raise UsageError(f"kernel {k.name!r} was loaded before its device was reset")
 
         blocks = grid[0] * grid[1] * grid[2]
-        block_s = getattr(kernel.reference, BLOCK_TIME_ATTR, None)
-        dev = self._devices[kernel.device]
-        partition = getattr(stream, "partition", None)
+        block_s = getattr(k.reference, BLOCK_TIME_ATTR, None)
+        dev = self._devices[k.device]
+        partition = getattr(s, "partition", None)
         if partition is not None:  # (its first launch there loads it there, as CUDA's)
-            self._load(dev, partition, kernel.module)
+            self._load(dev, partition, k.module)
         running = self.loads.kernel_running
 
         def run() -> None:
@@ -827,11 +878,11 @@ class SimBackend(Backend):
                 kernel_body()
 
         def kernel_body() -> None:
-            values: list[Any] = []
+            values: list[object] = []
             for a in args:
                 if isinstance(a, PointerArg):
-                    self.check_buffer(a.buffer)  # type: ignore[arg-type]
-                    buf: SimBuffer = a.buffer  # type: ignore[assignment]
+                    buf = cast(SimBuffer | SimView, a.buffer)
+                    self.check_buffer(buf)
                     view = buf.data[: a.count * a.dtype.itemsize].view(a.dtype).view(Bounded)
                     if not a.writes:
                         view = view.view(Bounded)
@@ -840,31 +891,36 @@ class SimBackend(Backend):
                 else:
                     values.append(a.item())
             seconds = block_s(*values) if callable(block_s) else block_s or 0.0
-            on = getattr(_worker, "stream", stream)
+            on = getattr(_worker, "stream", s)
             generation = dev.generation
             if dev.sms.run(
                 blocks, float(seconds), on.priority, on.partition,
                 lambda: dev.fault is not None or dev.generation != generation,
             ):  # fmt: skip
-                kernel.reference(*values)  # (not on a device that faulted or was reset meanwhile)
+                k.reference(*values)  # (not on a device that faulted or was reset meanwhile)
             for a in args:
                 if isinstance(a, PointerArg):
-                    self.check_buffer(a.buffer)  # type: ignore[arg-type]
+                    self.check_buffer(cast(SimBuffer | SimView, a.buffer))
 
-        self.enqueue_item(stream, f"kernel {kernel.name!r}", run)
+        self.enqueue_item(s, f"kernel {k.name!r}", run)
 
     # -- completion marks and host signals (._marks) -------------------------
-    def mark(self, stream: Any, polled: bool = True) -> int:
-        return self._completion.mark(stream)
+    def mark(self, stream: RawStream, polled: bool = True) -> int:
+        s = cast(SimStream, stream)
+        return self._completion.mark(s)
 
-    def completion_reader(self, stream: Any) -> Callable[[], int]:
-        return self._completion.reader(stream)
+    def completion_reader(self, stream: RawStream) -> Callable[[], int]:
+        s = cast(SimStream, stream)
+        return self._completion.reader(s)
 
-    def wait_mark(self, stream: Any, other: Any, number: int) -> None:
-        self._completion.wait(stream, other, number)
+    def wait_mark(self, stream: RawStream, other: RawStream, number: int) -> None:
+        s = cast(SimStream, stream)
+        o = cast(SimStream, other)
+        self._completion.wait(s, o, number)
 
-    def enqueue_close(self, stream: Any, fd: int) -> bool:
-        return self._completion.enqueue_close(stream, fd)
+    def enqueue_close(self, stream: RawStream, fd: int) -> bool:
+        s = cast(SimStream, stream)
+        return self._completion.enqueue_close(s, fd)
 
     # -- communicators -------------------------------------------------------------
     def comm_unique_id(self) -> bytes:
@@ -872,49 +928,59 @@ class SimBackend(Backend):
 
     def comm_init(
         self, devices: Sequence[int], ranks: Sequence[int], nranks: int, unique_id: bytes | None
-    ) -> list[Any]:
-        return self._comms.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+    ) -> list[RawComm]:
+        comms = self._comms.init([self._dev(d) for d in devices], ranks, nranks, unique_id)
+        return [RawComm(c) for c in comms]
 
-    def comm_group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
-        self._comms.group(calls)
+    def comm_group(self, calls: Sequence[tuple[RawComm, CollectiveCall, RawStream]]) -> None:
+        self._comms.group([(cast(SimComm, c), call, cast(SimStream, s)) for c, call, s in calls])
 
-    def comm_async_error(self, comm: Any) -> Any:
-        return comm.error
+    def comm_async_error(self, comm: RawComm) -> CommunicatorError | None:
+        c = cast(SimComm, comm)
+        return c.error
 
-    def comm_abort(self, comm: Any) -> None:
-        self._comms.abort(comm)
+    def comm_abort(self, comm: RawComm) -> None:
+        c = cast(SimComm, comm)
+        self._comms.abort(c)
 
-    def comm_destroy(self, comm: Any) -> None:
-        self._comms.destroy(comm)
+    def comm_destroy(self, comm: RawComm) -> None:
+        c = cast(SimComm, comm)
+        self._comms.destroy(c)
 
     # -- graphs ----------------------------------------------------------------
-    def begin_capture(self, stream: Any) -> None:
+    def begin_capture(self, stream: RawStream) -> None:
+        s = cast(SimStream, stream)
         with self.cond:
-            if stream.capture is not None:
+            if s.capture is not None:
                 raise UsageError("the stream is already being captured")
-            stream.capture = _Capture(streams=[stream])
+            s.capture = _Capture(streams=[s])
 
-    def end_capture(self, stream: Any) -> SimGraph:
+    def end_capture(self, stream: RawStream) -> RawGraph:
+        s_ = cast(SimStream, stream)
         with self.cond:
-            cap = stream.capture
+            cap = s_.capture
             if cap is None:
                 raise UsageError("the stream is not being captured")
             for s in cap.streams:
                 s.capture = None
         for buffer, s in cap.deferred_frees:
-            self.free(buffer, s)
+            self.free(buffer, RawStream(s))
         nodes = sum(1 for what, _item in cap.items if what not in _EDGE_ITEMS)
-        return SimGraph(stream.device.index, list(cap.items), nodes)
+        return RawGraph(SimGraph(s_.device.index, list(cap.items), nodes))
 
-    def launch_graph(self, graph: Any, stream: Any) -> None:
+    def launch_graph(self, graph: RawGraph, stream: RawStream) -> None:
+        g = cast(SimGraph, graph)
+        s = cast(SimStream, stream)
+
         def replay() -> None:
-            for _what, item in graph.items:
+            for _what, item in g.items:
                 item()
 
-        self.enqueue_item(stream, f"graph of {graph.node_count} nodes", replay)
+        self.enqueue_item(s, f"graph of {g.node_count} nodes", replay)
 
-    def graph_node_count(self, graph: Any) -> int:
-        return int(graph.node_count)
+    def graph_node_count(self, graph: RawGraph) -> int:
+        g = cast(SimGraph, graph)
+        return int(g.node_count)
 
     # -- the activity record ----------------------------------------------------
     def start_activity_record(self) -> list[Activity]:
@@ -941,8 +1007,9 @@ class SimBackend(Backend):
         with self.cond:
             self._records = tuple(r for r in self._records if r is not record)
 
-    def activity_stream_id(self, stream: Any) -> int:
-        return int(stream.serial)
+    def activity_stream_id(self, stream: RawStream) -> int:
+        s = cast(SimStream, stream)
+        return int(s.serial)
 
 
 class _UseAfterFree(Exception):

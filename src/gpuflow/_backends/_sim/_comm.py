@@ -52,7 +52,7 @@ from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES, NCCL_REMOTE_ERROR
 from .._records import CollectiveCall
 
 if TYPE_CHECKING:
-    from ._backend import SimBackend, SimDevice
+    from ._backend import SimBackend, SimDevice, SimStream
 
 _ID_PREFIX = b"gpuflow-sim-nccl\0"
 #: how long a waiting rank sleeps between looks, at first and at most
@@ -406,7 +406,7 @@ class SimComms:
             c.wait_joined()
         return comms
 
-    def group(self, calls: Sequence[tuple[Any, CollectiveCall, Any]]) -> None:
+    def group(self, calls: Sequence[tuple[SimComm, CollectiveCall, SimStream]]) -> None:
         be = self._backend
         selves: dict[int, int] = {}
         for comm, call, _stream in calls:
@@ -421,21 +421,21 @@ class SimComms:
                     comm, f"rank {comm.rank}: a send to itself and its recv must be in one group"
                 )
         # one item a stream: its calls post, then wait (see SimComm.parts)
-        by_stream: dict[int, tuple[Any, list[str], list[tuple[Callable[[], None], ...]]]] = {}
+        by_stream: dict[int, tuple[SimStream, list[str], list[tuple[Callable[[], None], ...]]]] = {}
         sends: list[tuple[int, tuple[Callable[[], None], ...]]] = []
         for comm, call, stream in calls:
             entry = by_stream.setdefault(id(stream), (stream, [], []))
             entry[1].append(call.kind)
             # a send's wait ends when its peer's recv took the data: the
             # waits of sends come last, so that the recvs of the group run
-            halves = comm.parts(call)
+            parts = comm.parts(call)
             if call.kind == "send":
-                sends.append((id(stream), halves))
+                sends.append((id(stream), parts))
             else:
-                entry[2].append(halves)
+                entry[2].append(parts)
 
-        for key, halves in sends:
-            by_stream[key][2].append(halves)
+        for key, send in sends:
+            by_stream[key][2].append(send)
         comms = {id(c): c for c, _call, _stream in calls}.values()
         for stream, kinds, halves in by_stream.values():
 
