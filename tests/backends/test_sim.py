@@ -73,7 +73,7 @@ def test_a_reference_slicing_past_its_array_is_an_out_of_bounds_fault() -> None:
         gf.reset_device(0)
         gf.reset_device(1)
     # arrays computed from a kernel's arrays check their own bounds too
-    from gpuflow._backends._sim._backend import Bounded
+    from gpuflow._backends._sim._bounded import Bounded
 
     a = np.arange(6, dtype=F32).view(Bounded)
     assert list((a[:3] * 2)[:-1]) == [0.0, 2.0]

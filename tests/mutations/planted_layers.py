@@ -13,7 +13,7 @@ MUTATIONS = [
         "M6",
         "sim no longer poisons freed memory",
         "_backends/_sim/_backend.py",
-        "            buffer.data.fill(_POISON)\n",
+        "            b.data.fill(_POISON)\n",
         "            pass\n",
         ("tests/memory/test_arrays.py", "tests/core/test_running.py", "tests/core/test_faults.py"),
     ),
@@ -473,7 +473,7 @@ MUTATIONS = [
         "L16",
         "a cuda launch on a green context's stream uses the primary context's function",
         "_backends/_cuda/_backend.py",
-        "        if stream.green is not None:  # (its own copy of the kernel, in its green ctx)\n",
+        "        if s.green is not None:  # (its own copy of the kernel, in its green ctx)\n",
         "        if False:\n",
         ("tests/backends/test_cuda_stand_in.py::test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
     ),
@@ -592,9 +592,9 @@ MUTATIONS = [
         "E10",
         "a stream destroyed after a capture loses the event recorded before it",
         "_backends/_cuda/_backend.py",
-        "                if stream.pre_capture:\n"
-        "                    dev.events.append(stream.pre_capture)\n"
-        "                    stream.pre_capture = 0\n",
+        "                if s.pre_capture:\n"
+        "                    dev.events.append(s.pre_capture)\n"
+        "                    s.pre_capture = 0\n",
         "",
         ("tests/backends/test_cuda_stand_in.py::test_the_cuda_backend_runs_a_program_against_a_stand_in_driver",),
     ),

@@ -20,7 +20,7 @@ import struct
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
@@ -50,8 +50,8 @@ from .._records import (
     Step,
 )
 from . import _green
-from ._contexts import STREAM_NON_BLOCKING, CudaContexts
-from ._driver import check, err_name, error_for, warn_unless_fault
+from ._contexts import DEFAULT_STREAM_HANDLES, STREAM_NON_BLOCKING, CudaContexts, T
+from ._driver import check, error_for, warn_unless_fault
 from ._green import CudaPartition
 from ._handles import (
     Capture,
@@ -83,13 +83,6 @@ from ._staging import STAGE_H2D_MIN, STAGE_MAX, Pending
 from ._timing import Timer
 from ._words import WORDS, WordMarks
 
-#: CUDA's default-stream handles: the NULL stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
-_DEFAULT_STREAM_HANDLES = (0, 1, 2)
-#: Other libraries' streams the backend keeps a stream object of at most.
-_MAX_FOREIGN_STREAMS = 1024
-
-T = TypeVar("T")
-
 
 class CudaBackend(CudaContexts):
     """CUDA devices through the driver API: one primary context per device."""
@@ -107,8 +100,6 @@ class CudaBackend(CudaContexts):
         self._plans: dict[tuple[type, ...], struct.Struct] = {}
         self._loaded = Modules(self, self._cu, self._call)
         self._stream_lock = threading.Lock()
-        #: (handle, device) -> the stream object of another library's stream
-        self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
 
     # -- streams ------------------------------------------------------------------
     def create_stream(
@@ -186,115 +177,6 @@ class CudaBackend(CudaContexts):
     def stream_handle(self, stream: RawStream) -> int:
         s = cast(CudaStream, stream)
         return int(s.handle)
-
-    # -- other libraries' streams and memory ----------------------------------------
-    def foreign_stream(
-        self, handle: int, device: int, named: bool = False
-    ) -> tuple[RawStream, int]:
-        if named:
-            # the library says the stream is on ``device``, and the driver said
-            # so of ``handle`` before, in the context ``device`` still has
-            # (a handle reused by another stream of it names the same thing)
-            stream = self._foreign_streams.get((handle, device))
-            if stream is not None and stream.token is stream.dev.token:
-                if stream.dev.fault is not None:
-                    raise stream.dev.fault
-                return RawStream(stream), device
-        if handle in _DEFAULT_STREAM_HANDLES:
-            dev = self._dev(device)
-        else:
-            err, ctx = self._cu.cuStreamGetCtx(handle)
-            if err:
-                raise UsageError(
-                    f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(int(err))})"
-                )
-            found = self._dev_of_ctx(int(ctx))
-            if found is None:
-                raise UsageError(
-                    f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "
-                    "context of one of gpuflow's devices (gpuflow, PyTorch and CuPy all work "
-                    "in primary contexts)"
-                )
-            dev = found
-        if dev.fault is not None:
-            raise dev.fault
-        # one backend stream for a handle in a context life (the driver said
-        # which context the handle is in just now, so a handle reused by
-        # another context's stream is another key)
-        key = (handle, dev.index)
-        stream = self._foreign_streams.get(key)
-        if stream is None or stream.token is not dev.token:
-            stream = CudaStream(dev, self._cu.CUstream(handle), None)
-            stream.foreign = True
-            if len(self._foreign_streams) >= _MAX_FOREIGN_STREAMS:
-                self._foreign_streams.clear()
-            self._foreign_streams[key] = stream
-        return RawStream(stream), dev.index
-
-    def _foreign_call(self, dev: Dev, fn: Callable[[], T]) -> T:
-        """``fn()`` with ``dev``'s context current, and then the calling thread's own
-        context current again: a call on another library's stream may run inside
-        that library's code (a DLPack deleter), which must find its thread as it
-        left it."""
-        err, current = self._cu.cuCtxGetCurrent()
-        if err:
-            raise error_for(int(err), "cuCtxGetCurrent", dev)
-        prev = int(current)
-        if prev == dev.ctx:
-            self.thread_state.token = dev.token  # current already (the common case): no call
-        else:
-            self.force_current(dev)
-        try:
-            return fn()
-        finally:
-            if prev != dev.ctx:
-                self._n.ctx_set_current(prev or None)
-                self.thread_state.token = None  # our cache no longer says what is current
-
-    def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> CudaBuffer:
-        if nbytes == 0:
-            # nothing is ever read or written: any address will do (CAI gives 0)
-            return CudaBuffer(self._dev(0 if device is None else device), 0, ptr, foreign=True)
-        cu = self._cu
-        attr = cu.CUpointer_attribute
-        self.make_current(self._devices[0] if device is None else self._dev(device))
-
-        def get(which: Any) -> tuple[int, int]:
-            res = cu.cuPointerGetAttribute(which, ptr)
-            return int(res[0]), (int(res[1]) if int(res[0]) == CUDA_SUCCESS else 0)
-
-        rc, mtype = get(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
-        if rc:
-            raise UsageError(
-                f"0x{ptr:x} is not memory the CUDA driver knows ({err_name(rc)}): host memory "
-                "from malloc or NumPy? (gf.from_host copies it to the device)"
-            )
-        if mtype == int(cu.CUmemorytype.CU_MEMORYTYPE_HOST):
-            raise UsageError(
-                f"0x{ptr:x} is host memory (pinned or registered), not device memory "
-                "(gf.from_host copies it to the device)"
-            )
-        rc, ordinal = get(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
-        if rc or ordinal < 0:  # managed memory may name no device: take the producer's
-            ordinal = -1 if device is None else device
-        if device is not None and ordinal != device:
-            raise UsageError(
-                f"0x{ptr:x} is memory of CUDA device {ordinal}, not of device {device} as "
-                "its producer says"
-            )
-        if not 0 <= ordinal < len(self._devices):
-            raise UsageError(
-                f"0x{ptr:x} is memory of CUDA device {ordinal}, which gpuflow does not use "
-                f"(its devices: 0..{len(self._devices) - 1})"
-            )
-        rc, start = get(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
-        rc2, size = get(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE)
-        if not rc and not rc2 and ptr + nbytes > start + size:
-            raise UsageError(
-                f"0x{ptr:x} + {nbytes} bytes runs past the end of its allocation "
-                f"(0x{start:x}, {size} bytes)"
-            )
-        return CudaBuffer(self._devices[ordinal], int(nbytes), ptr, foreign=True)
 
     def synchronize(self, stream: RawStream) -> None:
         s = cast(CudaStream, stream)
@@ -803,7 +685,7 @@ class CudaBackend(CudaContexts):
             # needs no context of ours: a default stream's is asked below)
             if not s.foreign:
                 return self._marks.mark(dev, s, polled)
-            if s.handle not in _DEFAULT_STREAM_HANDLES:
+            if s.handle not in DEFAULT_STREAM_HANDLES:
                 return self._foreign_mark(dev, s)
         dev = self.live_device(s)
         if s.capture is not None:
@@ -882,7 +764,7 @@ class CudaBackend(CudaContexts):
         stream of whatever context is current: that must really be
         ``dev``'s, whichever another library made current since gpuflow
         last did, so it is asked; any other handle names its own context."""
-        if stream.handle in _DEFAULT_STREAM_HANDLES:
+        if stream.handle in DEFAULT_STREAM_HANDLES:
             return self._foreign_call(dev, fn)
         if self.thread_state.token is not dev.token:
             self.make_current(dev)

@@ -1,7 +1,9 @@
 """The devices of the ``cuda`` backend: one primary context per device.
 
 :class:`CudaContexts` is the part of :class:`._backend.CudaBackend` that
-owns the contexts; the work enqueued in them is the subclass's.
+owns the contexts, and finds other libraries' streams and memory in them
+(PyTorch and CuPy work in the same primary contexts); the work enqueued in
+them is the subclass's.
 
 Contexts: one primary context per device, made current on whichever thread
 calls, cached per thread (a token per context generation, so a reset makes
@@ -33,17 +35,17 @@ from __future__ import annotations
 import ctypes
 import time
 import warnings
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
 from .._base import Backend
 from .._codes import CONTEXT_ERRORS, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_SUCCESS
-from .._records import DeviceDescription, LaunchLimits, RawPartition
+from .._records import DeviceDescription, LaunchLimits, RawPartition, RawStream
 from . import _green
 from ._driver import check, driver, err_name, error_for
 from ._green import CudaPartition
-from ._handles import CudaStream, Dev, Token
+from ._handles import CudaBuffer, CudaStream, Dev, Token
 from ._kernels import ThreadState
 from ._native import Native
 from ._staging import Staging
@@ -74,10 +76,18 @@ def _launch_limits(cu: Any, cudev: Any) -> LaunchLimits:
     )  # fmt: skip
 
 
+#: CUDA's default-stream handles: the NULL stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+DEFAULT_STREAM_HANDLES = (0, 1, 2)
+#: Other libraries' streams the backend keeps a stream object of at most.
+_MAX_FOREIGN_STREAMS = 1024
+
+T = TypeVar("T")
+
 class CudaContexts(Backend):
     """CUDA devices through the driver API, as far as their primary contexts
-    go: set-up, the current context of each thread, peers, completion marks
-    and reset.  :class:`._backend.CudaBackend` enqueues work on them."""
+    go: set-up, the current context of each thread, peers, completion marks,
+    other libraries' streams and memory, and reset.
+    :class:`._backend.CudaBackend` enqueues work on them."""
 
     name = "cuda"
     setup_waits_for_idle = True
@@ -94,6 +104,8 @@ class CudaContexts(Backend):
         self.last_reset_trace: list[str] = []  # driver calls of the last reset_device
         #: the green contexts partition_sms made (destroyed by close())
         self._partitions: list[Any] = []
+        #: (handle, device) -> the stream object of another library's stream
+        self._foreign_streams: dict[tuple[int, int], CudaStream] = {}
         check(cu.cuInit(0), "cuInit")
         (available,) = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         available = int(available)
@@ -353,6 +365,115 @@ class CudaContexts(Backend):
         if stream.destroyed:
             raise UsageError(f"{stream!r} was destroyed")
         return dev
+
+    # -- other libraries' streams and memory, in the primary contexts -----------------
+    def foreign_stream(
+        self, handle: int, device: int, named: bool = False
+    ) -> tuple[RawStream, int]:
+        if named:
+            # the library says the stream is on ``device``, and the driver said
+            # so of ``handle`` before, in the context ``device`` still has
+            # (a handle reused by another stream of it names the same thing)
+            stream = self._foreign_streams.get((handle, device))
+            if stream is not None and stream.token is stream.dev.token:
+                if stream.dev.fault is not None:
+                    raise stream.dev.fault
+                return RawStream(stream), device
+        if handle in DEFAULT_STREAM_HANDLES:
+            dev = self._dev(device)
+        else:
+            err, ctx = self._cu.cuStreamGetCtx(handle)
+            if err:
+                raise UsageError(
+                    f"0x{handle:x} is not a CUDA stream the driver knows ({err_name(int(err))})"
+                )
+            found = self._dev_of_ctx(int(ctx))
+            if found is None:
+                raise UsageError(
+                    f"stream 0x{handle:x} belongs to a CUDA context that is not the primary "
+                    "context of one of gpuflow's devices (gpuflow, PyTorch and CuPy all work "
+                    "in primary contexts)"
+                )
+            dev = found
+        if dev.fault is not None:
+            raise dev.fault
+        # one backend stream for a handle in a context life (the driver said
+        # which context the handle is in just now, so a handle reused by
+        # another context's stream is another key)
+        key = (handle, dev.index)
+        stream = self._foreign_streams.get(key)
+        if stream is None or stream.token is not dev.token:
+            stream = CudaStream(dev, self._cu.CUstream(handle), None)
+            stream.foreign = True
+            if len(self._foreign_streams) >= _MAX_FOREIGN_STREAMS:
+                self._foreign_streams.clear()
+            self._foreign_streams[key] = stream
+        return RawStream(stream), dev.index
+
+    def _foreign_call(self, dev: Dev, fn: Callable[[], T]) -> T:
+        """``fn()`` with ``dev``'s context current, and then the calling thread's own
+        context current again: a call on another library's stream may run inside
+        that library's code (a DLPack deleter), which must find its thread as it
+        left it."""
+        err, current = self._cu.cuCtxGetCurrent()
+        if err:
+            raise error_for(int(err), "cuCtxGetCurrent", dev)
+        prev = int(current)
+        if prev == dev.ctx:
+            self.thread_state.token = dev.token  # current already (the common case): no call
+        else:
+            self.force_current(dev)
+        try:
+            return fn()
+        finally:
+            if prev != dev.ctx:
+                self._n.ctx_set_current(prev or None)
+                self.thread_state.token = None  # our cache no longer says what is current
+
+    def foreign_buffer(self, ptr: int, nbytes: int, device: int | None) -> CudaBuffer:
+        if nbytes == 0:
+            # nothing is ever read or written: any address will do (CAI gives 0)
+            return CudaBuffer(self._dev(0 if device is None else device), 0, ptr, foreign=True)
+        cu = self._cu
+        attr = cu.CUpointer_attribute
+        self.make_current(self._devices[0] if device is None else self._dev(device))
+
+        def get(which: Any) -> tuple[int, int]:
+            res = cu.cuPointerGetAttribute(which, ptr)
+            return int(res[0]), (int(res[1]) if int(res[0]) == CUDA_SUCCESS else 0)
+
+        rc, mtype = get(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
+        if rc:
+            raise UsageError(
+                f"0x{ptr:x} is not memory the CUDA driver knows ({err_name(rc)}): host memory "
+                "from malloc or NumPy? (gf.from_host copies it to the device)"
+            )
+        if mtype == int(cu.CUmemorytype.CU_MEMORYTYPE_HOST):
+            raise UsageError(
+                f"0x{ptr:x} is host memory (pinned or registered), not device memory "
+                "(gf.from_host copies it to the device)"
+            )
+        rc, ordinal = get(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+        if rc or ordinal < 0:  # managed memory may name no device: take the producer's
+            ordinal = -1 if device is None else device
+        if device is not None and ordinal != device:
+            raise UsageError(
+                f"0x{ptr:x} is memory of CUDA device {ordinal}, not of device {device} as "
+                "its producer says"
+            )
+        if not 0 <= ordinal < len(self._devices):
+            raise UsageError(
+                f"0x{ptr:x} is memory of CUDA device {ordinal}, which gpuflow does not use "
+                f"(its devices: 0..{len(self._devices) - 1})"
+            )
+        rc, start = get(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
+        rc2, size = get(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+        if not rc and not rc2 and ptr + nbytes > start + size:
+            raise UsageError(
+                f"0x{ptr:x} + {nbytes} bytes runs past the end of its allocation "
+                f"(0x{start:x}, {size} bytes)"
+            )
+        return CudaBuffer(self._devices[ordinal], int(nbytes), ptr, foreign=True)
 
     # -- devices ------------------------------------------------------------------
     @property

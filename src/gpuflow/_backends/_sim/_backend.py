@@ -55,14 +55,13 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import operator
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -100,6 +99,7 @@ from .._records import (
     RawStream,
     activity_tag,
 )
+from ._bounded import Bounded
 from ._comm import SimComm, SimComms, new_unique_id
 from ._loads import Loads
 from ._marks import SimCompletion
@@ -313,37 +313,6 @@ class SimStream:
             for record in records:
                 if any(record is r for r in self.backend._records):
                     record.append(activity)
-
-
-def _check_bounds(a: HostArray, key: Any) -> None:
-    for axis, k in enumerate(key if isinstance(key, tuple) else (key,)):
-        if not isinstance(k, slice) or axis >= a.ndim:
-            continue  # (an int or an index array: NumPy checks those itself)
-        n = a.shape[axis]
-        for end in (k.start, k.stop):
-            if end is not None and not -n <= operator.index(end) <= n:
-                raise IndexError(
-                    f"out of bounds: [{k.start if k.start is not None else ''}:"
-                    f"{k.stop if k.stop is not None else ''}] of an array of {n} elements "
-                    "(a kernel that reads or writes past the end of its array)"
-                )
-
-
-class Bounded(np.ndarray):
-    """A kernel's array as its reference sees it: a slice that reaches past
-    the end of the array (``y[:n]`` with ``n`` larger than ``y``) is an
-    out-of-bounds access, an :class:`IndexError` (a sticky fault of the
-    device, as an illegal address is on a GPU), not NumPy's silent
-    clipping of the slice to the array.  Arrays computed from it check
-    their own bounds the same way."""
-
-    def __getitem__(self, key: Any) -> Any:
-        _check_bounds(self, key)
-        return super().__getitem__(key)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        _check_bounds(self, key)
-        super().__setitem__(key, value)
 
 
 class SimBackend(Backend):
