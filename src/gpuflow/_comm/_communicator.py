@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall, RawComm, Step
+from .._backends import COMM_DTYPES, REDUCTIONS, CollectiveCall, DType, RawComm, Step
 from .._core import (
     DeviceOperation,
     Plan,
@@ -551,7 +551,7 @@ class Communicator:
                 raise UsageError(_dtype_message(like[1]))
         return _Collective(self, "recv", None, out, peer=self._rank_arg(peer, "peer"), like=like)
 
-    def group(self, *ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]:
+    def group(self, *ops: DeviceOperation[object]) -> DeviceOperation[tuple[Any, ...]]:
         """Issue several collectives and transfers as one NCCL group (a send
         and its recv between this process's devices, several collectives in
         one launch); produces the tuple of their outputs.
@@ -597,7 +597,7 @@ def _reduction(op: Any) -> str:
     return str(op)
 
 
-def _dtype_message(dt: np.dtype[Any]) -> str:
+def _dtype_message(dt: DType) -> str:
     names = ", ".join(sorted(str(t) for t in COMM_DTYPES))
     return f"dtype {dt} cannot be communicated: NCCL moves {names}"
 
@@ -653,7 +653,7 @@ def _plain(v: Any) -> bool:
 _MEMO_STREAMS = 8
 
 
-class _Collective(DeviceOperation[Any]):
+class _Collective(DeviceOperation[Any]):  # (its output depends on its kind)
     __slots__ = (
         "_checked", "_comm", "_like", "_memo", "_op", "_out", "_peer", "_plan", "_what", "_x",
     )  # fmt: skip
@@ -667,7 +667,7 @@ class _Collective(DeviceOperation[Any]):
         *,
         op: str | None = None,
         peer: int | None = None,
-        like: tuple[tuple[int, ...], np.dtype[Any], int | None] | None = None,
+        like: tuple[tuple[int, ...], DType, int | None] | None = None,
     ) -> None:
         self._comm = comm
         self._what = what  # the call's kind (``kind`` is the picture's)
@@ -930,7 +930,7 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
     def label(self) -> str:
         return f"nccl group ({len(self._ops)})"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return self._ops
 
 

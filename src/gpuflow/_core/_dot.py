@@ -10,7 +10,7 @@ will build.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._operation import DeviceOperation
@@ -31,12 +31,12 @@ def _quote(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def to_dot(op: DeviceOperation[Any]) -> str:
+def to_dot(op: DeviceOperation[object]) -> str:
     """The DOT text of ``op``'s DAG."""
     ids: dict[int, str] = {}
     lines = ["digraph gpuflow {", "  rankdir=TB;", '  node [fontname="Helvetica"];']
 
-    def visit(node: DeviceOperation[Any]) -> str:
+    def visit(node: DeviceOperation[object]) -> str:
         key = node._dot_key()
         if key in ids:
             return ids[key]

@@ -25,19 +25,20 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
+from .._backends import DType
 from .._errors import UsageError, UsageTypeError
 from . import _capture, _dot, _run
 from ._pending import PendingMap, is_pending
 from ._plan import ANYWHERE, Plan
 
 if TYPE_CHECKING:
-    import numpy as np
 
     from ._execution import ExecutionContext
     from ._policy import SchedulingPolicy
     from ._stream import Stream
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 U = TypeVar("U")
 
 
@@ -45,7 +46,7 @@ def callable_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _as_op(x: object, what: str) -> DeviceOperation[Any]:
+def _as_op(x: object, what: str) -> DeviceOperation[object]:
     if not isinstance(x, DeviceOperation):
         raise UsageTypeError(
             f"{what} expected a gpuflow DeviceOperation, got {type(x).__name__}: {x!r:.80} "
@@ -54,7 +55,7 @@ def _as_op(x: object, what: str) -> DeviceOperation[Any]:
     return x
 
 
-class DeviceOperation(Generic[T]):
+class DeviceOperation(Generic[T_co]):
     """A lazy recipe of GPU work producing a ``T``.
 
     Building one does no work.  Each run (``sync()``, ``sync_on(stream)``,
@@ -71,7 +72,7 @@ class DeviceOperation(Generic[T]):
 
     __slots__ = ("__weakref__",)
 
-    def execute(self, ctx: ExecutionContext) -> T:
+    def execute(self, ctx: ExecutionContext) -> T_co:
         """Enqueue this operation's work on ``ctx.stream``; return the output handle.
 
         The work may still be running when it returns.  Only the four entry
@@ -92,7 +93,7 @@ class DeviceOperation(Generic[T]):
         raise NotImplementedError(f"{type(self).__name__}.execute")
 
     # -- combinators -------------------------------------------------------------
-    def then(self, fn: Callable[[T], DeviceOperation[U]]) -> DeviceOperation[U]:
+    def then(self, fn: Callable[[T_co], DeviceOperation[U]]) -> DeviceOperation[U]:
         """Run ``fn(output)``'s operation after this one, on the same stream.
 
         ``fn`` runs on the host at enqueue time and gets the output handle; it
@@ -118,7 +119,7 @@ class DeviceOperation(Generic[T]):
             raise UsageTypeError(f"then() expected a callable, got {type(fn).__name__}")
         return _Then(self, fn)
 
-    def map(self, fn: Callable[[T], U]) -> DeviceOperation[U]:
+    def map(self, fn: Callable[[T_co], U]) -> DeviceOperation[U]:
         """Transform the output on the host; no GPU work.
 
         ``fn`` runs at enqueue time on device handles, or once the run is
@@ -143,7 +144,7 @@ class DeviceOperation(Generic[T]):
             raise UsageTypeError(f"map() expected a callable, got {type(fn).__name__}")
         return _Map(self, fn)
 
-    def shared(self) -> SharedOperation[T]:
+    def shared(self) -> SharedOperation[T_co]:
         """A clonable operation that runs this one at most once.
 
         Every run of it (or of its clones), from any task or thread, gets the
@@ -200,7 +201,7 @@ class DeviceOperation(Generic[T]):
         return _Pick(self, -1, None, "last")
 
     # -- running -------------------------------------------------------------------
-    def sync(self, policy: SchedulingPolicy | None = None) -> T:
+    def sync(self, policy: SchedulingPolicy | None = None) -> T_co:
         """Run on a stream chosen by ``policy`` and block until done; return the output.
 
         Parameters
@@ -226,7 +227,7 @@ class DeviceOperation(Generic[T]):
         """
         return _run.run_sync(self, policy)  # type: ignore[no-any-return]
 
-    def sync_on(self, stream: Stream) -> T:
+    def sync_on(self, stream: Stream) -> T_co:
         """Run on ``stream`` and block until the stream is idle; return the output.
 
         Parameters
@@ -251,7 +252,7 @@ class DeviceOperation(Generic[T]):
         """
         return _run.run_sync_on(self, stream)  # type: ignore[no-any-return]
 
-    def enqueue_on(self, stream: Stream) -> T:
+    def enqueue_on(self, stream: Stream) -> T_co:
         """Enqueue on ``stream`` and return the output handle without waiting.
 
         The caller synchronizes the stream before reading results; gpuflow
@@ -284,12 +285,12 @@ class DeviceOperation(Generic[T]):
     #: function, with no call between: every await makes one object.)
     if TYPE_CHECKING:
 
-        def __await__(self) -> Generator[Any, None, T]: ...
+        def __await__(self) -> Generator[Any, None, T_co]: ...
 
     else:
         __await__ = _run.await_run
 
-    async def run(self, policy: SchedulingPolicy | None = None) -> T:
+    async def run(self, policy: SchedulingPolicy | None = None) -> T_co:
         """``await op`` with an explicit scheduling policy.
 
         Parameters
@@ -321,7 +322,7 @@ class DeviceOperation(Generic[T]):
     #: :mod:`._plan`): an operation's own where it has one, made once
     _plan: Plan = ANYWHERE
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> DType | None:
         """The dtype of the :class:`DeviceArray` every run of this operation
         produces, where that is known before it runs (None: not known, or
         not an array): a launch taking the operation as an argument checks
@@ -334,7 +335,7 @@ class DeviceOperation(Generic[T]):
         return None
 
     # -- graphs and pictures ---------------------------------------------------------
-    def capture(self, stream: Stream | None = None) -> Graph[T]:
+    def capture(self, stream: Stream | None = None) -> Graph[T_co]:
         """Capture this operation's work into a replayable :class:`gpuflow.Graph`.
 
         Parameters
@@ -377,7 +378,7 @@ class DeviceOperation(Generic[T]):
         """
         return type(self).__name__.lstrip("_")
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         """The operations this one runs (a combinator's parts): the edges of
         :meth:`to_dot`.
 
@@ -536,7 +537,7 @@ class _Then(DeviceOperation[U]):
     def label(self) -> str:
         return f"then {callable_name(self._fn)}"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return (self._op,)
 
     def _kind(self) -> str:
@@ -559,7 +560,7 @@ class _Map(DeviceOperation[U]):
     def label(self) -> str:
         return f"map {callable_name(self._fn)}"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return (self._op,)
 
     def _kind(self) -> str:
@@ -569,7 +570,7 @@ class _Map(DeviceOperation[U]):
 class _Zip(DeviceOperation[tuple[Any, ...]]):
     __slots__ = ("_ops",)
 
-    def __init__(self, ops: tuple[DeviceOperation[Any], ...]) -> None:
+    def __init__(self, ops: tuple[DeviceOperation[object], ...]) -> None:
         self._ops = ops
 
     def execute(self, ctx: ExecutionContext) -> tuple[Any, ...]:
@@ -604,7 +605,7 @@ class _Zip(DeviceOperation[tuple[Any, ...]]):
     def label(self) -> str:
         return f"zip ({len(self._ops)})"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return self._ops
 
     def _kind(self) -> str:
@@ -616,8 +617,8 @@ def zip(a: DeviceOperation[T], /) -> DeviceOperation[tuple[T]]: ...
 @overload
 def zip(a: DeviceOperation[T], b: DeviceOperation[U], /) -> DeviceOperation[tuple[T, U]]: ...
 @overload
-def zip(*ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]: ...
-def zip(*ops: DeviceOperation[Any]) -> DeviceOperation[tuple[Any, ...]]:
+def zip(*ops: DeviceOperation[object]) -> DeviceOperation[tuple[Any, ...]]: ...
+def zip(*ops: DeviceOperation[object]) -> DeviceOperation[tuple[Any, ...]]:
     """Fan-in: one operation producing the tuple of the outputs of ``ops``.
 
     Independent arms may run on different streams of the pool; the join waits
@@ -713,13 +714,13 @@ class SharedOperation(DeviceOperation[T]):
             ctx.backend.wait_event(ctx.stream.raw, st.event)
         return st.output  # type: ignore[return-value]
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> DType | None:
         return self._state.source._output_dtype()
 
     def label(self) -> str:
         return "shared"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return (self._state.source,)
 
     def _kind(self) -> str:
@@ -729,10 +730,10 @@ class SharedOperation(DeviceOperation[T]):
         return id(self._state)
 
 
-class _Pick(DeviceOperation[Any]):
+class _Pick(DeviceOperation[object]):
     __slots__ = ("_index", "_n", "_op", "_what")
 
-    def __init__(self, op: DeviceOperation[Any], index: int, n: int | None, what: str) -> None:
+    def __init__(self, op: DeviceOperation[object], index: int, n: int | None, what: str) -> None:
         self._op = op
         self._index = index
         self._n = n
@@ -757,7 +758,7 @@ class _Pick(DeviceOperation[Any]):
     def label(self) -> str:
         return f"{self._what} [{self._index}]"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return (self._op,)
 
 
@@ -772,7 +773,7 @@ class Graph(Generic[T]):
     def __init__(self, recording: _capture.Recording[T]) -> None:
         #: the backend's graph and what it keeps alive (the record a replay runs)
         self.recording = recording
-        self._updates: list[DeviceOperation[Any]] = []
+        self._updates: list[DeviceOperation[object]] = []
         self._lock = threading.Lock()
 
     @property
@@ -799,7 +800,7 @@ class Graph(Generic[T]):
         """
         return _GraphLaunch(self)
 
-    def update(self, op: DeviceOperation[Any]) -> None:
+    def update(self, op: DeviceOperation[object]) -> None:
         """Run ``op`` (an input refresh such as ``gf.copy(new, out=graph_input)``)
         in order before the next launch, on the launch's stream.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from .._backends import HostArray
 
 
 class Pending:
@@ -29,7 +29,7 @@ class PendingHost(Pending):
 
     __slots__ = ("array",)
 
-    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+    def __init__(self, array: HostArray) -> None:
         self.array = array
 
     def resolve(self) -> Any:

@@ -105,7 +105,7 @@ class Run:
         "error",
     )  # fmt: skip
 
-    def __init__(self, device: int, op: DeviceOperation[Any] | None = None) -> None:
+    def __init__(self, device: int, op: DeviceOperation[object] | None = None) -> None:
         self.device = device
         #: what runs, and since when, for gf.in_flight(): a weak reference to
         #: its operation (a run keeps alive what its work uses, never more)
@@ -572,7 +572,7 @@ class _RunName:
 
     __slots__ = ("op",)
 
-    def __init__(self, op: DeviceOperation[Any]) -> None:
+    def __init__(self, op: DeviceOperation[object]) -> None:
         self.op = op
 
     def __str__(self) -> str:
@@ -597,7 +597,7 @@ def _chosen(policy: SchedulingPolicy, device: int) -> Stream:
 
 
 def _choose(
-    op: DeviceOperation[Any], policy: SchedulingPolicy | None, device: int, can_wait: bool
+    op: DeviceOperation[object], policy: SchedulingPolicy | None, device: int, can_wait: bool
 ) -> tuple[Stream | None, SchedulingPolicy]:
     """The stream of a run of ``op`` on ``device``, and the policy its zip
     arms fork with: the stream of the innermost stream lease of the device
@@ -632,7 +632,7 @@ def _choose(
 
 
 async def _idle_stream(
-    op: DeviceOperation[Any], policy: StreamPoolLeastLoaded, device: int
+    op: DeviceOperation[object], policy: StreamPoolLeastLoaded, device: int
 ) -> Stream:
     """Wait, in turn with the other awaits of ``device`` that found every
     stream busy, for one of its streams to go idle (cancellable: nothing is
@@ -664,7 +664,7 @@ async def _idle_stream(
 
 
 def _start(
-    op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
+    op: DeviceOperation[object], stream: Stream | None, policy: SchedulingPolicy | None
 ) -> tuple[Runtime, Run, ExecutionContext]:
     """Begin a run of ``op`` on ``stream``, or where none is given, on the
     one :func:`_choose` gives (that cannot wait); the run's zip arms fork
@@ -678,7 +678,7 @@ def _start(
     return rt, run, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, run)
 
 
-def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
+def _begin(op: DeviceOperation[object], stream: Stream) -> tuple[Runtime, Run]:
     """The checks of a run of ``op`` on ``stream`` and the run, which the
     scopes the task runs in track from now on."""
     if capture_log.get() is not None:
@@ -695,7 +695,7 @@ def _begin(op: DeviceOperation[Any], stream: Stream) -> tuple[Runtime, Run]:
 
 
 def enqueue(
-    op: DeviceOperation[Any], stream: Stream, run: Run, ctx: ExecutionContext | None
+    op: DeviceOperation[object], stream: Stream, run: Run, ctx: ExecutionContext | None
 ) -> Any:
     """Enqueue ``op``'s work for ``run`` on ``stream``: every way of running
     an operation takes this step.  Its plan's prepared launch where one was
@@ -713,12 +713,12 @@ def enqueue(
 # -- the blocking runs and enqueue_on ---------------------------------------------------
 
 
-def run_sync(op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> Any:
+def run_sync(op: DeviceOperation[object], policy: SchedulingPolicy | None) -> Any:
     refuse_blocking("op.sync()", "in async code, `await op` (or `await op.run(policy)`)")
     return _sync(op, None, policy)
 
 
-def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+def run_sync_on(op: DeviceOperation[object], stream: Stream) -> Any:
     refuse_blocking(
         "op.sync_on(stream)",
         "in async code, `op.enqueue_on(stream)` and then `await gf.wait_stream(stream)`",
@@ -726,14 +726,14 @@ def run_sync_on(op: DeviceOperation[Any], stream: Stream) -> Any:
     return _sync(op, stream, None)
 
 
-def _traced(op: DeviceOperation[Any], how: str, stream: Stream, run: Run) -> _trace.TracedRun:
+def _traced(op: DeviceOperation[object], how: str, stream: Stream, run: Run) -> _trace.TracedRun:
     traced = _trace.begin(op, how, stream)
     run.add_done_callback(traced.gpu_done)  # before anyone else can finish it
     return traced
 
 
 def _sync(
-    op: DeviceOperation[Any], stream: Stream | None, policy: SchedulingPolicy | None
+    op: DeviceOperation[object], stream: Stream | None, policy: SchedulingPolicy | None
 ) -> Any:
     _rt, run, ctx = _start(op, stream, policy)
     stream = ctx.stream
@@ -756,7 +756,7 @@ def _sync(
 
 
 def _sync_run(
-    op: DeviceOperation[Any],
+    op: DeviceOperation[object],
     stream: Stream,
     run: Run,
     ctx: ExecutionContext,
@@ -784,7 +784,7 @@ def _sync_run(
 
 
 def start_run(
-    op: DeviceOperation[Any], stream: Stream | None, device: int, how: str
+    op: DeviceOperation[object], stream: Stream | None, device: int, how: str
 ) -> tuple[Run, Any]:
     """Enqueue a run of ``op`` now, on ``stream``, or where None, where an
     await on ``device`` would put it but without waiting for a stream; the
@@ -824,7 +824,7 @@ def start_run(
     return run, out
 
 
-def run_enqueue_on(op: DeviceOperation[Any], stream: Stream) -> Any:
+def run_enqueue_on(op: DeviceOperation[object], stream: Stream) -> Any:
     _run, out = start_run(op, stream, stream.device, "enqueue_on")
     if is_pending(out):
         if has_map(out):
@@ -861,7 +861,7 @@ def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
 
 
 def await_run(
-    op: DeviceOperation[Any], policy: SchedulingPolicy | None = None
+    op: DeviceOperation[object], policy: SchedulingPolicy | None = None
 ) -> Generator[Any, None, Any]:
     """``await op`` (``op.run(policy)``): the one definition of the await.
     Its steps, each once: the stream (the policy's, or an idle pool stream),
@@ -975,7 +975,7 @@ class RunAwaitable:
 
     __slots__ = ("_op", "_policy")
 
-    def __init__(self, op: DeviceOperation[Any], policy: SchedulingPolicy | None) -> None:
+    def __init__(self, op: DeviceOperation[object], policy: SchedulingPolicy | None) -> None:
         self._op = op
         self._policy = policy
 

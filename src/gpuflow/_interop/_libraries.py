@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backends import Backend, RawBuffer
+from .._backends import Backend, DType, RawBuffer
 from .._core import (
     Allocation,
     DeviceOperation,
@@ -158,7 +158,7 @@ def _our_device(rt: Runtime, device: int, what: str) -> int:
     return device
 
 
-def _check_dtype(dtype: np.dtype[Any], what: str) -> np.dtype[Any]:
+def _check_dtype(dtype: DType, what: str) -> DType:
     if dtype.hasobject or dtype.kind not in "biufc" or dtype.fields is not None:
         raise UsageError(f"{what} has dtype {dtype}, which gpuflow arrays cannot hold")
     if dtype.byteorder == ">":
@@ -516,7 +516,7 @@ def _resolve(x: Any, ctx: ExecutionContext) -> Any:
     return x.execute(ctx) if isinstance(x, DeviceOperation) else x
 
 
-class _Foreign(DeviceOperation[Any]):
+class _Foreign(DeviceOperation[object]):
     __slots__ = ("_args", "_fn", "_kwargs")
 
     def __init__(
@@ -576,7 +576,7 @@ class _Foreign(DeviceOperation[Any]):
     def label(self) -> str:
         return f"foreign {callable_name(self._fn)}"
 
-    def _children(self) -> tuple[DeviceOperation[Any], ...]:
+    def _children(self) -> tuple[DeviceOperation[object], ...]:
         return tuple(
             a for a in (*self._args, *self._kwargs.values()) if isinstance(a, DeviceOperation)
         )

@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 import numpy as np
 
-from .._backends import CHECK_ARCH, LaunchLimits, PointerArg, RawKernel, Step, compile_source
+from .._backends import (
+    CHECK_ARCH,
+    DType,
+    LaunchLimits,
+    PointerArg,
+    RawKernel,
+    Step,
+    compile_source,
+)
 from .._core import (
     ANYWHERE,
     Allocation,
@@ -47,7 +55,7 @@ from .._memory import DeviceArray
 if TYPE_CHECKING:
     from .._core import ExecutionContext
 
-_C_TYPES: dict[str, np.dtype[Any]] = {
+_C_TYPES: dict[str, DType] = {
     name: np.dtype(dt)
     for names, dt in [
         (("float",), np.float32),
@@ -82,7 +90,7 @@ class Param:
 
     name: str
     ctype: str
-    dtype: np.dtype[Any] | None  # None: void*
+    dtype: DType | None  # None: void*
     pointer: bool
     const: bool
 
@@ -570,12 +578,12 @@ def _scalar(kernel: str, p: Param, v: Any) -> np.generic:
             f"got {described(v)}"
         )
     if kind in "iu":
-        info = np.iinfo(p.dtype)
+        info = np.iinfo(p.dtype)  # type: ignore[type-var]  # (an integer dtype, by its kind)
         if not info.min <= int(v) <= info.max:
             raise UsageError(
                 f"kernel {kernel!r}, parameter {p.describe()!r}: {v} is out of range for {p.ctype}"
             )
-    return p.dtype.type(v)  # type: ignore[no-any-return]
+    return p.dtype.type(v)
 
 
 def _a(word: str) -> str:
@@ -677,7 +685,7 @@ class Kernel:
 _Prepared = tuple[int, Any, list["PointerArg | np.generic"], list[tuple["Allocation", bool]], Any]
 
 
-class _Launch(DeviceOperation[Any]):
+class _Launch(DeviceOperation[object]):
     __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "_plan", "_prepared")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
@@ -796,7 +804,7 @@ class _Launch(DeviceOperation[Any]):
     def label(self) -> str:
         return f"kernel {self._kernel.name}"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return tuple(a for a in self._args if isinstance(a, DeviceOperation))
 
     def _kind(self) -> str:

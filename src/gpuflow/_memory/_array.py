@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, cast
 
 import numpy as np
 
+from .._backends import DType, HostArray
 from .._core import (
     Allocation,
     DeviceOperation,
@@ -45,14 +46,14 @@ def as_shape(shape: ShapeLike) -> tuple[int, ...]:
     return out
 
 
-def _item(a: np.ndarray[Any, Any]) -> np.generic:
+def _item(a: HostArray) -> np.generic:
     """The element of a 0-d array, as a NumPy scalar of its dtype."""
     return cast(np.generic, a[()])
 
 
-def as_dtype(dtype: Any) -> np.dtype[Any]:
+def as_dtype(dtype: Any) -> DType:
     try:
-        dt: np.dtype[Any] = np.dtype(dtype)
+        dt: DType = np.dtype(dtype)
     except TypeError:
         raise UsageError(f"{dtype!r} is not a NumPy dtype") from None
     if dt.hasobject or dt.kind not in "biufc":
@@ -82,7 +83,7 @@ class DeviceArray:
 
     __slots__ = ("__weakref__", "_allocation", "dtype", "shape")
 
-    def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: DType) -> None:
         #: the buffer and the record of its uses (:mod:`gpuflow.lowlevel`:
         #: an operation orders its use with ``before_read``/``before_write``)
         self._allocation = alloc
@@ -227,7 +228,7 @@ class DeviceArray:
 def allocate(
     ctx: ExecutionContext,
     shape: tuple[int, ...],
-    dtype: np.dtype[Any],
+    dtype: DType,
     stream: Stream | None = None,
 ) -> DeviceArray:
     s = stream or ctx.stream
@@ -280,7 +281,7 @@ def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
 class _Fill(DeviceOperation[DeviceArray]):
     __slots__ = ("_dtype", "_shape", "_value")
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], value: Any) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: DType, value: Any) -> None:
         self._shape = shape
         self._dtype = dtype
         try:
@@ -304,7 +305,7 @@ class _Fill(DeviceOperation[DeviceArray]):
             ctx.backend.fill(out._allocation.buffer, self._value, out.size, ctx.stream.raw)
         return out
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> DType | None:
         return self._dtype
 
     def label(self) -> str:
@@ -401,14 +402,14 @@ def ones(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArr
 class _Empty(DeviceOperation[DeviceArray]):
     __slots__ = ("_dtype", "_shape")
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: DType) -> None:
         self._shape = shape
         self._dtype = dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         return allocate(ctx, self._shape, self._dtype)
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> DType | None:
         return self._dtype
 
     def label(self) -> str:
@@ -459,7 +460,7 @@ def _like(a: object, dtype: Any, shape: ShapeLike | None, what: str) -> tuple[An
 
 
 def empty_like(
-    a: DeviceArray | np.ndarray[Any, Any], dtype: Any = None, shape: ShapeLike | None = None
+    a: DeviceArray | HostArray, dtype: Any = None, shape: ShapeLike | None = None
 ) -> DeviceOperation[DeviceArray]:
     """:func:`empty` of ``a``'s shape and dtype (or those given), as
     ``numpy.empty_like``.  The array is made on the device the operation
@@ -491,7 +492,7 @@ def empty_like(
 
 
 def zeros_like(
-    a: DeviceArray | np.ndarray[Any, Any], dtype: Any = None, shape: ShapeLike | None = None
+    a: DeviceArray | HostArray, dtype: Any = None, shape: ShapeLike | None = None
 ) -> DeviceOperation[DeviceArray]:
     """:func:`zeros` of ``a``'s shape and dtype (or those given), as
     ``numpy.zeros_like``; made on the device the operation runs on.  Any
@@ -522,7 +523,7 @@ def zeros_like(
 
 
 def ones_like(
-    a: DeviceArray | np.ndarray[Any, Any], dtype: Any = None, shape: ShapeLike | None = None
+    a: DeviceArray | HostArray, dtype: Any = None, shape: ShapeLike | None = None
 ) -> DeviceOperation[DeviceArray]:
     """:func:`ones` of ``a``'s shape and dtype (or those given), as
     ``numpy.ones_like``; made on the device the operation runs on.  Any
@@ -553,7 +554,7 @@ def ones_like(
 
 
 def full_like(
-    a: DeviceArray | np.ndarray[Any, Any],
+    a: DeviceArray | HostArray,
     fill_value: Any,
     dtype: Any = None,
     shape: ShapeLike | None = None,
@@ -592,13 +593,13 @@ def full_like(
 class _Arange(DeviceOperation[DeviceArray]):
     __slots__ = ("_dtype", "_n", "_start", "_step")
 
-    def __init__(self, n: int, start: np.generic, step: np.generic, dtype: np.dtype[Any]) -> None:
+    def __init__(self, n: int, start: np.generic, step: np.generic, dtype: DType) -> None:
         self._n = n
         self._start = start
         self._step = step
         self._dtype = dtype
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> DType | None:
         return self._dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
@@ -655,11 +656,11 @@ def arange(
 class _FromHost(DeviceOperation[DeviceArray]):
     __slots__ = ("_host",)
 
-    def __init__(self, host: np.ndarray[Any, Any]) -> None:
+    def __init__(self, host: HostArray) -> None:
         self._host = host
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
-        dtype: np.dtype[Any] = self._host.dtype
+    def _output_dtype(self) -> DType | None:
+        dtype: DType = self._host.dtype
         return dtype
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
@@ -711,7 +712,7 @@ def from_host(array: Any) -> DeviceOperation[DeviceArray]:
     return _FromHost(host)
 
 
-class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
+class _ToHost(DeviceOperation[HostArray]):
     __slots__ = ("_src",)
 
     def __init__(self, src: DeviceArray | DeviceOperation[DeviceArray]) -> None:
@@ -739,14 +740,14 @@ class _ToHost(DeviceOperation[np.ndarray[Any, Any]]):
     def label(self) -> str:
         return "to_host"
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return (self._src,) if isinstance(self._src, DeviceOperation) else ()
 
     def _kind(self) -> str:
         return "copy"
 
 
-def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[np.ndarray[Any, Any]]:
+def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[HostArray]:
     """A NumPy copy of a device array.
 
     Any thread: building the operation enqueues nothing; a run of it is
@@ -822,7 +823,7 @@ class _Copy(DeviceOperation[DeviceArray]):
             ctx.wait_for(stream)
         return dst
 
-    def _output_dtype(self) -> np.dtype[Any] | None:
+    def _output_dtype(self) -> DType | None:
         # (the copy's dtype is its source's, or that of the array it fills)
         for x in (self._out, self._src):
             if isinstance(x, DeviceArray):
@@ -850,7 +851,7 @@ class _Copy(DeviceOperation[DeviceArray]):
         where = "" if self._device is None else f" -> device {self._device}"
         return "copy" + (" into out" if self._out is not None else "") + where
 
-    def _children(self) -> Sequence[DeviceOperation[Any]]:
+    def _children(self) -> Sequence[DeviceOperation[object]]:
         return tuple(x for x in (self._src, self._out) if isinstance(x, DeviceOperation))
 
     def _kind(self) -> str:

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from .._backends import DType
 from .._errors import UsageError
 
 # -- dlpack.h -------------------------------------------------------------------------------
@@ -157,12 +158,12 @@ _capsule_set_name = ctypes.PYFUNCTYPE(_int, _py_object, _str)(
 # -- dtypes ---------------------------------------------------------------------------------
 
 
-def dl_dtype(dtype: np.dtype[Any]) -> tuple[int, int]:
+def dl_dtype(dtype: DType) -> tuple[int, int]:
     """DLPack's ``(code, bits)`` of a dtype gpuflow arrays hold."""
     return _KIND_CODES[dtype.kind], dtype.itemsize * 8
 
 
-def np_dtype(code: int, bits: int, lanes: int) -> np.dtype[Any]:
+def np_dtype(code: int, bits: int, lanes: int) -> DType:
     """The NumPy dtype of a DLPack dtype; UsageError for one gpuflow cannot pass."""
     kind = _CODE_KINDS.get(code)
     name = _CODE_NAMES.get(code, f"type code {code}")
@@ -223,7 +224,7 @@ def export_capsule(
     ptr: int,
     device: int,
     shape: tuple[int, ...],
-    dtype: np.dtype[Any],
+    dtype: DType,
     release: Callable[[], None],
     *,
     version: tuple[int, int] | None,

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .._backends import DType
 from .._core import (
     Allocation,
     Runtime,
@@ -164,7 +165,7 @@ def _device_arg(dl_device: Any) -> tuple[int, int]:
 
 
 def _device_copy(
-    rt: Runtime, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]
+    rt: Runtime, alloc: Allocation, shape: tuple[int, ...], dtype: DType
 ) -> Allocation:
     """A new allocation holding a copy, made on the stream of the last write."""
     device = alloc.buffer.device
@@ -183,7 +184,7 @@ def _host_capsule(
     rt: Runtime,
     alloc: Allocation,
     shape: tuple[int, ...],
-    dtype: np.dtype[Any],
+    dtype: DType,
     max_version: Any,
 ) -> Any:
     """A NumPy copy of the array, as NumPy's own DLPack capsule (``IS_COPIED``)."""
@@ -194,7 +195,7 @@ def _host_capsule(
     device = alloc.buffer.device
     s = rt.interop_stream(device)
     be = rt.backend
-    out = np.empty(shape, dtype)
+    out: np.ndarray[tuple[int, ...], np.dtype[np.number]] = np.empty(shape, dtype)
     if out.nbytes:
         with hazard_lock:
             alloc.before_read(s)
@@ -211,7 +212,7 @@ def _host_capsule(
 def dlpack(
     alloc: Allocation,
     shape: tuple[int, ...],
-    dtype: np.dtype[Any],
+    dtype: DType,
     *,
     stream: Any,
     max_version: Any,
@@ -252,7 +253,7 @@ def dlpack(
 
 
 def cuda_array_interface(
-    alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]
+    alloc: Allocation, shape: tuple[int, ...], dtype: DType
 ) -> dict[str, Any]:
     """``DeviceArray.__cuda_array_interface__``, version 3."""
     rt = _check(alloc, "__cuda_array_interface__")

@@ -215,7 +215,7 @@ class StartedRun(Generic[T]):
         return f"<gpuflow.StartedRun of {self.op!r}, {state}>"
 
 
-def _operation(op: Any) -> DeviceOperation[Any]:
+def _operation(op: Any) -> DeviceOperation[object]:
     if not isinstance(op, DeviceOperation):
         raise UsageTypeError(f"start_run() takes a gpuflow operation, got {type(op).__name__}")
     return op

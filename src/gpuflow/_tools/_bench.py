@@ -250,9 +250,9 @@ def bench_throughput(mod: gf.Module, quick: bool, cuda: bool) -> None:
         collected[1000].show("1,000 tasks")
 
 
-def _chain(mod: gf.Module, n: int) -> gf.DeviceOperation[Any]:
+def _chain(mod: gf.Module, n: int) -> gf.DeviceOperation[object]:
     k = mod.empty(gf.LaunchConfig(1, 1))
-    op: gf.DeviceOperation[Any] = k
+    op: gf.DeviceOperation[object] = k
     for _ in range(n - 1):
         op = op.then(lambda _o: k)
     return op
@@ -468,8 +468,8 @@ def bench_lease_exit(mod: gf.Module, quick: bool) -> None:
 
 
 def mixed_deadline_load(
-    slow: gf.DeviceOperation[Any],
-    fast: gf.DeviceOperation[Any],
+    slow: gf.DeviceOperation[object],
+    fast: gf.DeviceOperation[object],
     policy: gf.SchedulingPolicy | None,
     *,
     in_flight: int = 16,
@@ -632,7 +632,7 @@ def bench_fault(mod: gf.Module, cuda: bool) -> None:
         watched = gf.new_stream()
         stop = threading.Event()
 
-        async def main(op: gf.DeviceOperation[Any], watched: gf.Stream,
+        async def main(op: gf.DeviceOperation[object], watched: gf.Stream,
                        stop: threading.Event) -> float:
             t0 = time.perf_counter()
             helper = threading.Thread(target=lambda: reports.append(
@@ -669,9 +669,9 @@ def bench_fan_out(mod: gf.Module, quick: bool, cuda: bool) -> None:
     n = 8 if quick else 32
     print(f"compute-bound pipeline of {2 * n} kernels: one device vs a device group of 2")
 
-    def pipeline(x: gf.DeviceArray) -> gf.DeviceOperation[Any]:
+    def pipeline(x: gf.DeviceArray) -> gf.DeviceOperation[object]:
         cfg = gf.LaunchConfig(132 * 8, 256)
-        op: gf.DeviceOperation[Any] = mod.busy(cfg, x, iters)
+        op: gf.DeviceOperation[object] = mod.busy(cfg, x, iters)
         for _ in range(n - 1):
             op = op.then(lambda _o: mod.busy(cfg, x, iters))
         return op

@@ -32,6 +32,8 @@ import numpy as np
 
 import gpuflow as gf
 
+from .._backends import HostArray
+
 LAYERS = 22
 KERNELS_PER_LAYER = 6
 
@@ -109,7 +111,7 @@ REFERENCES: dict[str, Callable[..., None]] = {
 }
 
 
-def _const(op: gf.DeviceOperation[Any]) -> Callable[[Any], gf.DeviceOperation[Any]]:
+def _const(op: gf.DeviceOperation[object]) -> Callable[[Any], gf.DeviceOperation[object]]:
     return lambda _out: op
 
 
@@ -131,10 +133,10 @@ class Model:
         self.weights = [(arrays[2 * i], arrays[2 * i + 1]) for i in range(LAYERS)]
         self.x, self.y = arrays[-2], arrays[-1]
 
-    def kernels(self) -> list[gf.DeviceOperation[Any]]:
+    def kernels(self) -> list[gf.DeviceOperation[object]]:
         """The 132 launches of one token, in order."""
         m, n, cfg, x, y = self.mod, self.n, self.cfg, self.x, self.y
-        out: list[gf.DeviceOperation[Any]] = []
+        out: list[gf.DeviceOperation[object]] = []
         for w, b in self.weights:
             out += [
                 m.matvec(cfg, w, x, y, n),
@@ -146,7 +148,7 @@ class Model:
             ]
         return out
 
-    def token(self) -> gf.DeviceOperation[Any]:
+    def token(self) -> gf.DeviceOperation[object]:
         """One token as a single ``then`` chain."""
         ks = self.kernels()
         op = ks[0]
@@ -155,11 +157,11 @@ class Model:
         return op
 
 
-def _reset(model: Model, embedding: np.ndarray[Any, Any]) -> None:
+def _reset(model: Model, embedding: HostArray) -> None:
     gf.copy(gf.from_host(embedding), out=model.x).sync()
 
 
-async def _per_token(op: gf.DeviceOperation[Any], tokens: int) -> float:
+async def _per_token(op: gf.DeviceOperation[object], tokens: int) -> float:
     """Seconds per token when ``op`` (one token) is awaited ``tokens`` times."""
     t0 = time.perf_counter()
     for _ in range(tokens):
@@ -172,7 +174,7 @@ def run_modes(tokens: int, hidden: int) -> tuple[list[tuple[str, float]], bool]:
     model = Model(mod, hidden, seed=1, device=gf.current_device())
     emb = np.random.default_rng(2).standard_normal(hidden).astype(np.float32)
     results: list[tuple[str, float]] = []
-    finals: list[np.ndarray[Any, Any]] = []
+    finals: list[HostArray] = []
 
     # 1. a sync after every kernel
     _reset(model, emb)
@@ -213,7 +215,7 @@ def fan_out_models(hidden: int, devices: list[int]) -> dict[int, Model]:
     return models
 
 
-def fan_out(launches: dict[int, gf.DeviceOperation[Any]], tokens: int) -> float:
+def fan_out(launches: dict[int, gf.DeviceOperation[object]], tokens: int) -> float:
     """Tokens per second of the whole group: each device replays its own
     model's graph ``tokens`` times, all devices at once in a device group."""
     devices = list(launches)

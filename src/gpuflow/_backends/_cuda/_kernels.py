@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._errors import UsageError
-from .._records import PointerArg
+from .._records import DType, PointerArg
 
 if TYPE_CHECKING:
     from ._handles import Token
@@ -141,7 +141,7 @@ ARANGE_F32_STRUCT = struct.Struct("<Qf4xf4xQ")
 ARANGE_F64_STRUCT = struct.Struct("<QddQ")
 
 
-def arange_kernel(dtype: np.dtype[Any]) -> str:
+def arange_kernel(dtype: DType) -> str:
     if dtype.kind == "f" and dtype.itemsize in (2, 4, 8):
         return f"gf_arange_f{dtype.itemsize * 8}"
     if dtype.kind in "iu" and dtype.itemsize in (1, 2, 4, 8):

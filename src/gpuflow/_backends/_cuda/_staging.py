@@ -22,6 +22,7 @@ import numpy as np
 
 from ..._errors import DeviceError
 from .._codes import CUDA_ERROR_NOT_READY, CUDA_SUCCESS
+from .._records import HostArray
 from ._driver import driver, error_for
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Pending:
     __slots__ = ("buf", "dst", "event", "nbytes")
 
     def __init__(
-        self, event: int, buf: HostBuf, dst: np.ndarray[Any, Any] | None, nbytes: int
+        self, event: int, buf: HostBuf, dst: HostArray | None, nbytes: int
     ) -> None:
         self.event = event
         self.buf = buf

@@ -49,7 +49,7 @@ import numpy as np
 
 from ..._errors import CommunicatorError, UsageError
 from .._codes import NCCL_INVALID_USAGE, NCCL_NAMES, NCCL_REMOTE_ERROR
-from .._records import CollectiveCall
+from .._records import CollectiveCall, DType, HostArray
 
 if TYPE_CHECKING:
     from ._backend import SimBackend, SimDevice, SimStream
@@ -112,7 +112,7 @@ def _gone(path: str) -> bool:
     return True
 
 
-def _reduce(parts: list[np.ndarray[Any, Any]], op: str, dtype: np.dtype[Any]) -> Any:
+def _reduce(parts: list[HostArray], op: str, dtype: DType) -> Any:
     st = np.stack(parts)
     if op == "sum":
         return st.sum(axis=0, dtype=dtype)
@@ -267,7 +267,7 @@ class SimComm:
                     rank=self.rank,
                 )
 
-    def _data(self, buf: Any, count: int, dtype: np.dtype[Any]) -> Any:
+    def _data(self, buf: Any, count: int, dtype: DType) -> Any:
         self.backend.check_buffer(buf)
         return buf.data[: count * dtype.itemsize].view(dtype)
 
