@@ -633,7 +633,7 @@ def raw_launch_loop(
 
     op.sync(pol)
     raw = op._cache[1]  # type: ignore[attr-defined]  # (the loaded kernel)
-    stream = pol.stream.raw
+    stream: Any = pol.stream.raw  # (the cuda backend's own)
 
     def steps(n: int) -> float:
         loops = []

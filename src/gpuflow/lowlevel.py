@@ -9,6 +9,14 @@ from ._backends import Backend as Backend
 from ._backends import CollectiveCall as CollectiveCall
 from ._backends import LaunchLimits as LaunchLimits
 from ._backends import PointerArg as PointerArg
+from ._backends import RawBuffer as RawBuffer
+from ._backends import RawComm as RawComm
+from ._backends import RawEvent as RawEvent
+from ._backends import RawGraph as RawGraph
+from ._backends import RawKernel as RawKernel
+from ._backends import RawPartition as RawPartition
+from ._backends import RawStream as RawStream
+from ._backends import Step as Step
 from ._backends import cuda_probe as cuda_probe
 from ._backends import load_backend as load_backend
 from ._backends import new_sim_backend as new_sim_backend
@@ -27,6 +35,8 @@ from ._interop import register_stream_adapter as register_stream_adapter
 __all__ = [
     "Backend", "CollectiveCall", "LaunchLimits", "PointerArg", "register_backend", "load_backend",
     "cuda_probe", "new_sim_backend",
+    "RawBuffer", "RawComm", "RawEvent", "RawGraph", "RawKernel", "RawPartition", "RawStream",
+    "Step",
     "current_backend_object",
     "ExecutionContext", "Run", "pool_streams", "graph_exec_handle",
     "ImportedAllocation", "StreamAdapter", "register_stream_adapter",

@@ -11,7 +11,7 @@ import ctypes
 import gc
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from gpuflow._backends import _nvrtc
 
@@ -261,7 +261,7 @@ testing.assert_quiescent(timeout=5.0)
 # (taken from the pool and dropped) is named by the quiescence check
 cuda_backend: Any = gf.lowlevel.current_backend_object()
 dev0 = cuda_backend._devices[0]
-lost = cuda_backend._record(dev0, gf.lowlevel.pool_streams()[0].raw.handle)
+lost = cuda_backend._record(dev0, cast(Any, gf.lowlevel.pool_streams()[0].raw).handle)
 try:
     testing.assert_quiescent(timeout=5.0)
     raise AssertionError("an event lost went unseen")

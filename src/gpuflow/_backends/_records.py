@@ -33,18 +33,18 @@ class RawBuffer(Protocol):
 # own class out of them (a cast where one is given to it), so that a stream
 # is never passed where an event is wanted without a type checker saying so.
 
-#: A stream of the backend's (:meth:`Backend.create_stream`).
 RawStream = NewType("RawStream", object)
-#: An event recorded on a stream (:meth:`Backend.record_event`).
+RawStream.__doc__ = "A stream of the backend's (:meth:`Backend.create_stream`)."
 RawEvent = NewType("RawEvent", object)
-#: A kernel loaded into a device's context (:meth:`Backend.load_kernel`).
+RawEvent.__doc__ = "An event recorded on a stream (:meth:`Backend.record_event`)."
 RawKernel = NewType("RawKernel", object)
-#: A graph a capture made (:meth:`Backend.end_capture`).
+RawKernel.__doc__ = "A kernel loaded into a device's context (:meth:`Backend.load_kernel`)."
 RawGraph = NewType("RawGraph", object)
-#: A device's SMs set apart (:meth:`Backend.partition_sms`).
+RawGraph.__doc__ = "A graph a capture made (:meth:`Backend.end_capture`)."
 RawPartition = NewType("RawPartition", object)
-#: A rank's communicator (:meth:`Backend.comm_init`).
+RawPartition.__doc__ = "A device's SMs set apart (:meth:`Backend.partition_sms`)."
 RawComm = NewType("RawComm", object)
+RawComm.__doc__ = "A rank's communicator (:meth:`Backend.comm_init`)."
 
 #: An enqueue prepared once and called with each stream it goes to: a
 #: launch with its arguments final (:meth:`Backend.prepare_launch`), a

@@ -163,7 +163,7 @@ def _rank_main(
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], nranks: int, *args: Any, timeout: float | None = None
+    fn: Callable[..., Any], nranks: int, *args: object, timeout: float | None = None
 ) -> list[Any]:
     """Run ``fn(info, *args)`` in ``nranks`` new processes, one a rank; their results.
 

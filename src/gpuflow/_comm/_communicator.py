@@ -342,7 +342,7 @@ class Communicator:
             comms.append(self)
 
     # -- the collectives ------------------------------------------------------------------
-    def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:
+    def all_reduce(self, x: object, op: str = "sum", *, out: object = None) -> DeviceOperation[Any]:
         """Reduce ``x`` over the ranks (``"sum"``, ``"prod"``, ``"max"``,
         ``"min"``, ``"avg"``); every rank gets the result, in a new array or
         in ``out`` (``out=x``: in place).
@@ -376,7 +376,7 @@ class Communicator:
         """
         return _Collective(self, "all_reduce", x, out, op=_reduction(op))
 
-    def broadcast(self, x: Any, root: int = 0, *, out: Any = None) -> DeviceOperation[Any]:
+    def broadcast(self, x: object, root: int = 0, *, out: object = None) -> DeviceOperation[Any]:
         """Every rank gets rank ``root``'s ``x`` (the other ranks' ``x`` is not
         read: it gives the shape and type), in a new array or ``out``.
 
@@ -409,7 +409,7 @@ class Communicator:
         """
         return _Collective(self, "broadcast", x, out, peer=self._rank_arg(root, "root"))
 
-    def all_gather(self, x: Any, *, out: Any = None) -> DeviceOperation[Any]:
+    def all_gather(self, x: object, *, out: object = None) -> DeviceOperation[Any]:
         """Every rank gets every rank's ``x``, stacked in rank order: shape
         ``(nranks, *x.shape)``.
 
@@ -440,7 +440,9 @@ class Communicator:
         """
         return _Collective(self, "all_gather", x, out)
 
-    def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None) -> DeviceOperation[Any]:
+    def reduce_scatter(
+        self, x: object, op: str = "sum", *, out: object = None
+    ) -> DeviceOperation[Any]:
         """Reduce ``x`` (shape ``(nranks, *s)``) over the ranks; rank ``r``
         gets row ``r`` of the result (shape ``s``).
 
@@ -473,7 +475,7 @@ class Communicator:
         """
         return _Collective(self, "reduce_scatter", x, out, op=_reduction(op))
 
-    def send(self, x: Any, peer: int) -> DeviceOperation[None]:
+    def send(self, x: object, peer: int) -> DeviceOperation[None]:
         """Send ``x`` to rank ``peer``, which receives it with :meth:`recv`.
 
         It completes when the peer has taken it.  Between devices of this
@@ -583,7 +585,7 @@ class Communicator:
             raise UsageError("group() needs at least one collective")
         return _Group(tuple(ops))  # type: ignore[arg-type]
 
-    def _rank_arg(self, r: Any, what: str) -> int:
+    def _rank_arg(self, r: object, what: str) -> int:
         if not isinstance(r, int) or isinstance(r, bool):
             raise UsageTypeError(f"{what} must be an int rank, not {r!r}")
         if not 0 <= r < self.nranks:
@@ -591,7 +593,7 @@ class Communicator:
         return r
 
 
-def _reduction(op: Any) -> str:
+def _reduction(op: object) -> str:
     if op not in REDUCTIONS:
         raise UsageError(f"reduction {op!r} is not one of {', '.join(REDUCTIONS)}")
     return str(op)
@@ -624,11 +626,11 @@ class _Checked(NamedTuple):
     parts: tuple[tuple[int, int, DeviceArray | None, DeviceArray | None, bool, CollectiveCall], ...]
     output: Any
 
-    def holds(self, x: Any, out: Any) -> bool:
+    def holds(self, x: object, out: object) -> bool:
         return _same(x, self.x) and _same(out, self.out)
 
 
-def _given(v: Any) -> Any:
+def _given(v: object) -> Any:
     """``v`` as what was checked keeps it: a list's items (a list may change after)."""
     return tuple(v) if type(v) is list else v
 
@@ -640,7 +642,7 @@ def _same(v: Any, kept: Any) -> bool:
     return len(v) == len(kept) and all(map(operator.is_, v, kept))
 
 
-def _plain(v: Any) -> bool:
+def _plain(v: object) -> bool:
     """None, an array, or a list or tuple of arrays: nothing a run resolves anew."""
     if type(v) is list or type(v) is tuple:
         return all(type(a) is DeviceArray for a in v)
@@ -662,8 +664,8 @@ class _Collective(DeviceOperation[Any]):  # (its output depends on its kind)
         self,
         comm: Communicator,
         what: str,
-        x: Any,
-        out: Any,
+        x: object,
+        out: object,
         *,
         op: str | None = None,
         peer: int | None = None,
@@ -717,7 +719,7 @@ class _Collective(DeviceOperation[Any]):  # (its output depends on its kind)
             raise UsageError(f"{self._what}: {_dtype_message(arr.dtype)}")
         return arr
 
-    def _per_rank(self, x: Any, ctx: ExecutionContext, what: str) -> dict[int, DeviceArray]:
+    def _per_rank(self, x: object, ctx: ExecutionContext, what: str) -> dict[int, DeviceArray]:
         """The arrays of the local ranks taking part, by local rank, checked."""
         comm = self._comm
         if not comm._multi or self._p2p:
@@ -750,7 +752,7 @@ class _Collective(DeviceOperation[Any]):  # (its output depends on its kind)
                 )
         return dict(enumerate(arrays))
 
-    def _resolve(self, x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
+    def _resolve(self, x: object, ctx: ExecutionContext, what: str) -> DeviceArray:
         return resolve_array(x, ctx, f"{self._what}() {what}")
 
     def _out_shape(self, x: DeviceArray) -> tuple[int, ...]:

@@ -63,7 +63,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from .._backends import Backend
+from .._backends import Backend, RawStream
 from .._errors import DeviceError, DeviceFaultError
 from ._handoff import Handoff, Ticket
 from ._loops import Loop, Posts, post
@@ -113,7 +113,7 @@ class Completable(Protocol):
     _lane: Lane | None
     _number: int
 
-    def _complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
+    def _complete(self, error: BaseException | None, here: object, posts: Posts) -> None:
         """The run's work is done (or failed with ``error``): release what it
         kept, run its callbacks, and wake the tasks parked on it, those of
         loop ``here`` (the loop running this) at once, the others added to
@@ -170,7 +170,7 @@ class Lane:
     def __init__(
         self,
         completer: Completer,
-        raw: Any,
+        raw: RawStream,
         device: int,
         read: Callable[[], int],
         mark: Callable[[bool], int],
@@ -537,12 +537,12 @@ class Completer:
             self.spun, self.polled, self.by_thread, self.pipes_armed, self.watched_by_thread
         )
 
-    def lane(self, raw: Any, device: int) -> Lane:
+    def lane(self, raw: RawStream, device: int) -> Lane:
         """The lane of ``raw`` (made on first use)."""
         with self._lock:
             return self._lane_locked(raw, device)
 
-    def _lane_locked(self, raw: Any, device: int) -> Lane:
+    def _lane_locked(self, raw: RawStream, device: int) -> Lane:
         lane = self._lanes.get(raw)
         if lane is None:
             be = self._backend
@@ -552,7 +552,7 @@ class Completer:
         return lane
 
     def submit(
-        self, raw_stream: Any, run: Completable, foreign: bool = False, polled: bool = True
+        self, raw_stream: RawStream, run: Completable, foreign: bool = False, polled: bool = True
     ) -> None:
         """:meth:`Lane.submit` of ``run`` on ``raw_stream``'s lane (made
         on first use)."""
@@ -767,7 +767,7 @@ class Completer:
         self.complete(done, here)
 
     def complete(
-        self, done: Iterable[Completable], here: Any = None, error: BaseException | None = None
+        self, done: Iterable[Completable], here: object = None, error: BaseException | None = None
     ) -> None:
         """Complete ``done`` (failed with ``error`` where given) and wake their
         tasks: those of loop ``here`` (the loop running this) directly, the
@@ -807,7 +807,7 @@ class Completer:
             os.close(fd)
         self.complete(done, None, error)
 
-    def retire_stream(self, raw: Any) -> None:
+    def retire_stream(self, raw: RawStream) -> None:
         """``raw`` is about to be destroyed: its lane goes once its runs are
         done (its marks are still written: its work completes; one its runs
         owe is enqueued first).  Any thread (a finalizer); never raises."""

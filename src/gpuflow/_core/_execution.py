@@ -9,7 +9,7 @@ returns is handed to :meth:`keep`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .._backends import Backend
@@ -61,7 +61,7 @@ class ExecutionContext:
         """True while the run is being captured into a graph."""
         return self._capturing
 
-    def keep(self, *objs: Any) -> None:
+    def keep(self, *objs: object) -> None:
         """Keep ``objs`` alive until the GPU has finished the work enqueued so far.
 
         Parameters

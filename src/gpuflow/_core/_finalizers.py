@@ -44,7 +44,7 @@ _start_lock = threading.Lock()
 COALESCE_S = 0.001
 
 
-def finalize_later(fn: Callable[..., None], *args: Any) -> None:
+def finalize_later(fn: Callable[..., None], *args: object) -> None:
     """From a finalizer: call ``fn(*args)`` soon, where no lock is held.
     Never blocks, never raises."""
     global _wake_sent

@@ -74,7 +74,7 @@ class Handoff:
             self._queue.append(ticket)
         return ticket
 
-    def hand(self, value: Any) -> Ticket | None:
+    def hand(self, value: object) -> Ticket | None:
         """Give ``value`` to the first waiter not handed anything yet; its
         ticket, to :meth:`Ticket.wake` once the lock is released (None where
         every waiter was handed something)."""

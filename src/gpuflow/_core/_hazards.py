@@ -46,7 +46,7 @@ from .._errors import UsageError
 from ._finalizers import finalize_later
 
 if TYPE_CHECKING:
-    from .._backends import Backend, RawBuffer
+    from .._backends import Backend, RawBuffer, RawEvent, RawStream
     from ._stream import Stream
 
 
@@ -54,7 +54,7 @@ class Point(Protocol):
     """Where on a stream a use of an allocation happened (a run's
     :class:`gpuflow.lowlevel.Run`, an :class:`EventPoint`)."""
 
-    def _order(self, backend: Backend, stream: Any, on: Any) -> bool:
+    def _order(self, backend: Backend, stream: RawStream, on: RawStream) -> bool:
         """Make later work on raw ``stream`` wait for this point of raw
         ``on`` (nothing where it is known to be done); False where this
         point cannot say where on ``on`` it is."""
@@ -69,10 +69,10 @@ class EventPoint:
 
     __slots__ = ("event",)
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: RawEvent) -> None:
         self.event = event
 
-    def _order(self, backend: Backend, stream: Any, on: Any) -> bool:
+    def _order(self, backend: Backend, stream: RawStream, on: RawStream) -> bool:
         backend.wait_event(stream, self.event)
         return True
 
@@ -123,7 +123,7 @@ Use = tuple["Allocation", "Stream", bool]
 
 
 def enqueue_ordered(
-    run: Point | None, uses: Iterable[Use], enqueue: Callable[..., T], *args: Any
+    run: Point | None, uses: Iterable[Use], enqueue: Callable[..., T], *args: object
 ) -> T:
     """Order the uses of a run's work after the hazards they meet, then
     enqueue the work (``enqueue(*args)``): the one place a run's work is
@@ -237,7 +237,7 @@ class Allocation:
         self.foreign: Mapping[Hashable, Any] = _NO_FOREIGN
         self.readonly = False  # memory another library lent read-only
 
-    def after_foreign(self, stream: Hashable, event: Any) -> None:
+    def after_foreign(self, stream: Hashable, event: object) -> None:
         """Another library used the memory on ``stream`` (any key naming it), up
         to ``event`` recorded there: every later use and the free wait for it.
         Any thread.

@@ -40,6 +40,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Sized
+from types import ModuleType
 from typing import Any, Protocol
 
 import anyio
@@ -109,7 +110,7 @@ class Loop(Protocol):
     checkpoint: Callable[[], Awaitable[None]]
     #: The task running now (the loop's own task object: an asyncio Task,
     #: a Trio task): what ``gf.in_flight()`` names a run's waiter by.
-    current_task: Callable[[], Any]
+    current_task: Callable[[], object]
 
     def others_ready(self) -> bool:
         """Whether another task or callback of the loop is ready to run now
@@ -166,7 +167,7 @@ class Loop(Protocol):
         where the loop can tell."""
 
 
-def post(target: Any, poster: Poster, fns: list[Call]) -> None:
+def post(target: object, poster: Poster, fns: list[Call]) -> None:
     """Run ``fns`` in ``target``'s loop, without blocking; a finished loop is skipped."""
 
     def run_all() -> None:
@@ -221,7 +222,7 @@ def _anyio_asyncio_scopes(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]
         return _true
     current_tasks = _asyncio_current_tasks()
     if current_tasks is not None:
-        current_task: Callable[[], Any] = functools.partial(current_tasks.get, loop)
+        current_task: Callable[[], object] = functools.partial(current_tasks.get, loop)
     else:
         current_task = functools.partial(asyncio.current_task, loop)
     ref = weakref.ref
@@ -248,7 +249,7 @@ def _anyio_asyncio_scopes(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]
     return may_be_cancelled
 
 
-def _trio_task_cancelled(trio: Any) -> Callable[[], bool]:
+def _trio_task_cancelled(trio: ModuleType) -> Callable[[], bool]:
     """``may_be_cancelled`` under Trio: what ``checkpoint_if_cancelled``
     looks at first (the task's effective cancellation, a Ctrl-C pending for
     the main task), read without its coroutine.  Where Trio keeps it
@@ -332,7 +333,7 @@ class _Asyncio:
         self.may_be_cancelled = _anyio_asyncio_scopes(loop)
         self.checkpoint: Callable[[], Awaitable[None]] = _sleep0
         current_tasks = _asyncio_current_tasks()
-        self.current_task: Callable[[], Any] = (
+        self.current_task: Callable[[], object] = (
             functools.partial(asyncio.current_task, loop)
             if current_tasks is None
             else functools.partial(current_tasks.get, loop)
@@ -426,7 +427,7 @@ class _TrioPark:
 
     __slots__ = ("lowlevel", "state", "task", "trap")
 
-    def __init__(self, lowlevel: Any, trap: Callable[[Any], object] | None) -> None:
+    def __init__(self, lowlevel: ModuleType, trap: Callable[[Any], object] | None) -> None:
         self.lowlevel = lowlevel
         self.task = lowlevel.current_task()
         self.state = _MADE
@@ -503,7 +504,7 @@ class _Trio:
         "slept_waits", "target", "yielded",
     )  # fmt: skip
 
-    def __init__(self, trio: Any) -> None:
+    def __init__(self, trio: ModuleType) -> None:
         self._trio = trio
         self.poller: Any = None
         self._ended = False
@@ -525,7 +526,7 @@ class _Trio:
             trio.lowlevel.checkpoint_if_cancelled
         )
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
-        self.current_task: Callable[[], Any] = trio.lowlevel.current_task
+        self.current_task: Callable[[], object] = trio.lowlevel.current_task
         self.may_be_cancelled: Callable[[], bool] = _trio_task_cancelled(trio)
         self._token = trio.lowlevel.current_trio_token
         self.target = token = trio.lowlevel.current_trio_token()
@@ -617,7 +618,7 @@ _found: dict[int, Loop] = {}
 _get_ident = threading.get_ident
 
 
-def _in_trio() -> Any:
+def _in_trio() -> ModuleType | None:
     """The trio module when this thread runs inside ``trio.run``, else None."""
     trio = sys.modules.get("trio")  # a program that never imported Trio is not in it
     if trio is not None and trio.lowlevel.in_trio_run():
@@ -725,7 +726,7 @@ def current_loop() -> Loop:
     return loop
 
 
-def task_name(task: Any) -> str:
+def task_name(task: object) -> str:
     """A task's name as its loop keeps it (asyncio's ``get_name()``, Trio's
     ``name``)."""
     get_name = getattr(task, "get_name", None)

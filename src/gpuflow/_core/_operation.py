@@ -745,7 +745,7 @@ class _Pick(DeviceOperation[object]):
             return PendingMap(self._pick, out)
         return self._pick(out)
 
-    def _pick(self, out: Any) -> Any:
+    def _pick(self, out: object) -> Any:
         if not isinstance(out, tuple) or not out:
             raise UsageTypeError(
                 f"{self._what}() needs an operation producing a non-empty tuple, "

@@ -41,7 +41,7 @@ class PendingMap(Pending):
 
     __slots__ = ("fn", "value")
 
-    def __init__(self, fn: Callable[[Any], Any], value: Any) -> None:
+    def __init__(self, fn: Callable[[Any], Any], value: object) -> None:
         self.fn = fn
         self.value = value
 
@@ -49,7 +49,7 @@ class PendingMap(Pending):
         return self.fn(resolve(self.value))
 
 
-def is_pending(value: Any) -> bool:
+def is_pending(value: object) -> bool:
     """Whether ``value`` (or an element of a tuple or list) waits for the GPU."""
     if isinstance(value, Pending):
         return True
@@ -60,7 +60,7 @@ def is_pending(value: Any) -> bool:
     return False
 
 
-def has_map(value: Any) -> bool:
+def has_map(value: object) -> bool:
     """Whether a host-side ``map`` waits for ``value`` to become valid."""
     if isinstance(value, PendingMap):
         return True
@@ -71,7 +71,7 @@ def has_map(value: Any) -> bool:
     return False
 
 
-def resolve(value: Any) -> Any:
+def resolve(value: object) -> Any:
     """The output of a completed run: pending host values made concrete."""
     if isinstance(value, Pending):
         return value.resolve()

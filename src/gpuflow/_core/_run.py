@@ -59,7 +59,7 @@ from ._stream_protocols import stream_at
 from ._unusual import UNUSUAL
 
 if TYPE_CHECKING:
-    from .._backends import Backend
+    from .._backends import Backend, RawEvent, RawStream
     from ._operation import DeviceOperation
 
 try:
@@ -131,7 +131,7 @@ class Run:
         self._on_done: list[Callable[[BaseException | None], None]] | None = None
         self._lane: Lane | None = None
         self._number = 0
-        self._arms: dict[Any, Any] | None = None
+        self._arms: dict[RawStream, RawEvent] | None = None
         #: its latency class's busy-poll budget in seconds (None: the runtime's)
         self._poll_s: float | None = None
 
@@ -148,7 +148,7 @@ class Run:
         lane = self._lane
         return lane is not None and lane.read() >= self._number
 
-    def _order(self, backend: Backend, stream: Any, on: Any) -> bool:
+    def _order(self, backend: Backend, stream: RawStream, on: RawStream) -> bool:
         """As a hazard point: make later work on raw ``stream`` wait for this
         run's work on raw ``on``: nothing once it is known done, its mark on
         its own stream, the join event of a ``zip`` arm on another; False
@@ -245,7 +245,7 @@ class Run:
             keep.extend(objs)
 
     # -- completion (called by whoever saw the work done: ``_completion``) --------------------
-    def _complete(self, error: BaseException | None, here: Any, posts: Posts) -> None:
+    def _complete(self, error: BaseException | None, here: object, posts: Posts) -> None:
         """The run's work is done (or failed with ``error``): release what it
         kept, run its callbacks (a failure in one is a warning), and wake the
         tasks parked on it: those of loop ``here`` (the loop running this)
@@ -331,7 +331,7 @@ class _Waiting:
         self.run = run
         self.loop = loop
 
-    def __await__(self) -> Generator[Any, None, None]:
+    def __await__(self) -> Generator[object, None, None]:
         return _wait(self.run, self.loop)
 
 
@@ -429,7 +429,7 @@ def _spin_inline(run: Run, loop: Loop, lane: Lane) -> bool:
     return False
 
 
-def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]:
+def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[object, None, float]:
     """A lone await past its inline read: read the word once per loop turn
     from the task itself, within the busy-poll budget, while no other await
     of the loop is in progress.  The turn that sees the run done resumes the
@@ -467,7 +467,7 @@ def _poll_alone(run: Run, loop: Loop, lane: Lane) -> Generator[Any, None, float]
             return max(0.0, busy.deadline - now)
 
 
-def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, None, None]:
+def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[object, None, None]:
     """:meth:`Run.wait`: the inline read and the loop's turns while alone,
     else a park; the yield a run seen done owes its loop now and then.
 
@@ -496,7 +496,7 @@ def _wait(run: Run, loop: Loop, mark_on: Lane | None = None) -> Generator[Any, N
         raise run.error
 
 
-def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[Any, None, None]:
+def _wait_marked(run: Run, loop: Loop, alone: bool) -> Generator[object, None, None]:
     """:func:`_wait` of a marked run: read its word while alone, then park."""
     lane = run._lane
     budget = run._poll_s  # the busy poll left to the loop's poller: all of it
@@ -862,7 +862,7 @@ def _submit_foreign(rt: Runtime, stream: Stream, run: Run) -> None:
 
 def await_run(
     op: DeviceOperation[object], policy: SchedulingPolicy | None = None
-) -> Generator[Any, None, Any]:
+) -> Generator[object, None, Any]:
     """``await op`` (``op.run(policy)``): the one definition of the await.
     Its steps, each once: the stream (the policy's, or an idle pool stream),
     the run's checks and its scopes, the enqueue, the mark, the wait, the
@@ -979,6 +979,6 @@ class RunAwaitable:
         self._op = op
         self._policy = policy
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[object, None, Any]:
         return await_run(self._op, self._policy)
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from .._backends import Backend, load_backend
+from .._backends import Backend, RawEvent, RawPartition, RawStream, load_backend
 from .._errors import DeviceFaultError, UsageError, UsageTypeError
 from ._completion import Completer
 from ._finalizers import finalize_later, run_finalized, start_reaper
@@ -116,7 +116,7 @@ class Runtime:
         #: the private stream of each device for other libraries' arrays
         self._interop: dict[tuple[int, int], Stream] = {}
         #: per device: backend streams made ahead (see _make_pool)
-        self._spares: dict[int, list[Any]] = {}
+        self._spares: dict[int, list[RawStream]] = {}
         #: the bytes and number of the allocations made through this runtime
         self.memory = MemoryLedger()
         self.completer = Completer(backend, busy_poll_s)
@@ -181,13 +181,15 @@ class Runtime:
         made(be, raw)
         return raw
 
-    def _destroy(self, raw: Any) -> None:
+    def _destroy(self, raw: RawStream) -> None:
         """Destroy a backend stream this runtime made (its lane retired first)."""
         self.completer.retire_stream(raw)
         self.backend.destroy_stream(raw)
         gone([raw])
 
-    def adopt(self, device: int, raw: Any, priority: int = 0, sms: str | None = None) -> Stream:
+    def adopt(
+        self, device: int, raw: RawStream, priority: int = 0, sms: str | None = None
+    ) -> Stream:
         """The :class:`Stream` of a backend stream just made, known by its handle."""
         s = Stream(self, device, raw, self.generation(device), priority, sms)
         s._lane = self.completer.lane(raw, device)
@@ -204,7 +206,7 @@ class Runtime:
             by_handle[handle] = weakref.ref(s)
         return s
 
-    def foreign_stream(self, raw: Any, device: int) -> Stream:
+    def foreign_stream(self, raw: RawStream, device: int) -> Stream:
         """The :class:`Stream` of another library's backend stream ``raw``."""
         s = self._foreign.get(raw)
         if s is not None and s._generation == self._generations.get(device):
@@ -224,7 +226,7 @@ class Runtime:
             refs = list(self._by_handle.values())
         return [s for s in (ref() for ref in refs) if s is not None]
 
-    def stream_of(self, raw: Any) -> Stream | None:
+    def stream_of(self, raw: RawStream) -> Stream | None:
         """The :class:`Stream` of backend stream ``raw`` (gpuflow's own, or
         another library's used so far), if one is known."""
         s = self._foreign.get(raw)
@@ -350,7 +352,7 @@ class Runtime:
                 raise
         return self._make_level(device, priority, sms)
 
-    def partitions_of(self, device: int) -> list[Any]:
+    def partitions_of(self, device: int) -> list[RawPartition]:
         """The partitions of ``device``'s SMs (the reserved ones, and the one
         left to the other streams); none where no SMs are reserved."""
         rest = self._rest.get(device)
@@ -504,7 +506,7 @@ class Runtime:
         if free:
             self.backend.release_partitions(free)
 
-    def spares(self) -> list[Any]:
+    def spares(self) -> list[RawStream]:
         """The backend streams made ahead for the pools to grow into, not yet taken."""
         with self._lock:
             return [raw for spares in self._spares.values() for raw in spares]
@@ -910,7 +912,7 @@ def new_stream(
     return s
 
 
-def _retire_stream(rt: Runtime, raw: Any, final: list[Any]) -> None:
+def _retire_stream(rt: Runtime, raw: RawStream, final: list[RawEvent]) -> None:
     """A dropped stream's lane, then the stream (its finalizer's work, done
     later: :mod:`._finalizers`).  ``final`` gets an event recorded after all
     its work: a collection that finds the stream unreachable together with

@@ -16,6 +16,7 @@ from . import _finalizers
 from ._loops import refuse_blocking
 
 if TYPE_CHECKING:
+    from .._backends import RawEvent, RawStream
     from ._completion import Lane
     from ._runtime import Runtime
 
@@ -39,20 +40,20 @@ _made: dict[int, tuple[object, Any]] = {}
 _made_lock = threading.Lock()
 
 
-def made(backend: object, raw: Any) -> None:
+def made(backend: object, raw: RawStream) -> None:
     """``backend`` made ``raw`` for a runtime."""
     with _made_lock:
         _made[id(raw)] = (backend, raw)
 
 
-def gone(raws: list[Any]) -> None:
+def gone(raws: list[RawStream]) -> None:
     """``raws`` were destroyed (or went with their context or backend)."""
     with _made_lock:
         for raw in raws:
             _made.pop(id(raw), None)
 
 
-def made_streams(backend: object) -> list[Any]:
+def made_streams(backend: object) -> list[RawStream]:
     """The backend streams runtimes made on ``backend`` and did not destroy."""
     with _made_lock:
         return [raw for be, raw in _made.values() if be is backend]
@@ -82,7 +83,7 @@ class Stream:
         self,
         runtime: Runtime,
         device: int,
-        raw: Any,
+        raw: RawStream,
         generation: int,
         priority: int = 0,
         sms: str | None = None,
@@ -114,7 +115,7 @@ class Stream:
         self.leased = False
         #: once the stream is destroyed, an event recorded after all its work
         #: (what a free still ordered after a use on it waits for)
-        self._final: list[Any] = []
+        self._final: list[RawEvent] = []
         _live.add(self)
 
     def current(self) -> bool:

@@ -448,7 +448,7 @@ class Recorder:
                 del e[_INNER]
 
     def _metadata(self) -> list[dict[str, Any]]:
-        def meta(what: str, pid: int, tid: int | None, **args: Any) -> dict[str, Any]:
+        def meta(what: str, pid: int, tid: int | None, **args: object) -> dict[str, Any]:
             event = {"name": what, "ph": "M", "pid": pid, "args": args}
             if tid is not None:
                 event["tid"] = tid

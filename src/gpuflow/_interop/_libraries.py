@@ -192,7 +192,7 @@ def _arrival(rt: Runtime, device: int, stream: Stream | None) -> Stream:
 
 def _from_capsule(
     rt: Runtime,
-    capsule: Any,
+    capsule: object,
     stream: Stream | None,
     what: str,
     device: int | None = None,
@@ -273,7 +273,7 @@ def _arrive_after(rt: Runtime, s: Stream, producer: int, device: int) -> None:
     order_after(rt.backend, s, stream_for(rt, producer, device)[0], None)
 
 
-def import_array(rt: Runtime, x: Any, stream: Stream | None = None) -> DeviceArray:
+def import_array(rt: Runtime, x: object, stream: Stream | None = None) -> DeviceArray:
     """``x`` as a DeviceArray, the producer's pending work visible on ``stream``
     (default: the device's interop stream)."""
     dlpack.sweep()
@@ -294,7 +294,7 @@ def import_array(rt: Runtime, x: Any, stream: Stream | None = None) -> DeviceArr
     )
 
 
-def from_dlpack(x: Any) -> DeviceArray:
+def from_dlpack(x: object) -> DeviceArray:
     """Another library's device array as a :class:`DeviceArray`, without a copy.
 
     ``x`` has ``__dlpack__`` (tried first) or ``__cuda_array_interface__``,
@@ -383,7 +383,7 @@ class _WaitStream(DeviceOperation[None]):
         return "join"
 
 
-def wait_stream(stream: Any) -> DeviceOperation[None]:
+def wait_stream(stream: object) -> DeviceOperation[None]:
     """An operation that completes when the work enqueued so far on ``stream`` is done.
 
     ``stream`` is anything with ``__cuda_stream__``, a ``torch.cuda.Stream``,
@@ -431,7 +431,7 @@ StreamAdapter = Callable[[Stream], AbstractContextManager[Any] | None]
 
 
 def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
-    torch: Any = sys.modules.get("torch")
+    torch = sys.modules.get("torch")
     if torch is None or not stream._runtime.backend.cuda_native or not torch.cuda.is_available():
         return None
     external = torch.cuda.ExternalStream(
@@ -441,7 +441,7 @@ def _torch_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
 
 
 def _cupy_adapter(stream: Stream) -> AbstractContextManager[Any] | None:
-    cupy: Any = sys.modules.get("cupy")
+    cupy = sys.modules.get("cupy")
     if cupy is None or not stream._runtime.backend.cuda_native:
         return None
     handle = stream.__cuda_stream__()[1]
@@ -512,7 +512,7 @@ def _is_device_array(v: object) -> bool:
     return hasattr(v, "__cuda_array_interface__")
 
 
-def _resolve(x: Any, ctx: ExecutionContext) -> Any:
+def _resolve(x: object, ctx: ExecutionContext) -> Any:
     return x.execute(ctx) if isinstance(x, DeviceOperation) else x
 
 
@@ -563,8 +563,8 @@ class _Foreign(DeviceOperation[object]):
         return result
 
     @staticmethod
-    def _imports(ctx: ExecutionContext, out: Any) -> Any:
-        def one(v: Any) -> Any:
+    def _imports(ctx: ExecutionContext, out: object) -> Any:
+        def one(v: object) -> Any:
             return import_array(ctx._runtime, v, ctx.stream) if _is_device_array(v) else v
 
         if isinstance(out, tuple):
@@ -582,7 +582,7 @@ class _Foreign(DeviceOperation[object]):
         )
 
 
-def foreign(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> DeviceOperation[Any]:
+def foreign(fn: Callable[..., Any], /, *args: object, **kwargs: object) -> DeviceOperation[Any]:
     """Another library's GPU code as a step of a pipeline, on gpuflow's stream.
 
     When the operation runs, ``fn(*args, **kwargs)`` is called on the host

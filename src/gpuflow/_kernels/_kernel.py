@@ -21,9 +21,9 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio.to_thread
 import numpy as np
@@ -294,7 +294,7 @@ class Module:
     def __init__(
         self,
         source: str,
-        references: dict[str, Callable[..., Any]],
+        references: dict[str, Callable[..., object]],
         options: tuple[str, ...],
         signatures: dict[str, tuple[Param, ...]],
     ) -> None:
@@ -303,7 +303,7 @@ class Module:
         self.options = options
         self._kernels = {n: Kernel(self, n, p) for n, p in signatures.items()}
         # per runtime (weakly: a replaced runtime's handles go with it)
-        self._loaded: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, str], Any]] = (
+        self._loaded: weakref.WeakKeyDictionary[Runtime, dict[tuple[int, int, str], RawKernel]] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
@@ -348,10 +348,10 @@ class Module:
     def __repr__(self) -> str:
         return f"<gpuflow.Module kernels: {', '.join(self._kernels) or 'none'}>"
 
-    def _load(self, ctx: ExecutionContext, name: str) -> Any:
+    def _load(self, ctx: ExecutionContext, name: str) -> RawKernel:
         return self._load_on(ctx._runtime, ctx.device, name)
 
-    def _load_on(self, rt: Runtime, device: int, name: str) -> Any:
+    def _load_on(self, rt: Runtime, device: int, name: str) -> RawKernel:
         # a kernel handle belongs to one runtime, device and context generation
         key = (device, rt.generation(device), name)
         with self._lock:
@@ -384,7 +384,7 @@ class Module:
 
 def compile(
     source: str,
-    references: dict[str, Callable[..., Any]] | None = None,
+    references: Mapping[str, Callable[..., object]] | None = None,
     options: Sequence[str] = (),
 ) -> Module:
     """Compile CUDA C++ with NVRTC and parse its ``extern "C" __global__`` kernels.
@@ -480,7 +480,7 @@ def compile(
 
 async def compile_async(
     source: str,
-    references: dict[str, Callable[..., Any]] | None = None,
+    references: Mapping[str, Callable[..., object]] | None = None,
     options: Sequence[str] = (),
 ) -> Module:
     """:func:`compile` without blocking the event loop: NVRTC's compile and
@@ -538,7 +538,7 @@ def _load_compiled(rt: Runtime) -> None:
 runtime_started.append(_load_compiled)
 
 
-def _check_arity(kernel: str, params: tuple[Param, ...], fn: Callable[..., Any]) -> None:
+def _check_arity(kernel: str, params: tuple[Param, ...], fn: Callable[..., object]) -> None:
     # on sim a reference called with the wrong number of arguments would fail
     # only at its first launch, as a sticky fault of the whole device
     try:
@@ -626,7 +626,7 @@ class Kernel:
         """The kernel's C signature as gpuflow parsed it (``saxpy(float a, ...)``)."""
         return f"{self.name}({', '.join(p.describe() for p in self.params)})"
 
-    def __call__(self, config: LaunchConfig, *args: Any) -> DeviceOperation[Any]:
+    def __call__(self, config: LaunchConfig, *args: object) -> DeviceOperation[Any]:
         """An operation launching the kernel with ``args``.
 
         Arguments are DeviceArrays, operations producing them (run first, in
@@ -647,7 +647,7 @@ class Kernel:
         # another device checks again there, when the kernel is loaded)
         device = current_device()
         config._check(self.name, device, ensure_runtime().backend.launch_limits(device))
-        checked: list[Any] = []
+        checked: list[object] = []
         for p, a in zip(self.params, args, strict=True):
             if isinstance(a, DeviceOperation):
                 dtype = a._output_dtype()  # (what it produces, where known already)
@@ -682,13 +682,15 @@ class Kernel:
 #: A launch ready to enqueue: the device context's generation it was made
 #: for, the loaded kernel, its arguments, its uses of memory (each
 #: allocation, and whether it is written) and its output.
-_Prepared = tuple[int, Any, list["PointerArg | np.generic"], list[tuple["Allocation", bool]], Any]
+_Prepared = tuple[
+    int, RawKernel, list["PointerArg | np.generic"], list[tuple["Allocation", bool]], object
+]
 
 
 class _Launch(DeviceOperation[object]):
     __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "_plan", "_prepared")
 
-    def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[Any, ...]) -> None:
+    def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[object, ...]) -> None:
         self._kernel = kernel
         self._config = config
         self._args = args
@@ -713,8 +715,8 @@ class _Launch(DeviceOperation[object]):
             cfg._check(self._kernel.name, ctx.device, ctx.backend.launch_limits(ctx.device))
             raw = self._kernel.module._load(ctx, self._kernel.name)
             step = (
-                ctx._runtime.backend.prepare_launch(
-                    raw, cfg.grid, cfg.block, cfg.shmem, self._args
+                ctx._runtime.backend.prepare_launch(  # (a plain launch's are scalars)
+                    raw, cfg.grid, cfg.block, cfg.shmem, cast("tuple[np.generic, ...]", self._args)
                 )
                 if self._plain
                 else None

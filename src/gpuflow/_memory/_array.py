@@ -193,7 +193,7 @@ class DeviceArray:
         ``stream`` the consumer must wait on before it uses the memory."""
         return _export.cuda_array_interface(self._allocation, self.shape, self.dtype)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> NoReturn:
+    def __array__(self, dtype: object = None, copy: object = None) -> NoReturn:
         raise UsageTypeError(
             f"{self!r} is in device memory, which NumPy cannot read: gf.to_host(arr) copies it "
             "to a NumPy array (await it, or .sync() outside an event loop)"
@@ -263,7 +263,7 @@ def _check_device_input(x: object, what: str) -> None:
     )
 
 
-def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
+def resolve_array(x: object, ctx: ExecutionContext, what: str) -> DeviceArray:
     if type(x) is DeviceArray:  # (the common case, first: no isinstance walk)
         x._check_usable(ctx, what)
         return x
@@ -281,7 +281,7 @@ def resolve_array(x: Any, ctx: ExecutionContext, what: str) -> DeviceArray:
 class _Fill(DeviceOperation[DeviceArray]):
     __slots__ = ("_dtype", "_shape", "_value")
 
-    def __init__(self, shape: tuple[int, ...], dtype: DType, value: Any) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: DType, value: object) -> None:
         self._shape = shape
         self._dtype = dtype
         try:
@@ -315,7 +315,9 @@ class _Fill(DeviceOperation[DeviceArray]):
         return "alloc"
 
 
-def full(shape: ShapeLike, fill_value: Any, dtype: Any = None) -> DeviceOperation[DeviceArray]:
+def full(
+    shape: ShapeLike, fill_value: object, dtype: object = None
+) -> DeviceOperation[DeviceArray]:
     """An array of ``shape`` filled with ``fill_value``.
 
     Any thread: building the operation enqueues nothing; a run of it is
@@ -345,7 +347,7 @@ def full(shape: ShapeLike, fill_value: Any, dtype: Any = None) -> DeviceOperatio
     return _Fill(as_shape(shape), as_dtype(dt), fill_value)
 
 
-def zeros(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
+def zeros(shape: ShapeLike, dtype: object = np.float64) -> DeviceOperation[DeviceArray]:
     """An array of zeros.
 
     Any thread: building the operation enqueues nothing; a run of it is
@@ -372,7 +374,7 @@ def zeros(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceAr
     return _Fill(as_shape(shape), as_dtype(dtype), 0)
 
 
-def ones(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
+def ones(shape: ShapeLike, dtype: object = np.float64) -> DeviceOperation[DeviceArray]:
     """An array of ones.
 
     Any thread: building the operation enqueues nothing; a run of it is
@@ -419,7 +421,7 @@ class _Empty(DeviceOperation[DeviceArray]):
         return "alloc"
 
 
-def empty(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceArray]:
+def empty(shape: ShapeLike, dtype: object = np.float64) -> DeviceOperation[DeviceArray]:
     """An array whose elements are whatever its memory held: allocated, not
     written (as ``numpy.empty`` and ``cupy.empty``), for work that writes
     every element before it reads one.
@@ -448,7 +450,7 @@ def empty(shape: ShapeLike, dtype: Any = np.float64) -> DeviceOperation[DeviceAr
     return _Empty(as_shape(shape), as_dtype(dtype))
 
 
-def _like(a: object, dtype: Any, shape: ShapeLike | None, what: str) -> tuple[Any, Any]:
+def _like(a: object, dtype: object, shape: ShapeLike | None, what: str) -> tuple[Any, Any]:
     """The shape and dtype of an array ``*_like(a, ...)`` makes."""
     a_shape, a_dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
     if not isinstance(a_shape, tuple) or a_dtype is None:
@@ -460,7 +462,7 @@ def _like(a: object, dtype: Any, shape: ShapeLike | None, what: str) -> tuple[An
 
 
 def empty_like(
-    a: DeviceArray | HostArray, dtype: Any = None, shape: ShapeLike | None = None
+    a: DeviceArray | HostArray, dtype: object = None, shape: ShapeLike | None = None
 ) -> DeviceOperation[DeviceArray]:
     """:func:`empty` of ``a``'s shape and dtype (or those given), as
     ``numpy.empty_like``.  The array is made on the device the operation
@@ -492,7 +494,7 @@ def empty_like(
 
 
 def zeros_like(
-    a: DeviceArray | HostArray, dtype: Any = None, shape: ShapeLike | None = None
+    a: DeviceArray | HostArray, dtype: object = None, shape: ShapeLike | None = None
 ) -> DeviceOperation[DeviceArray]:
     """:func:`zeros` of ``a``'s shape and dtype (or those given), as
     ``numpy.zeros_like``; made on the device the operation runs on.  Any
@@ -523,7 +525,7 @@ def zeros_like(
 
 
 def ones_like(
-    a: DeviceArray | HostArray, dtype: Any = None, shape: ShapeLike | None = None
+    a: DeviceArray | HostArray, dtype: object = None, shape: ShapeLike | None = None
 ) -> DeviceOperation[DeviceArray]:
     """:func:`ones` of ``a``'s shape and dtype (or those given), as
     ``numpy.ones_like``; made on the device the operation runs on.  Any
@@ -555,8 +557,8 @@ def ones_like(
 
 def full_like(
     a: DeviceArray | HostArray,
-    fill_value: Any,
-    dtype: Any = None,
+    fill_value: object,
+    dtype: object = None,
     shape: ShapeLike | None = None,
 ) -> DeviceOperation[DeviceArray]:
     """:func:`full` of ``a``'s shape and dtype (or those given), as
@@ -617,7 +619,7 @@ class _Arange(DeviceOperation[DeviceArray]):
 
 
 def arange(
-    start: float, stop: float | None = None, step: float = 1, *, dtype: Any = None
+    start: float, stop: float | None = None, step: float = 1, *, dtype: object = None
 ) -> DeviceOperation[DeviceArray]:
     """The numbers of ``[start, stop)`` by ``step``, as :func:`numpy.arange`.
 
@@ -684,7 +686,7 @@ class _FromHost(DeviceOperation[DeviceArray]):
         return "copy"
 
 
-def from_host(array: Any) -> DeviceOperation[DeviceArray]:
+def from_host(array: object) -> DeviceOperation[DeviceArray]:
     """Copy a host array to the device.
 
     Any thread: building the operation enqueues nothing; a run of it is

@@ -295,14 +295,14 @@ def sweep() -> None:
                 _delete(entry[1])  # (pop: another thread may be sweeping too)
 
 
-def mark_copied(capsule: Any) -> None:
+def mark_copied(capsule: object) -> None:
     """Set ``IS_COPIED`` on a versioned capsule not yet consumed (no-op on a legacy one)."""
     if _capsule_is_valid(capsule, _UNUSED_V):
         address = _capsule_get_pointer(capsule, _UNUSED_V)
         DLManagedTensorVersioned.from_address(address).flags |= FLAG_IS_COPIED
 
 
-def capsule_name(capsule: Any) -> str | None:
+def capsule_name(capsule: object) -> str | None:
     """The name of a DLPack capsule, one of the four; None for anything else."""
     if type(capsule).__name__ != "PyCapsule":
         return None
@@ -339,7 +339,7 @@ def is_capsule(x: object) -> bool:
     return type(x).__name__ == "PyCapsule"
 
 
-def read_capsule(capsule: Any) -> Tensor:
+def read_capsule(capsule: object) -> Tensor:
     """Read an unconsumed DLPack capsule; it stays the producer's."""
     if _capsule_is_valid(capsule, _UNUSED_V):
         address = _capsule_get_pointer(capsule, _UNUSED_V) or 0
@@ -405,7 +405,7 @@ class ManagedTensor:
         return f"<gpuflow DLPack tensor 0x{self._address:x}>"
 
 
-def take_capsule(capsule: Any, tensor: Tensor) -> ManagedTensor:
+def take_capsule(capsule: object, tensor: Tensor) -> ManagedTensor:
     """Consume the capsule ``tensor`` was read from: rename it, own the tensor."""
     used = _USED_V if tensor.versioned else _USED
     if _capsule_set_name(capsule, used) != 0:

@@ -90,7 +90,7 @@ def _version(max_version: Any) -> tuple[int, int] | None:
     return _dlpack.VERSION  # a newer consumer reads older versions
 
 
-def _consumer_handle(stream: Any) -> int | None:
+def _consumer_handle(stream: object) -> int | None:
     """The consumer's stream handle; None: the consumer does its own ordering."""
     if stream is None:
         return 1  # the protocol's meaning of None on CUDA: the legacy default stream
@@ -214,10 +214,10 @@ def dlpack(
     shape: tuple[int, ...],
     dtype: DType,
     *,
-    stream: Any,
-    max_version: Any,
-    dl_device: Any,
-    copy: Any,
+    stream: object,
+    max_version: object,
+    dl_device: object,
+    copy: object,
 ) -> Any:
     """``DeviceArray.__dlpack__`` (see the module docstring)."""
     rt = _check(alloc, "__dlpack__")

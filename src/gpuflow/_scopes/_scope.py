@@ -69,7 +69,7 @@ class Tracked:
             runs[:] = [s for s in runs if not s.done]
         runs.append(run)
 
-    def start(self, op: DeviceOperation[T], run: Run, out: Any) -> StartedRun[T]:
+    def start(self, op: DeviceOperation[T], run: Run, out: object) -> StartedRun[T]:
         """The handle of a run the scope started: tracked (whichever task
         started it) and kept for :meth:`raise_unawaited`."""
         self.track(run)
@@ -215,7 +215,7 @@ class StartedRun(Generic[T]):
         return f"<gpuflow.StartedRun of {self.op!r}, {state}>"
 
 
-def _operation(op: Any) -> DeviceOperation[object]:
+def _operation(op: object) -> DeviceOperation[object]:
     if not isinstance(op, DeviceOperation):
         raise UsageTypeError(f"start_run() takes a gpuflow operation, got {type(op).__name__}")
     return op
@@ -569,7 +569,7 @@ class DeviceGroup:
     def start_soon(
         self,
         fn: Callable[..., Awaitable[Any]],
-        *args: Any,
+        *args: object,
         device: int | None = None,
         name: object = None,
     ) -> None:

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
 
 _PACKAGE = __name__.split(".", 1)[0]
 
@@ -107,7 +106,7 @@ def assert_no_stall(limit: float = 0.05) -> Iterator[list[Stall]]:
     entries: list[_Entry] = []
     clock = time.perf_counter
 
-    def hook(frame: FrameType, event: str, arg: Any) -> None:
+    def hook(frame: FrameType, event: str, arg: object) -> None:
         if event == "call":
             if not entries and _ours(frame) and not _ours(frame.f_back):
                 entries.append(_Entry(frame, clock()))

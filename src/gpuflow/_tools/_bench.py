@@ -78,7 +78,7 @@ extern "C" __global__ void spin(long long ns) {  // busy for ns of wall-clock ti
 
 def bench_references() -> dict[str, Callable[..., None]]:
     """The NumPy references of :data:`EMPTY`'s kernels, for ``sim``."""
-    def crash(p: Any, bad: int) -> None:
+    def crash(p: object, bad: int) -> None:
         raise IndexError("illegal address (write through a null pointer)")
 
     def busy(x: Any, iters: int) -> None:

@@ -98,7 +98,7 @@ def bench_classes(mod: gf.Module, quick: bool) -> None:
     print(f"short requests ({SHORT_S * 1e6:.0f} us, one block) while two batch tasks keep every "
           f"SM busy ({WAVES} waves of {LONG_BLOCK_S * 1e3:.0f} ms blocks a kernel; asyncio)")
 
-    def measure(busy: bool, **cls: Any) -> list[float]:
+    def measure(busy: bool, **cls: object) -> list[float]:
         return anyio.run(_requests, mod, n, busy, cls, backend="asyncio")
 
     idle = measure(False)

@@ -26,6 +26,7 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -43,7 +44,7 @@ def _label(nbytes: int) -> str:
 
 
 def _raw_all_reduce(
-    nb: Any, comms: list[Any], xs: list[gf.DeviceArray], ys: list[gf.DeviceArray],
+    nb: ModuleType, comms: list[Any], xs: list[gf.DeviceArray], ys: list[gf.DeviceArray],
     handles: list[int], count: int, dtype: int, op: int, reps: int = 1,
 ) -> None:
     """NCCL's own all-reduce of ``xs`` into ``ys``, one group over the devices,
@@ -52,7 +53,7 @@ def _raw_all_reduce(
 
 
 def _raw_grouped(
-    nb: Any, comms: list[Any], xs: list[gf.DeviceArray], outs: list[list[gf.DeviceArray]],
+    nb: ModuleType, comms: list[Any], xs: list[gf.DeviceArray], outs: list[list[gf.DeviceArray]],
     handles: list[int], count: int, dtype: int, op: int, reps: int = 1,
 ) -> None:
     """NCCL's own all-reduces of ``xs`` into each of ``outs`` (a list over
@@ -82,7 +83,7 @@ def _interleaved(
 
 
 async def _bandwidth_rows(
-    comm: gf.Communicator, nbytes: int, nb: Any, cu: Any, f32: int, total: int
+    comm: gf.Communicator, nbytes: int, nb: ModuleType, cu: ModuleType, f32: int, total: int
 ) -> None:
     devs = comm.devices
     raw_comms = [c.comm._comm for c in comm.raw]
@@ -121,7 +122,7 @@ async def _bandwidth_rows(
 
 async def _grouped_row(
     comm: gf.Communicator, nbytes: int, xs: list[gf.DeviceArray], s0: gf.Stream,
-    handles: list[int], nb: Any, cu: Any, f32: int, total: int, k: int = 8,
+    handles: list[int], nb: ModuleType, cu: ModuleType, f32: int, total: int, k: int = 8,
 ) -> None:
     """``k`` all-reduces of ``xs`` as one run (``comm.group``) against NCCL's
     ``k`` calls in one group: algorithm bandwidth of the ``k`` together."""

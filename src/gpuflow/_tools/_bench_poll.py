@@ -42,7 +42,7 @@ def bench_enqueue(quick: bool, cuda: bool) -> None:
     def ours() -> None:
         op.enqueue_on(stream)
 
-    paths: dict[str, Callable[[], Any]] = {"ours": ours}
+    paths: dict[str, Callable[[], object]] = {"ours": ours}
     if cuda:
         from cuda.bindings import driver as cu
 
@@ -105,7 +105,7 @@ def bench_cpu(mod: gf.Module, quick: bool, cuda: bool) -> None:
             "to_thread(stream.synchronize)", run(long_thread), f"<= {250 * seconds:g} ms")
 
 
-def mlp_forward() -> Callable[[], Any]:
+def mlp_forward() -> Callable[[], object]:
     """The request of the PyTorch rows: a 4-layer bf16 MLP forward (batch 32,
     width 1024, no autograd) on the current torch stream."""
     import torch

@@ -29,10 +29,9 @@ from typing import Any
 
 import anyio
 import numpy as np
+import numpy.typing as npt
 
 import gpuflow as gf
-
-from .._backends import HostArray
 
 LAYERS = 22
 KERNELS_PER_LAYER = 6
@@ -157,7 +156,7 @@ class Model:
         return op
 
 
-def _reset(model: Model, embedding: HostArray) -> None:
+def _reset(model: Model, embedding: npt.NDArray[np.generic]) -> None:
     gf.copy(gf.from_host(embedding), out=model.x).sync()
 
 
@@ -174,7 +173,7 @@ def run_modes(tokens: int, hidden: int) -> tuple[list[tuple[str, float]], bool]:
     model = Model(mod, hidden, seed=1, device=gf.current_device())
     emb = np.random.default_rng(2).standard_normal(hidden).astype(np.float32)
     results: list[tuple[str, float]] = []
-    finals: list[HostArray] = []
+    finals: list[npt.NDArray[np.generic]] = []
 
     # 1. a sync after every kernel
     _reset(model, emb)

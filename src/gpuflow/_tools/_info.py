@@ -19,6 +19,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+from types import ModuleType
 from typing import Any
 
 from ..lowlevel import cuda_probe, load_backend
@@ -117,13 +118,13 @@ def _library(name: str, describe: Any) -> str:
         return f"{getattr(module, '__version__', '?')} (could not ask more: {exc})"
 
 
-def _torch(torch: Any) -> str:
+def _torch(torch: ModuleType) -> str:
     cuda = torch.version.cuda or "no CUDA"
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return f"{torch.__version__} (built for CUDA {cuda}; {devices} CUDA device(s) usable)"
 
 
-def _cupy(cupy: Any) -> str:
+def _cupy(cupy: ModuleType) -> str:
     try:
         runtime = cupy.cuda.runtime.runtimeGetVersion()
     except Exception as exc:

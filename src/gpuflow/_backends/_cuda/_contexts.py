@@ -36,6 +36,7 @@ import ctypes
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, TypeVar, cast
 
 from ..._errors import DeviceError, DeviceFaultError, UsageError
@@ -58,7 +59,7 @@ _CUDA_ERROR_NOT_SUPPORTED = 801
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
-def _launch_limits(cu: Any, cudev: Any) -> LaunchLimits:
+def _launch_limits(cu: ModuleType, cudev: Any) -> LaunchLimits:
     """A device's launch limits, as its driver reports them."""
     attr = cu.CUdevice_attribute
 
@@ -438,7 +439,7 @@ class CudaContexts(Backend):
         attr = cu.CUpointer_attribute
         self.make_current(self._devices[0] if device is None else self._dev(device))
 
-        def get(which: Any) -> tuple[int, int]:
+        def get(which: object) -> tuple[int, int]:
             res = cu.cuPointerGetAttribute(which, ptr)
             return int(res[0]), (int(res[1]) if int(res[0]) == CUDA_SUCCESS else 0)
 

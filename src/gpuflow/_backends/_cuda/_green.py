@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from ..._errors import UsageError
@@ -54,7 +55,7 @@ class CudaPartition:
 
     __slots__ = ("asked", "ctx", "dev", "functions", "green", "lock", "modules", "sms")
 
-    def __init__(self, dev: Dev, green: Any, ctx: Any, sms: int, asked: int) -> None:
+    def __init__(self, dev: Dev, green: object, ctx: object, sms: int, asked: int) -> None:
         self.dev = dev
         self.green = green  # the CUgreenCtx
         self.ctx = ctx  # its CUcontext (cuCtxFromGreenCtx), to load modules in
@@ -70,13 +71,15 @@ class CudaPartition:
         return f"<cuda green context of {self.sms} SMs on device {self.dev.index}>"
 
 
-def sm_count(cu: Any, dev: Dev) -> int:
+def sm_count(cu: ModuleType, dev: Dev) -> int:
     attr = cu.CUdevice_attribute(_SM_COUNT)
     (n,) = check(cu.cuDeviceGetAttribute(attr, dev.cudev), "cuDeviceGetAttribute", dev)
     return int(n)
 
 
-def partition_sms(cu: Any, call: Call, dev: Dev, sizes: Sequence[int]) -> list[CudaPartition]:
+def partition_sms(
+    cu: ModuleType, call: Call, dev: Dev, sizes: Sequence[int]
+) -> list[CudaPartition]:
     """The partitions of :meth:`Backend.partition_sms`: checked against the
     device before the driver is asked, then split one by one off what is
     left, each made a green context."""
@@ -130,7 +133,7 @@ def partition_sms(cu: Any, call: Call, dev: Dev, sizes: Sequence[int]) -> list[C
     return parts
 
 
-def _green_context(cu: Any, call: Call, dev: Dev, resource: Any, made: list[Any]) -> Any:
+def _green_context(cu: ModuleType, call: Call, dev: Dev, resource: Any, made: list[Any]) -> Any:
     """A green context of ``resource``'s SMs, kept in ``made``."""
     (desc,) = call(dev, "cuDevResourceGenerateDesc", cu.cuDevResourceGenerateDesc, [resource], 1)
     (green,) = call(
@@ -141,7 +144,7 @@ def _green_context(cu: Any, call: Call, dev: Dev, resource: Any, made: list[Any]
     return green
 
 
-def create_stream(cu: Any, call: Call, part: CudaPartition, cuda_priority: int) -> Any:
+def create_stream(cu: ModuleType, call: Call, part: CudaPartition, cuda_priority: int) -> Any:
     """A non-blocking stream (the only kind a green context makes) of
     ``part``'s green context, of CUDA's priority number."""
     (h,) = call(
@@ -151,7 +154,7 @@ def create_stream(cu: Any, call: Call, part: CudaPartition, cuda_priority: int) 
     return h
 
 
-def function(cu: Any, part: CudaPartition, image: bytes, name: str) -> Any:
+def function(cu: ModuleType, part: CudaPartition, image: bytes, name: str) -> Any:
     """Kernel ``name`` of module ``image`` loaded in ``part``'s context (the
     module once an image: a load waits for the device's running kernels, so
     gpuflow loads ahead, :func:`load`)."""
@@ -175,14 +178,14 @@ def function(cu: Any, part: CudaPartition, image: bytes, name: str) -> Any:
     return f
 
 
-def load(cu: Any, part: CudaPartition, image: bytes, names: Sequence[str]) -> None:
+def load(cu: ModuleType, part: CudaPartition, image: bytes, names: Sequence[str]) -> None:
     """Module ``image`` loaded in ``part``'s context now, with its kernels
     ``names``: what their first launches there would load."""
     for name in names:
         function(cu, part, image, name)
 
 
-def _module(cu: Any, part: CudaPartition, image: bytes) -> Any:
+def _module(cu: ModuleType, part: CudaPartition, image: bytes) -> Any:
     """``image`` loaded in ``part``'s context, current now (under its lock)."""
     mod = part.modules.get(image)
     if mod is None:
@@ -199,14 +202,14 @@ def _module(cu: Any, part: CudaPartition, image: bytes) -> Any:
     return mod
 
 
-def destroy(cu: Any, parts: Sequence[CudaPartition]) -> None:
+def destroy(cu: ModuleType, parts: Sequence[CudaPartition]) -> None:
     """Destroy the green contexts (their streams are gone already); a
     failure is a warning, as any release's."""
     for part in parts:
         _destroy(cu, part.dev, [part.green])
 
 
-def _destroy(cu: Any, dev: Dev, greens: Sequence[Any]) -> None:
+def _destroy(cu: ModuleType, dev: Dev, greens: Sequence[Any]) -> None:
     for green in greens:
         try:
             check(cu.cuGreenCtxDestroy(green), "cuGreenCtxDestroy", dev)

@@ -58,7 +58,7 @@ class Dev:
         "token",
     )  # fmt: skip
 
-    def __init__(self, index: int, cudev: Any, name: str, arch: str) -> None:
+    def __init__(self, index: int, cudev: object, name: str, arch: str) -> None:
         self.index = index
         self.cudev = cudev
         self.ctx = 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .._nvrtc import compile_source
@@ -40,7 +41,7 @@ Call = Callable[..., Any]
 class Modules:
     """The modules one backend loaded, by device and image."""
 
-    def __init__(self, backend: CudaBackend, cu: Any, call: Call) -> None:
+    def __init__(self, backend: CudaBackend, cu: ModuleType, call: Call) -> None:
         self._backend = backend
         self._cu = cu
         self._call = call

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, NamedTuple
 
 from .._codes import CUDA_ERROR_NOT_READY
@@ -48,7 +49,7 @@ class Timed(NamedTuple):
 class Timer:
     """The open records of one backend and the items timed for them."""
 
-    def __init__(self, cu: Any, native: Any, cur: Callable[[Dev], object]) -> None:
+    def __init__(self, cu: ModuleType, native: Any, cur: Callable[[Dev], object]) -> None:
         self._cu = cu
         self._n = native
         self.make_current = cur

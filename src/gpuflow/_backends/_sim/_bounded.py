@@ -18,7 +18,7 @@ import numpy as np
 from .._records import HostArray
 
 
-def _check_bounds(a: HostArray, key: Any) -> None:
+def _check_bounds(a: HostArray, key: object) -> None:
     for axis, k in enumerate(key if isinstance(key, tuple) else (key,)):
         if not isinstance(k, slice) or axis >= a.ndim:
             continue  # (an int or an index array: NumPy checks those itself)

@@ -84,7 +84,7 @@ def _root_of(unique_id: bytes) -> str:
     return root
 
 
-def _write(path: str, payload: Any) -> None:
+def _write(path: str, payload: object) -> None:
     """Write ``payload`` to ``path`` whole: a reader sees all of it or nothing."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "wb") as f:

@@ -92,7 +92,7 @@ class SimCompletion:
             return number
 
     @staticmethod
-    def reader(stream: Any) -> Callable[[], int]:
+    def reader(stream: object) -> Callable[[], int]:
         reader: Callable[[], int] = functools.partial(getattr, stream, "word")
         return reader
 
