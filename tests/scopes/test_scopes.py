@@ -557,16 +557,23 @@ async def test_a_failing_child_cancels_the_others_and_the_group_still_waits() ->
     slow = 0.3
     cancelled: list[int] = []
     outs: dict[int, gf.DeviceArray] = {}
+    built = anyio.Event()
 
     async def slow_child(d: int) -> None:
         x = outs[d] = await gf.zeros(N, F32)
+        op = K.slow_fill(x, 6.0, slow)
+        if len(outs) == len(devices):
+            built.set()
         try:
-            await K.slow_fill(x, 6.0, slow)
+            await op
         except anyio.get_cancelled_exc_class():
             cancelled.append(d)
             raise
 
     async def failing() -> None:
+        # (once every child is about to await its kernel: a first compile
+        # or a collection on the loop's thread may hold one back for 50 ms)
+        await built.wait()
         await anyio.sleep(0.03)
         raise ValueError("child failed")
 

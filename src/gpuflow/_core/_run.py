@@ -101,8 +101,8 @@ class Run:
 
     __slots__ = (
         "_arms", "_comms", "_keep", "_lane", "_more_parked", "_number", "_on_done", "_parked",
-        "_parked_loop", "_poll_s", "_since", "_task", "_waits", "_what", "device", "done",
-        "error",
+        "_parked_loop", "_poll_s", "_since", "_task", "_traced", "_waits", "_what", "device",
+        "done", "error",
     )  # fmt: skip
 
     def __init__(self, device: int, op: DeviceOperation[object] | None = None) -> None:
@@ -134,6 +134,8 @@ class Run:
         self._arms: dict[RawStream, RawEvent] | None = None
         #: its latency class's busy-poll budget in seconds (None: the runtime's)
         self._poll_s: float | None = None
+        #: the trace hook: what the traces recording it are told (None: none is)
+        self._traced: _trace.TracedRun | None = None
 
     def reached(self) -> bool:
         """Whether the run's work is known to be done (seen done, or its mark
@@ -664,23 +666,28 @@ async def _idle_stream(
 
 
 def _start(
-    op: DeviceOperation[object], stream: Stream | None, policy: SchedulingPolicy | None
+    op: DeviceOperation[object],
+    stream: Stream | None,
+    policy: SchedulingPolicy | None,
+    how: str,
 ) -> tuple[Runtime, Run, ExecutionContext]:
-    """Begin a run of ``op`` on ``stream``, or where none is given, on the
-    one :func:`_choose` gives (that cannot wait); the run's zip arms fork
-    with ``policy`` (the default policy where None)."""
+    """Begin a run of ``op`` (``how``: "await", "sync", ...) on ``stream``,
+    or where none is given, on the one :func:`_choose` gives (that cannot
+    wait); the run's zip arms fork with ``policy`` (the default policy
+    where None)."""
     if stream is None:
         stream, policy = _choose(op, policy, current_device(), False)
         assert stream is not None
     elif not isinstance(stream, Stream):
         raise UsageTypeError(f"expected a gpuflow Stream, got {type(stream).__name__}")
-    rt, run = _begin(op, stream)
+    rt, run = _begin(op, stream, how)
     return rt, run, ExecutionContext(rt, stream, policy or DEFAULT_POLICY, run)
 
 
-def _begin(op: DeviceOperation[object], stream: Stream) -> tuple[Runtime, Run]:
-    """The checks of a run of ``op`` on ``stream`` and the run, which the
-    scopes the task runs in track from now on."""
+def _begin(op: DeviceOperation[object], stream: Stream, how: str) -> tuple[Runtime, Run]:
+    """The checks of a run of ``op`` on ``stream`` and the run, with its
+    hooks: the scopes the task runs in track it from now on, and the traces
+    recording now see it (``how``: "await", "sync", ...)."""
     if capture_log.get() is not None:
         refuse_in_capture(_RunName(op))
     rt = stream._runtime
@@ -691,6 +698,9 @@ def _begin(op: DeviceOperation[object], stream: Stream) -> tuple[Runtime, Run]:
     run._poll_s = current_poll_var.get()
     for scope in current_scopes.get():
         scope._track(run)
+    if _trace.active:
+        traced = run._traced = _trace.begin(op, how, stream)
+        run.add_done_callback(traced.gpu_done)  # before anyone else can finish it
     return rt, run
 
 
@@ -698,16 +708,30 @@ def enqueue(
     op: DeviceOperation[object], stream: Stream, run: Run, ctx: ExecutionContext | None
 ) -> Any:
     """Enqueue ``op``'s work for ``run`` on ``stream``: every way of running
-    an operation takes this step.  Its plan's prepared launch where one was
-    made for that stream's device context generation (a launch whose
-    arguments are final: one call, no context made), else ``op.execute``
-    in ``ctx`` (made here, with the default policy, where None).  The
-    output: host values not yet resolved."""
+    an operation takes this step.  Its plan's step where one was prepared
+    for that stream's device context generation (a launch whose arguments
+    are final: one call, no context made), else ``op.execute`` in ``ctx``
+    (made here, with the default policy, where None).  The output: host
+    values not yet resolved.  A trace recording the run is told when the
+    work is enqueued."""
     plan = op._plan
     if plan.generation == stream._generation and plan.step is not None:
         plan.step(stream.raw)
-        return None
-    return op.execute(ctx or ExecutionContext(stream._runtime, stream, DEFAULT_POLICY, run))
+        out = None
+    else:
+        out = op.execute(ctx or ExecutionContext(stream._runtime, stream, DEFAULT_POLICY, run))
+    if run._traced is not None:
+        run._traced.enqueued()
+    return out
+
+
+def _ended(run: Run, exc: BaseException | None) -> None:
+    """The caller is done with ``run`` (returned, or raised ``exc``): the
+    trace hook's last step, once."""
+    traced = run._traced
+    if traced is not None:
+        run._traced = None
+        traced.ended(exc)
 
 
 # -- the blocking runs and enqueue_on ---------------------------------------------------
@@ -726,42 +750,27 @@ def run_sync_on(op: DeviceOperation[object], stream: Stream) -> Any:
     return _sync(op, stream, None)
 
 
-def _traced(op: DeviceOperation[object], how: str, stream: Stream, run: Run) -> _trace.TracedRun:
-    traced = _trace.begin(op, how, stream)
-    run.add_done_callback(traced.gpu_done)  # before anyone else can finish it
-    return traced
-
-
 def _sync(
     op: DeviceOperation[object], stream: Stream | None, policy: SchedulingPolicy | None
 ) -> Any:
-    _rt, run, ctx = _start(op, stream, policy)
+    _rt, run, ctx = _start(op, stream, policy, "sync")
     stream = ctx.stream
-    traced = _traced(op, "sync", stream, run) if _trace.active else None
     # a blocking run is never handed to the completer: count it on its
     # stream, so that the default policy sees that stream as busy meanwhile
     stream._begin_blocking()
     try:
-        out = _sync_run(op, stream, run, ctx, traced)
+        out = _sync_run(op, stream, run, ctx)
     except BaseException as exc:
-        if traced is not None:
-            traced.ended(exc)
+        _ended(run, exc)
         raise
     finally:
         stream._end_blocking()
         stream._runtime.completer.stream_freed(stream.device)
-    if traced is not None:
-        traced.ended(None)
+    _ended(run, None)
     return out
 
 
-def _sync_run(
-    op: DeviceOperation[object],
-    stream: Stream,
-    run: Run,
-    ctx: ExecutionContext,
-    traced: _trace.TracedRun | None,
-) -> Any:
+def _sync_run(op: DeviceOperation[object], stream: Stream, run: Run, ctx: ExecutionContext) -> Any:
     completer = stream._runtime.completer
     try:
         out = enqueue(op, stream, run, ctx)
@@ -772,8 +781,6 @@ def _sync_run(
         finally:
             completer.complete([run])
         raise
-    if traced is not None:
-        traced.enqueued()
     try:
         stream.synchronize()
     finally:
@@ -797,14 +804,12 @@ def start_run(
     if stream is None:
         stream, policy = _choose(op, None, device, False)
         assert stream is not None
-    rt, run, ctx = _start(op, stream, policy)
+    rt, run, ctx = _start(op, stream, policy, how)
     stream = ctx.stream
-    traced = _traced(op, how, stream, run) if _trace.active else None
     try:
         out = enqueue(op, stream, run, ctx)
     except BaseException as exc:
-        if traced is not None:
-            traced.ended(exc)
+        _ended(run, exc)
         try:
             rt.completer.submit(stream.raw, run, polled=False)
         except Exception:  # the original failure is the one to report
@@ -816,11 +821,9 @@ def start_run(
         # the device faulted under the work just enqueued (before its mark):
         # the run failed with it, and a started run's failure is its await's
         if how != "start_run" or run.error is None:
-            if traced is not None:
-                traced.ended(exc)
+            _ended(run, exc)
             raise
-    if traced is not None:
-        traced.ended(None)
+    _ended(run, None)
     return run, out
 
 
@@ -886,25 +889,22 @@ def await_run(
     if loop.may_be_cancelled():
         yield from loop.checkpoint_if_cancelled().__await__()
     rt = CURRENT.runtime or ensure_runtime()
-    traced: _trace.TracedRun | None = None
     out: Any = None
     home = None if plan.foreign is None else _foreign_home(rt, plan.foreign)
     if home is not None:
         # another library's stream: no stream of ours waits for it, and
         # nothing is enqueued but the run's mark there
         if unusual or not rt.startable(home):
-            rt, run = _begin(op, home)  # (which says why it cannot start)
+            rt, run = _begin(op, home, "await")  # (which says why it cannot start)
+            if run._traced is not None:
+                run._traced.enqueued()  # (nothing to enqueue but the mark)
         else:
             run = Run(home.device, op)
         run.hold((op,))  # (what it names is used until the mark is reached)
-        if unusual and _trace.active:
-            traced = _traced(op, "await", home, run)
-            traced.enqueued()
         try:
             _submit_foreign(rt, home, run)
         except BaseException as exc:
-            if traced is not None:
-                traced.ended(exc)
+            _ended(run, exc)
             raise
         mark_on = None
     else:
@@ -927,9 +927,7 @@ def await_run(
             if stream is None:
                 assert isinstance(run_policy, StreamPoolLeastLoaded)
                 stream = yield from _idle_stream(op, run_policy, device).__await__()
-            rt, run, ctx = _start(op, stream, run_policy)
-            if _trace.active:
-                traced = _traced(op, "await", stream, run)
+            rt, run, ctx = _start(op, stream, run_policy, "await")
         if ctx is None:
             lane = stream._lane  # (a pool stream's, made with it)
             assert lane is not None
@@ -938,16 +936,13 @@ def await_run(
         try:
             out = enqueue(op, stream, run, ctx)
         except BaseException as exc:
-            if traced is not None:
-                traced.ended(exc)
+            _ended(run, exc)
             try:
                 lane.submit(run)
             except Exception:  # the original failure is the one to report
                 pass
             raise
         ctx = None  # (what the enqueue used: freed now, not when the GPU is done)
-        if traced is not None:
-            traced.enqueued()
         mark_on = lane
         if watcher is not None:
             # (marked before the point: a cancellation there leaves it pending)
@@ -958,15 +953,14 @@ def await_run(
             yield from watcher(_cancel_points.IN_FLIGHT, op).__await__()
         yield from _wait(run, loop, mark_on)
     except BaseException as exc:
-        if traced is not None:
-            traced.ended(exc)
+        _ended(run, exc)
         if run._comms is not None and not run.done:
             # a collective left behind may wait for its peers for ever: abort
             for comm in run._comms:
                 comm.abort(f"the await of {op!r} {ended_by(exc)} before its collectives did")
         raise
-    if traced is not None:
-        traced.ended(None)
+    if run._traced is not None:  # (inline: an await's every call counts)
+        _ended(run, None)
     return out if out is None else resolve(out)
 
 
