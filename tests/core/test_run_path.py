@@ -119,3 +119,54 @@ async def test_a_prepared_launch_is_made_again_after_a_reset_whichever_way_it_ru
     fresh = await gf.zeros(1, np.int32)
     await run(K.bump(fresh))
     assert (await gf.to_host(fresh))[0] == 1
+
+
+async def _then_step(op: gf.DeviceOperation[Any]) -> object:
+    return await gf.value(None).then(lambda _: op)
+
+
+async def _in_zip(op: gf.DeviceOperation[Any]) -> object:
+    return (await gf.zip(op, gf.value(1)))[0]
+
+
+async def _synced_out(op: gf.DeviceOperation[Any]) -> object:
+    return await anyio.to_thread.run_sync(op.sync)
+
+
+async def _awaited_out(op: gf.DeviceOperation[Any]) -> object:
+    return await op
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(_awaited_out, id="await"),
+        pytest.param(_synced_out, id="sync"),
+        pytest.param(_then_step, id="then"),
+        pytest.param(_in_zip, id="zip"),
+    ],
+)
+async def test_a_launch_of_final_arrays_runs_from_its_plan_after_the_writes_it_reads(
+    run: Callable[[gf.DeviceOperation[Any]], Awaitable[object]],
+) -> None:
+    """A launch of arrays only (no operation among its arguments) is
+    prepared once into its plan: its step, the memory it reads and writes,
+    and its output.  Each run from that plan, however the launch is run or
+    composed, still waits for the writes of what it reads made since on
+    another stream, and gives the array it writes."""
+    n = 1024
+    x = await gf.zeros(n, F32)
+    y = await gf.zeros(n, F32)
+    saxpy = K.module().saxpy(K.cfg(n), 2.0, x, y, n)  # y += 2 x
+    total = 0.0
+    for v in (1.0, 3.0):
+        # a slow write of x on a stream of its own, not awaited
+        K.slow_fill(x, v, 0.1).enqueue_on(gf.new_stream())
+        out = await run(saxpy)
+        total += 2 * v
+        assert out is y
+        np.testing.assert_array_equal(await gf.to_host(y), np.full(n, total, F32))
+    plan = saxpy._plan
+    assert plan.step is not None and plan.output is y
+    assert [w for _, w in plan.uses or ()] == [False, True]  # (x read, y written: reads first)
+    await testing.assert_quiescent_async(timeout=5.0)

@@ -856,8 +856,10 @@ MUTATIONS = [
         "X2",
         "a launch of arrays prepared for one device context runs again after a reset",
         "_kernels/_kernel.py",
-        "        if prepared is None or prepared[0] != stream._generation:\n",
-        "        if prepared is None:\n",
+        "        if plan.generation == stream._generation and plan.step is not None:\n"
+        "            return enqueue_step(plan, stream, ctx.run)  # (its arrays are final)\n",
+        "        if plan.step is not None:\n"
+        "            return enqueue_step(plan, stream, ctx.run)  # (its arrays are final)\n",
         ("tests/core/test_run_path.py",),
     ),
     Mutation(
@@ -887,5 +889,13 @@ MUTATIONS = [
         "        self._plan = comm._collectives_plan\n",
         "        self._plan = Plan()\n",
         ("tests/comm/test_comm.py",),
+    ),
+    Mutation(
+        "X6",
+        "a plan's step is enqueued without ordering the memory it uses (a launch of final arrays)",
+        "_core/_plan.py",
+        "    enqueue_ordered(run, [(a, stream, w) for a, w in plan.uses], plan.step, stream.raw)\n",
+        "    plan.step(stream.raw)\n",
+        ("tests/core/test_hazards.py", "tests/core/test_run_path.py"),
     ),
 ]

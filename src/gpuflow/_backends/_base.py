@@ -583,7 +583,8 @@ class Backend(Communicators, abc.ABC):
         """:meth:`launch` of ``kernel`` as a step: everything but the stream
         fixed, and called with a stream, it enqueues the kernel there, with
         the same checks and errors.  Made once for many launches; a backend
-        may prepare the call (the cuda backend packs scalar arguments once).
+        may prepare the call (the cuda backend packs the arguments once: the
+        caller keeps the buffers of ``args`` while it keeps the step).
 
         Parameters
         ----------

@@ -60,6 +60,7 @@ from ._pending import PendingHost as PendingHost
 from ._pending import resolve as resolve
 from ._plan import ANYWHERE as ANYWHERE
 from ._plan import Plan as Plan
+from ._plan import enqueue_step as enqueue_step
 from ._policy import SchedulingPolicy as SchedulingPolicy
 from ._policy import SingleStream as SingleStream
 from ._policy import StreamPoolLeastLoaded as StreamPoolLeastLoaded

@@ -29,7 +29,7 @@ from .._backends import DType
 from .._errors import UsageError, UsageTypeError
 from . import _capture, _dot, _run
 from ._pending import PendingMap, is_pending
-from ._plan import ANYWHERE, Plan
+from ._plan import ANYWHERE, Plan, enqueue_step
 
 if TYPE_CHECKING:
 
@@ -528,8 +528,11 @@ class _Then(DeviceOperation[U]):
                 )
             plan = nxt._plan
             if plan.generation == generation and plan.step is not None:
-                plan.step(raw)  # (a launch prepared once: a chain's usual step)
-                out = None
+                if plan.uses is None:
+                    plan.step(raw)  # (a launch prepared once: a chain's usual step)
+                    out = None
+                else:
+                    out = enqueue_step(plan, stream, ctx.run)
             else:
                 out = nxt.execute(ctx)
         return cast(U, out)

@@ -51,6 +51,7 @@ from ._hazards import Point, capture_log, refuse_in_capture
 from ._latency import current_class_var, current_poll_var
 from ._loops import Loop, Posts, current_loop, refuse_blocking, wait_event
 from ._pending import has_map, is_pending, resolve
+from ._plan import enqueue_step
 from ._policy import DEFAULT_POLICY, AtLevel, SchedulingPolicy, StreamPoolLeastLoaded
 from ._runtime import CURRENT, Runtime, current_device, current_device_var, ensure_runtime
 from ._scoped import current_scopes
@@ -710,14 +711,18 @@ def enqueue(
     """Enqueue ``op``'s work for ``run`` on ``stream``: every way of running
     an operation takes this step.  Its plan's step where one was prepared
     for that stream's device context generation (a launch whose arguments
-    are final: one call, no context made), else ``op.execute`` in ``ctx``
+    are final: one call, ordered after the hazards of the memory it uses,
+    no context made), else ``op.execute`` in ``ctx``
     (made here, with the default policy, where None).  The output: host
     values not yet resolved.  A trace recording the run is told when the
     work is enqueued."""
     plan = op._plan
     if plan.generation == stream._generation and plan.step is not None:
-        plan.step(stream.raw)
-        out = None
+        if plan.uses is None:
+            plan.step(stream.raw)
+            out = None
+        else:
+            out = enqueue_step(plan, stream, run)
     else:
         out = op.execute(ctx or ExecutionContext(stream._runtime, stream, DEFAULT_POLICY, run))
     if run._traced is not None:

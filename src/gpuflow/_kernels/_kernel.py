@@ -46,6 +46,7 @@ from .._core import (
     current_device,
     current_runtime,
     enqueue_ordered,
+    enqueue_step,
     ensure_runtime,
     runtime_started,
 )
@@ -679,16 +680,16 @@ class Kernel:
         return f"<gpuflow.Kernel {self.signature}>"
 
 
-#: A launch ready to enqueue: the device context's generation it was made
-#: for, the loaded kernel, its arguments, its uses of memory (each
-#: allocation, and whether it is written) and its output.
+#: What a run of a launch of arrays enqueues: the loaded kernel, its
+#: arguments, its uses of memory (each allocation, and whether it is
+#: written: reads first) and its output.
 _Prepared = tuple[
-    int, RawKernel, list["PointerArg | np.generic"], list[tuple["Allocation", bool]], object
+    RawKernel, list["PointerArg | np.generic"], list[tuple["Allocation", bool]], object
 ]
 
 
 class _Launch(DeviceOperation[object]):
-    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "_plan", "_prepared")
+    __slots__ = ("_args", "_cache", "_config", "_kernel", "_plain", "_plan")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: tuple[object, ...]) -> None:
         self._kernel = kernel
@@ -701,7 +702,6 @@ class _Launch(DeviceOperation[object]):
             for p, a in zip(kernel.params, args, strict=True)
         )
         self._cache: tuple[int, RawKernel, Step | None] | None = None
-        self._prepared: _Prepared | None = None
 
     def _loaded(self, ctx: ExecutionContext) -> tuple[int, RawKernel, Step | None]:
         # one launch op is usually run on one device: remember its handle
@@ -735,10 +735,10 @@ class _Launch(DeviceOperation[object]):
             c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its step)
             return None
         stream = ctx.stream
-        prepared = self._prepared
-        if prepared is None or prepared[0] != stream._generation:
-            prepared = self._prepare(ctx)
-        _generation, raw, args, uses, out = prepared
+        plan = self._plan
+        if plan.generation == stream._generation and plan.step is not None:
+            return enqueue_step(plan, stream, ctx.run)  # (its arrays are final)
+        raw, args, uses, out = self._prepare(ctx)
         cfg = self._config
         enqueue_ordered(
             ctx.run, [(alloc, stream, writes) for alloc, writes in uses], ctx.backend.launch,
@@ -748,9 +748,10 @@ class _Launch(DeviceOperation[object]):
 
     def _prepare(self, ctx: ExecutionContext) -> _Prepared:
         """The launch's arguments, its uses of memory (reads first) and its
-        output, its arrays checked: kept for the device context's
-        generation where every argument is final (no operation among them,
-        whose run this one's enqueues, each time)."""
+        output, its arrays checked.  Where every argument is final (no
+        operation among them, whose run this one's enqueues, each time),
+        the launch's plan for the device context's generation: a step with
+        those uses and that output, which every run then takes as it is."""
         k = self._kernel
         values: list[Any] = []
         final = True
@@ -798,10 +799,12 @@ class _Launch(DeviceOperation[object]):
                 args.append(a)
         raw = self._loaded(ctx)[1]
         out = None if not written else written[0] if len(written) == 1 else tuple(written)
-        prepared = (ctx.stream._generation, raw, args, reads + writes, out)
+        uses = reads + writes
         if final:  # (an array's device and context are its own for good)
-            self._prepared = prepared
-        return prepared
+            cfg = self._config
+            step = ctx._runtime.backend.prepare_launch(raw, cfg.grid, cfg.block, cfg.shmem, args)
+            self._plan = Plan(ctx.stream._generation, step, uses=tuple(uses), output=out)
+        return raw, args, uses, out
 
     def label(self) -> str:
         return f"kernel {self._kernel.name}"

@@ -595,13 +595,14 @@ class CudaBackend(CudaContexts):
         args: Sequence[KernelArg],
     ) -> Step:
         k = cast(CudaKernel, kernel)
-        if any(type(a) is PointerArg for a in args):
-            return super().prepare_launch(kernel, grid, block, shmem, args)
         # the arguments are packed once, into an array of the step's own
-        # (the driver copies them at each launch); a launch where anything is
-        # not as usual (a fault, a reset, another thread's context, the
-        # activity record) goes through launch(), which checks and times it
-        keep, params = packed(tuple(map(type, args)), tuple(args)) if args else (None, 0)
+        # (the driver copies them at each launch; an array's address is its
+        # allocation's for good, and whoever prepares the step keeps the
+        # allocation); a launch where anything is not as usual (a fault, a
+        # reset, another thread's context, the activity record) goes through
+        # launch(), which checks and times it
+        values = tuple(a.buffer.ptr if type(a) is PointerArg else a for a in args)
+        keep, params = packed(tuple(map(type, args)), values) if args else (None, 0)
         launch, launch_failed, f = self.launch, self._launch_failed, self._launch
         obj, tls, timer = k.obj, self.thread_state, self._timer
         gx, gy, gz = grid
