@@ -170,3 +170,31 @@ async def test_a_launch_of_final_arrays_runs_from_its_plan_after_the_writes_it_r
     assert plan.step is not None and plan.output is y
     assert [w for _, w in plan.uses or ()] == [False, True]  # (x read, y written: reads first)
     await testing.assert_quiescent_async(timeout=5.0)
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(_awaited_out, id="await"),
+        pytest.param(_synced_out, id="sync"),
+        pytest.param(_then_step, id="then"),
+    ],
+)
+async def test_a_copy_between_given_arrays_runs_from_its_plan_after_the_writes_it_reads(
+    run: Callable[[gf.DeviceOperation[Any]], Awaitable[object]],
+) -> None:
+    """``gf.copy(x, out=y)`` of two arrays of the run's device is prepared
+    once into its plan; each run from it still waits for the writes of
+    ``x`` made since on another stream, and gives ``y``."""
+    n = 1024
+    x = await gf.zeros(n, F32)
+    y = await gf.zeros(n, F32)
+    copy = gf.copy(x, out=y)
+    for v in (1.0, 3.0):
+        K.slow_fill(x, v, 0.1).enqueue_on(gf.new_stream())
+        assert await run(copy) is y
+        np.testing.assert_array_equal(await gf.to_host(y), np.full(n, v, F32))
+    assert copy._plan.step is not None and copy._plan.output is y
+    fresh = await gf.zeros(n, F32)
+    assert (await gf.copy(x, out=fresh)) is fresh  # (another copy: a plan of its own)
+    await testing.assert_quiescent_async(timeout=5.0)

@@ -10,6 +10,7 @@ array through DLPack and ``__cuda_array_interface__`` (:mod:`._export`).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -19,9 +20,11 @@ import numpy as np
 
 from .._backends import DType, HostArray
 from .._core import (
+    ANYWHERE,
     Allocation,
     DeviceOperation,
     PendingHost,
+    Plan,
     enqueue_ordered,
     stream_elsewhere,
 )
@@ -778,7 +781,7 @@ def to_host(x: DeviceArray | DeviceOperation[DeviceArray]) -> DeviceOperation[Ho
 
 
 class _Copy(DeviceOperation[DeviceArray]):
-    __slots__ = ("_device", "_known", "_out", "_src")
+    __slots__ = ("_device", "_known", "_out", "_plan", "_src")
 
     def __init__(
         self,
@@ -793,6 +796,7 @@ class _Copy(DeviceOperation[DeviceArray]):
         #: as arrays, fit (their shapes, dtypes and devices never change);
         #: -1 until then, and for operations, whose outputs are checked each run
         self._known = -1
+        self._plan = ANYWHERE
 
     def execute(self, ctx: ExecutionContext) -> DeviceArray:
         src = resolve_array(self._src, ctx, "copy() source")
@@ -817,12 +821,23 @@ class _Copy(DeviceOperation[DeviceArray]):
         if dst._allocation.buffer.device != stream.device:
             stream = stream_elsewhere(dst.device)
         s, d = src._allocation, dst._allocation
+        be = ctx._runtime.backend
         enqueue_ordered(
-            ctx.run, ((s, stream, False), (d, stream, True)), ctx._runtime.backend.copy_device,
+            ctx.run, ((s, stream, False), (d, stream, True)), be.copy_device,
             d.buffer, s.buffer, nbytes, stream.raw,
         )  # fmt: skip
         if stream is not ctx.stream:
             ctx.wait_for(stream)
+        elif (
+            nbytes == self._known
+            and src.device == stream.device
+            and self._plan.generation != stream._generation
+        ):
+            # both arrays given, on the run's device: every run in this
+            # device context enqueues the same copy, prepared once (an array
+            # on another device could go with that device's context)
+            step = functools.partial(be.copy_device, d.buffer, s.buffer, nbytes)
+            self._plan = Plan(stream._generation, step, uses=((s, False), (d, True)), output=dst)
         return dst
 
     def _output_dtype(self) -> DType | None:
