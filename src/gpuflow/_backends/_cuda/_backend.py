@@ -171,12 +171,10 @@ class CudaBackend(CudaContexts):
         }
 
     def stream_destroyed(self, stream: RawStream) -> bool:
-        s = cast(CudaStream, stream)
-        return bool(s.destroyed)
+        return bool(cast(CudaStream, stream).destroyed)
 
     def stream_handle(self, stream: RawStream) -> int:
-        s = cast(CudaStream, stream)
-        return int(s.handle)
+        return int(cast(CudaStream, stream).handle)
 
     def synchronize(self, stream: RawStream) -> None:
         s = cast(CudaStream, stream)
@@ -803,16 +801,13 @@ class CudaBackend(CudaContexts):
         return cast(Step, self._nccl.prepare(cast(NcclComm, comm), call))
 
     def comm_async_error(self, comm: RawComm) -> CommunicatorError | None:
-        c = cast(NcclComm, comm)
-        return self._nccl.async_error(c)
+        return self._nccl.async_error(cast(NcclComm, comm))
 
     def comm_abort(self, comm: RawComm) -> None:
-        c = cast(NcclComm, comm)
-        self._nccl.abort(c)
+        self._nccl.abort(cast(NcclComm, comm))
 
     def comm_destroy(self, comm: RawComm) -> None:
-        c = cast(NcclComm, comm)
-        self._nccl.destroy(c)
+        self._nccl.destroy(cast(NcclComm, comm))
 
     # -- graphs -------------------------------------------------------------------------
     def begin_capture(self, stream: RawStream) -> None:
@@ -861,12 +856,10 @@ class CudaBackend(CudaContexts):
         return RawGraph(CudaGraph(self, dev, int(graph), int(exec_), int(nodes)))
 
     def graph_node_count(self, graph: RawGraph) -> int:
-        g = cast(CudaGraph, graph)
-        return int(g.nodes)
+        return int(cast(CudaGraph, graph).nodes)
 
     def graph_handle(self, graph: RawGraph) -> int:
-        g = cast(CudaGraph, graph)
-        return int(g.exec)
+        return int(cast(CudaGraph, graph).exec)
 
     def launch_graph(self, graph: RawGraph, stream: RawStream) -> None:
         g = cast(CudaGraph, graph)
@@ -900,8 +893,7 @@ class CudaBackend(CudaContexts):
         self._timer.update()
 
     def activity_stream_id(self, stream: RawStream) -> int:
-        s = cast(CudaStream, stream)
-        return int(s.handle)
+        return int(cast(CudaStream, stream).handle)
 
     def close(self) -> None:
         """Unload the modules (this waits until the device is idle); other

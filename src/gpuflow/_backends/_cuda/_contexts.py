@@ -294,8 +294,7 @@ class CudaContexts(Backend):
         return parts
 
     def partition_size(self, partition: RawPartition) -> int:
-        part = cast(CudaPartition, partition)
-        return int(part.sms)
+        return int(cast(CudaPartition, partition).sms)
 
     def _setup_context(self, dev: Dev) -> None:
         """What each life of a primary context needs: pool settings, a private stream."""

@@ -497,8 +497,7 @@ class SimBackend(Backend):
             return {"partitions": list(self._partitions)}
 
     def partition_size(self, partition: RawPartition) -> int:
-        part = cast(SimPartition, partition)
-        return len(part.sms)
+        return len(cast(SimPartition, partition).sms)
 
     def destroy_stream(self, stream: RawStream) -> None:
         s = cast(SimStream, stream)
@@ -510,12 +509,10 @@ class SimBackend(Backend):
             s.cv.notify_all()
 
     def stream_destroyed(self, stream: RawStream) -> bool:
-        s = cast(SimStream, stream)
-        return bool(s.closed)
+        return bool(cast(SimStream, stream).closed)
 
     def stream_handle(self, stream: RawStream) -> int:
-        s = cast(SimStream, stream)
-        return int(s.handle)
+        return int(cast(SimStream, stream).handle)
 
     def foreign_stream(
         self, handle: int, device: int, named: bool = False
@@ -875,21 +872,17 @@ class SimBackend(Backend):
 
     # -- completion marks and host signals (._marks) -------------------------
     def mark(self, stream: RawStream, polled: bool = True) -> int:
-        s = cast(SimStream, stream)
-        return self._completion.mark(s)
+        return self._completion.mark(cast(SimStream, stream))
 
     def completion_reader(self, stream: RawStream) -> Callable[[], int]:
-        s = cast(SimStream, stream)
-        return self._completion.reader(s)
+        return self._completion.reader(cast(SimStream, stream))
 
     def wait_mark(self, stream: RawStream, other: RawStream, number: int) -> None:
         s = cast(SimStream, stream)
-        o = cast(SimStream, other)
-        self._completion.wait(s, o, number)
+        self._completion.wait(s, cast(SimStream, other), number)
 
     def enqueue_close(self, stream: RawStream, fd: int) -> bool:
-        s = cast(SimStream, stream)
-        return self._completion.enqueue_close(s, fd)
+        return self._completion.enqueue_close(cast(SimStream, stream), fd)
 
     # -- communicators -------------------------------------------------------------
     def comm_unique_id(self) -> bytes:
@@ -905,16 +898,13 @@ class SimBackend(Backend):
         self._comms.group([(cast(SimComm, c), call, cast(SimStream, s)) for c, call, s in calls])
 
     def comm_async_error(self, comm: RawComm) -> CommunicatorError | None:
-        c = cast(SimComm, comm)
-        return c.error
+        return cast(SimComm, comm).error
 
     def comm_abort(self, comm: RawComm) -> None:
-        c = cast(SimComm, comm)
-        self._comms.abort(c)
+        self._comms.abort(cast(SimComm, comm))
 
     def comm_destroy(self, comm: RawComm) -> None:
-        c = cast(SimComm, comm)
-        self._comms.destroy(c)
+        self._comms.destroy(cast(SimComm, comm))
 
     # -- graphs ----------------------------------------------------------------
     def begin_capture(self, stream: RawStream) -> None:
@@ -948,8 +938,7 @@ class SimBackend(Backend):
         self.enqueue_item(s, f"graph of {g.node_count} nodes", replay)
 
     def graph_node_count(self, graph: RawGraph) -> int:
-        g = cast(SimGraph, graph)
-        return int(g.node_count)
+        return int(cast(SimGraph, graph).node_count)
 
     # -- the activity record ----------------------------------------------------
     def start_activity_record(self) -> list[Activity]:
@@ -977,8 +966,7 @@ class SimBackend(Backend):
             self._records = tuple(r for r in self._records if r is not record)
 
     def activity_stream_id(self, stream: RawStream) -> int:
-        s = cast(SimStream, stream)
-        return int(s.serial)
+        return int(cast(SimStream, stream).serial)
 
 
 class _UseAfterFree(Exception):
