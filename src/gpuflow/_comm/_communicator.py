@@ -699,7 +699,7 @@ class _Collective(DeviceOperation[Any]):  # (its output depends on its kind)
                 "match in one comm.group(comm.send(...), comm.recv(...))"
             )
         p = self._prepare(ctx)
-        _issue(ctx, [p])
+        _enqueue_group(ctx, [p])
         return p.output
 
     def label(self) -> str:
@@ -926,7 +926,7 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
 
     def execute(self, ctx: ExecutionContext) -> tuple[Any, ...]:
         prepared = [op._prepare(ctx) for op in self._ops]
-        _issue(ctx, prepared)
+        _enqueue_group(ctx, prepared)
         return tuple(p.output for p in prepared)
 
     def label(self) -> str:
@@ -936,7 +936,7 @@ class _Group(DeviceOperation[tuple[Any, ...]]):
         return self._ops
 
 
-def _issue(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
+def _enqueue_group(ctx: ExecutionContext, prepared: list[_Prepared]) -> None:
     """Order the uses and enqueue the calls, as one group; join the other
     devices' streams back into the run's."""
     one = prepared[0].step if len(prepared) == 1 else None
