@@ -198,3 +198,18 @@ async def test_a_copy_between_given_arrays_runs_from_its_plan_after_the_writes_i
     fresh = await gf.zeros(n, F32)
     assert (await gf.copy(x, out=fresh)) is fresh  # (another copy: a plan of its own)
     await testing.assert_quiescent_async(timeout=5.0)
+
+
+async def test_an_await_that_drops_the_last_array_takes_its_shortest_form(
+    policy_path: list[object],
+) -> None:
+    """``x = await gf.full(...)`` again drops the last ``x``, whose free its
+    finalizer leaves queued: the next await does that free first and still
+    takes the shortest form (the policy's path is never asked)."""
+    x = await gf.full(1024, 1.0, F32)
+    for i in range(5):
+        x = await gf.full(1024, float(i), F32)
+    assert policy_path == []
+    np.testing.assert_array_equal(await gf.to_host(x), np.full(1024, 4.0, F32))
+    assert testing.pending_runs() == 0
+    await testing.assert_quiescent_async(timeout=5.0)

@@ -716,16 +716,16 @@ MUTATIONS = [
         "R1",
         "the await takes its shortest form while a scope (or a trace, a watcher) is on",
         "_core/_run.py",
-        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue\n",
-        "    unusual = policy is not None or not plan.ordinary or _finalizers.queue\n",
+        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary\n",
+        "    unusual = policy is not None or not plan.ordinary\n",
         ("tests/scopes/test_scopes.py", "tests/testing/test_cancel_points.py"),
     ),
     Mutation(
         "R2",
         "the await takes its shortest form though a policy was given",
         "_core/_run.py",
-        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue\n",
-        "    unusual = UNUSUAL.n or not plan.ordinary or _finalizers.queue\n",
+        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary\n",
+        "    unusual = UNUSUAL.n or not plan.ordinary\n",
         ("tests/core/test_policy.py", "tests/core/test_running.py"),
     ),
     Mutation(
@@ -733,8 +733,8 @@ MUTATIONS = [
         "the await takes its shortest form for a collective (not ordinary: it "
         "asks for its rank's previous stream first)",
         "_core/_run.py",
-        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue\n",
-        "    unusual = UNUSUAL.n or policy is not None or _finalizers.queue\n",
+        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary\n",
+        "    unusual = UNUSUAL.n or policy is not None\n",
         ("tests/comm/test_comm.py",),
     ),
     Mutation(
@@ -897,5 +897,13 @@ MUTATIONS = [
         "    enqueue_ordered(run, [(a, stream, w) for a, w in plan.uses], plan.step, stream.raw)\n",
         "    plan.step(stream.raw)\n",
         ("tests/core/test_hazards.py", "tests/core/test_run_path.py"),
+    ),
+    Mutation(
+        "X7",
+        "frees that finalizers left send the next await down the policy's path",
+        "_core/_run.py",
+        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary\n",
+        "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue\n",
+        ("tests/core/test_run_path.py",),
     ),
 ]

@@ -878,14 +878,18 @@ def await_run(
 
     What makes an await unusual (:data:`._unusual.UNUSUAL`: a scope, a
     trace, a capture, a cancellation-point watcher, a latency class; or a
-    policy given, an operation that is not ordinary, frees queued) is asked
-    here once; where nothing is, each step takes its shortest form: an idle
-    stream of the default policy's, a run with nothing to check, a launch
-    prepared once.  An await of an operation that waits for another
-    library's stream (``await gf.wait_stream(s)``) runs there: nothing is enqueued but its
+    policy given, an operation that is not ordinary) is asked here once;
+    where nothing is, each step takes its shortest form: an idle stream of
+    the default policy's, a run with nothing to check, a launch prepared
+    once.  Frees that finalizers left (``x = await gf.full(...)`` again
+    drops the last ``x``) are done first, and the await goes on as usual.
+    An await of an operation that waits for another library's stream
+    (``await gf.wait_stream(s)``) runs there: nothing is enqueued but its
     mark."""
+    if _finalizers.queue:  # frees of arrays dropped since the last run
+        _finalizers.run_finalized()
     plan = op._plan
-    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue
+    unusual = UNUSUAL.n or policy is not None or not plan.ordinary
     watcher = _cancel_points.watcher if unusual else None  # (a test's; None otherwise)
     if watcher is not None:
         yield from watcher(_cancel_points.BEFORE_ENQUEUE, op).__await__()
