@@ -11,10 +11,11 @@ A plan says, each where it applies:
 
 * a *step*: the call that enqueues the operation's work on a raw stream
   of one device context generation (:class:`Stream` ``_generation``),
-  prepared once for it (a launch whose arguments are final, loaded), with
-  the memory it *uses* (each allocation, and whether the step writes it:
-  reads first), which the run path orders after the hazards they meet,
-  and the step's *output* (the arrays a launch writes);
+  prepared once for it (a launch whose arguments are final, loaded; a
+  copy between two given arrays), with the memory it *uses* (each
+  allocation, and whether the step writes it: reads first), which the run
+  path orders after the hazards they meet (:func:`enqueue_step`), and the
+  step's *output* (the arrays a launch writes, a copy's destination);
 * a *foreign home*: another library's stream (its handle, and its device
   where the library said it) on which an await of the operation itself (not composed)
   completes, enqueueing nothing but its mark there (``gf.wait_stream``);
