@@ -902,7 +902,11 @@ MUTATIONS = [
         "X7",
         "frees that finalizers left send the next await down the policy's path",
         "_core/_run.py",
+        "    if _finalizers.queue:  # frees of arrays dropped since the last run\n"
+        "        _finalizers.run_finalized()\n"
+        "    plan = op._plan\n"
         "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary\n",
+        "    plan = op._plan\n"
         "    unusual = UNUSUAL.n or policy is not None or not plan.ordinary or _finalizers.queue\n",
         ("tests/core/test_run_path.py",),
     ),
