@@ -147,6 +147,7 @@ __all__ = [
     "enter_class",
     "graph_exec_handle",
     "enqueue_ordered",
+    "enqueue_step",
     "hazard_lock",
     "in_flight",
     "init_device_contexts",
