@@ -129,6 +129,12 @@ async def _in_zip(op: gf.DeviceOperation[Any]) -> object:
     return (await gf.zip(op, gf.value(1)))[0]
 
 
+async def _started_in_a_lease(op: gf.DeviceOperation[Any]) -> object:
+    async with gf.open_stream_lease() as lease:
+        with gf.latency_class(priority=1):
+            return await lease.start_run(op)
+
+
 async def _synced_out(op: gf.DeviceOperation[Any]) -> object:
     return await anyio.to_thread.run_sync(op.sync)
 
@@ -144,6 +150,7 @@ async def _awaited_out(op: gf.DeviceOperation[Any]) -> object:
         pytest.param(_synced_out, id="sync"),
         pytest.param(_then_step, id="then"),
         pytest.param(_in_zip, id="zip"),
+        pytest.param(_started_in_a_lease, id="lease-class-start_run"),
     ],
 )
 async def test_a_launch_of_final_arrays_runs_from_its_plan_after_the_writes_it_reads(
@@ -178,6 +185,7 @@ async def test_a_launch_of_final_arrays_runs_from_its_plan_after_the_writes_it_r
         pytest.param(_awaited_out, id="await"),
         pytest.param(_synced_out, id="sync"),
         pytest.param(_then_step, id="then"),
+        pytest.param(_started_in_a_lease, id="lease-class-start_run"),
     ],
 )
 async def test_a_copy_between_given_arrays_runs_from_its_plan_after_the_writes_it_reads(
