@@ -222,8 +222,8 @@ MUTATIONS = [
         "K3",
         "a launch with scalar arguments only keeps its kernel past a reset of its device",
         '_kernels/_kernel.py',
-        '            if c is None or c[0] != stream._generation:\n',
-        '            if c is None:\n',
+        '        if c is None or c[0] != generation:\n',
+        '        if c is None:\n',
         ('tests/core/test_faults.py',),
     ),
     Mutation(

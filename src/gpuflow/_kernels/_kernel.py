@@ -34,7 +34,6 @@ from .._backends import (
     LaunchLimits,
     PointerArg,
     RawKernel,
-    Step,
     compile_source,
 )
 from .._core import (
@@ -701,42 +700,38 @@ class _Launch(DeviceOperation[object]):
             p.pointer or isinstance(a, DeviceOperation)
             for p, a in zip(kernel.params, args, strict=True)
         )
-        self._cache: tuple[int, RawKernel, Step | None] | None = None
+        #: the kernel loaded for one device context generation
+        self._cache: tuple[int, RawKernel] | None = None
 
-    def _loaded(self, ctx: ExecutionContext) -> tuple[int, RawKernel, Step | None]:
+    def _loaded(self, ctx: ExecutionContext) -> RawKernel:
         # one launch op is usually run on one device: remember its handle
-        # there (and, for a launch whose arguments are final, the backend's
-        # step of it), for that device context's generation (unique in
-        # the process: a new runtime's never matches)
+        # there (and make a plain launch's plan, its step), for that device
+        # context's generation (unique in the process: a new runtime's
+        # never matches)
         c = self._cache
         generation = ctx.stream._generation
         if c is None or c[0] != generation:
             cfg = self._config
             cfg._check(self._kernel.name, ctx.device, ctx.backend.launch_limits(ctx.device))
             raw = self._kernel.module._load(ctx, self._kernel.name)
-            step = (
-                ctx._runtime.backend.prepare_launch(  # (a plain launch's are scalars)
+            c = self._cache = (generation, raw)
+            if self._plain:  # (prepared once: the common await calls it)
+                step = ctx._runtime.backend.prepare_launch(  # (its arguments are scalars)
                     raw, cfg.grid, cfg.block, cfg.shmem, cast("tuple[np.generic, ...]", self._args)
                 )
-                if self._plain
-                else None
-            )
-            c = self._cache = (generation, raw, step)
-            if step is not None:  # (prepared once: the common await calls it)
                 self._plan = Plan(generation, step)
-        return c
+        return c[1]
 
     def execute(self, ctx: ExecutionContext) -> Any:
-        if self._plain:
-            c = self._cache
-            stream = ctx.stream
-            if c is None or c[0] != stream._generation:
-                c = self._loaded(ctx)
-            c[2](stream.raw)  # type: ignore[misc]  # (a plain launch has its step)
-            return None
         stream = ctx.stream
         plan = self._plan
+        if plan.generation != stream._generation and self._plain:
+            self._loaded(ctx)  # (its plan, for this context)
+            plan = self._plan
         if plan.generation == stream._generation and plan.step is not None:
+            if plan.uses is None:  # (scalars only)
+                plan.step(stream.raw)
+                return None
             return enqueue_step(plan, stream, ctx.run)  # (its arrays are final)
         raw, args, uses, out = self._prepare(ctx)
         cfg = self._config
@@ -797,7 +792,7 @@ class _Launch(DeviceOperation[object]):
                     written.append(a)
             else:
                 args.append(a)
-        raw = self._loaded(ctx)[1]
+        raw = self._loaded(ctx)
         out = None if not written else written[0] if len(written) == 1 else tuple(written)
         uses = reads + writes
         if final:  # (an array's device and context are its own for good)
